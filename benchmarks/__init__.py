@@ -1,0 +1,1 @@
+"""kvbridge benchmarks (`kvbridge bench ...`)."""

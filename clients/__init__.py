@@ -1,0 +1,12 @@
+"""kvbridge client library: registry clients (sync and asyncio) and the holder session."""
+
+from kvbridge.clients._holder_session import HeldLease, HolderSession
+from kvbridge.clients._registry import (
+    AsyncRegistryClient,
+    RegistryClient,
+    duration,
+    seconds,
+)
+
+__all__ = ["AsyncRegistryClient", "HeldLease", "HolderSession", "RegistryClient", "duration",
+           "seconds"]

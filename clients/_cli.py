@@ -1,0 +1,267 @@
+"""`kvbridge leases ...` and `kvbridge holders ...`: operator commands over the registry API.
+
+Human tables by default; `--json` prints one JSON object per line (per lease, holder or event)
+for scripts. Failures print `error: REASON: message` and exit 1 (2 for bad arguments).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import click
+from google.protobuf import json_format
+
+from kvbridge.clients._registry import RegistryClient, seconds
+from kvbridge.errors import DeadlineExceeded, InvalidArgument, KvbridgeError, Unavailable
+from kvbridge.registry.v1 import registry_pb2 as pb
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+registry_option = click.option(
+    "--registry", envvar="KVBRIDGE_REGISTRY", default="127.0.0.1:50051", show_default=True,
+    help="registry address HOST:PORT [env KVBRIDGE_REGISTRY]")
+json_option = click.option("--json", "as_json", is_flag=True,
+                           help="print JSON (one object per line) instead of a table")
+timeout_option = click.option("--timeout", default=5.0, show_default=True,
+                              help="seconds to wait for each RPC")
+
+
+def _fail_cleanly(fn: F) -> F:
+    """Turn domain errors into one readable line and an exit code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        registry = kwargs.get("registry", "")
+        try:
+            return fn(*args, **kwargs)
+        except (Unavailable, DeadlineExceeded) as err:
+            click.echo(f"error: {err.reason}: cannot reach the registry at {registry} "
+                       f"({err.message}); is `kvbridge registry serve` running there?", err=True)
+            sys.exit(1)
+        except InvalidArgument as err:
+            click.echo(f"error: {err.reason}: {err.message}", err=True)
+            sys.exit(2)
+        except KvbridgeError as err:
+            click.echo(f"error: {err.reason}: {err.message}", err=True)
+            sys.exit(1)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _fmt_duration(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.1f}h"
+    if s >= 60:
+        return f"{s / 60:.1f}m"
+    return f"{s:.1f}s"
+
+
+def _state(enum: Any, value: int, prefix: str) -> str:
+    return str(enum.Name(value)).removeprefix(prefix).lower()
+
+
+def _table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    cells = [list(headers)] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                     for row in cells)
+
+
+def _json(message: Any) -> str:
+    return json.dumps(json_format.MessageToDict(message, preserving_proto_field_name=True),
+                      sort_keys=True)
+
+
+def _lease_row(lease: pb.Lease) -> list[object]:
+    return [lease.lease_id, lease.tenant, lease.conversation_id, lease.holder_id, lease.epoch,
+            _state(pb.LeaseState, lease.state, "LEASE_STATE_"), lease.token_count,
+            len(lease.block_ids) or "-", lease.pin_count, _fmt_duration(seconds(lease.expires_in))]
+
+
+_LEASE_HEADERS = ["LEASE", "TENANT", "CONVERSATION", "HOLDER", "EPOCH", "STATE", "TOKENS",
+                  "BLOCKS", "PINS", "EXPIRES_IN"]
+
+
+@click.group("leases")
+def leases_group() -> None:
+    """Inspect and manage conversation leases."""
+
+
+@leases_group.command("list")
+@registry_option
+@click.option("--tenant", default="", help="only this tenant's leases")
+@click.option("--conversation", default="", help="only this conversation (needs --tenant)")
+@click.option("--holder", default="", help="only this holder's leases")
+@click.option("--all", "include_inactive", is_flag=True,
+              help="include leases no longer active but not yet reclaimed")
+@click.option("--limit", default=0, type=click.IntRange(min=0),
+              help="stop after this many leases (0: all)")
+@json_option
+@timeout_option
+@_fail_cleanly
+def leases_list(registry: str, tenant: str, conversation: str, holder: str,
+                include_inactive: bool, limit: int, as_json: bool, timeout: float) -> None:
+    """List leases (paginated under the hood)."""
+    with RegistryClient(registry, timeout=timeout) as client:
+        leases = []
+        for lease in client.iter_leases(tenant=tenant, conversation_id=conversation,
+                                        holder_id=holder, include_inactive=include_inactive):
+            leases.append(lease)
+            if limit and len(leases) >= limit:
+                break
+    if as_json:
+        for lease in leases:
+            click.echo(_json(lease))
+        return
+    click.echo(_table(_LEASE_HEADERS, (_lease_row(x) for x in leases)))
+    click.echo(f"{len(leases)} lease(s)")
+
+
+@leases_group.command("show")
+@registry_option
+@click.argument("lease_id")
+@json_option
+@timeout_option
+@_fail_cleanly
+def leases_show(registry: str, lease_id: str, as_json: bool, timeout: float) -> None:
+    """Show one lease in full."""
+    with RegistryClient(registry, timeout=timeout) as client:
+        lease = client.get_lease(lease_id)
+    if as_json:
+        click.echo(_json(lease))
+        return
+    fields = [
+        ("lease", lease.lease_id), ("tenant", lease.tenant),
+        ("conversation", lease.conversation_id), ("holder", lease.holder_id),
+        ("remote request", lease.remote_request_id), ("epoch", lease.epoch),
+        ("state", _state(pb.LeaseState, lease.state, "LEASE_STATE_")),
+        ("tokens", lease.token_count), ("blocks", len(lease.block_ids)),
+        ("pins", lease.pin_count), ("idle ttl", _fmt_duration(seconds(lease.idle_ttl))),
+        ("max lifetime", _fmt_duration(seconds(lease.max_lifetime))),
+        ("expires in", _fmt_duration(seconds(lease.expires_in))),
+        ("expire time", lease.expire_time.ToJsonString()),
+        ("created", lease.create_time.ToJsonString()),
+    ]
+    for name, value in fields:
+        click.echo(f"{name + ':':<16}{value}")
+
+
+@leases_group.command("renew")
+@registry_option
+@click.argument("lease_ids", nargs=-1)
+@click.option("--conversation", "conversations", multiple=True, metavar="TENANT/CONVERSATION",
+              help="renew a conversation's current lease (repeatable)")
+@json_option
+@timeout_option
+@_fail_cleanly
+def leases_renew(registry: str, lease_ids: tuple[str, ...], conversations: tuple[str, ...],
+                 as_json: bool, timeout: float) -> None:
+    """Renew leases by id and/or conversation (one batched call). Exits 1 if any was not
+    renewed."""
+    refs = []
+    for ref in conversations:
+        tenant, sep, conv = ref.partition("/")
+        if not sep or not tenant or not conv:
+            raise click.BadParameter(f"expected TENANT/CONVERSATION, got {ref!r}",
+                                     param_hint="--conversation")
+        refs.append((tenant, conv))
+    if not lease_ids and not refs:
+        raise click.UsageError("name at least one lease id or --conversation")
+    with RegistryClient(registry, timeout=timeout) as client:
+        resp = client.renew_leases(lease_ids, refs)
+    names = list(lease_ids) + list(conversations)
+    for name, r in zip(names, resp.results, strict=True):
+        if as_json:
+            click.echo(_json(r))
+        elif r.renewed:
+            click.echo(f"{name}: renewed {r.lease_id}, expires in "
+                       f"{_fmt_duration(seconds(r.expires_in))}")
+        else:
+            state = _state(pb.LeaseState, r.state, "LEASE_STATE_") if r.state else "no lease"
+            click.echo(f"{name}: not renewed ({state})")
+    if resp.renewed_count != len(names):
+        sys.exit(1)
+
+
+@leases_group.command("revoke")
+@registry_option
+@click.argument("lease_id")
+@click.option("--reason", default="operator", show_default=True, help="recorded in the log")
+@json_option
+@timeout_option
+@_fail_cleanly
+def leases_revoke(registry: str, lease_id: str, reason: str, as_json: bool,
+                  timeout: float) -> None:
+    """Revoke a lease: it is never read again; the holder frees it once no pin is live."""
+    with RegistryClient(registry, timeout=timeout) as client:
+        resp = client.revoke_lease(lease_id, reason)
+    if as_json:
+        click.echo(_json(resp))
+        return
+    when = "now" if resp.reclaimable else f"after {resp.lease.pin_count} pin(s) end"
+    click.echo(f"revoked {lease_id} (state "
+               f"{_state(pb.LeaseState, resp.lease.state, 'LEASE_STATE_')}); "
+               f"holder {resp.lease.holder_id} may free it {when}")
+
+
+@leases_group.command("watch")
+@registry_option
+@click.option("--holder", default="", help="only this holder's leases")
+@click.option("--tenant", default="", help="only this tenant's leases")
+@click.option("--renewals", is_flag=True, help="also show renewals (high volume)")
+@click.option("--count", default=0, type=click.IntRange(min=0),
+              help="exit after this many events (0: run until interrupted)")
+@json_option
+@_fail_cleanly
+def leases_watch(registry: str, holder: str, tenant: str, renewals: bool, count: int,
+                 as_json: bool) -> None:
+    """Stream lease events as they happen."""
+    seen = 0
+    with RegistryClient(registry) as client:
+        try:
+            for event in client.watch_leases(holder, tenant, renewals):
+                if as_json:
+                    click.echo(_json(event))
+                else:
+                    kind = _state(pb.LeaseEventType, event.type, "LEASE_EVENT_TYPE_")
+                    stamp = time.strftime("%H:%M:%S", time.localtime(event.event_time.seconds))
+                    click.echo(f"{stamp} {kind:<12} {event.lease_id} tenant={event.tenant} "
+                               f"conversation={event.conversation_id} holder={event.holder_id} "
+                               f"epoch={event.epoch}")
+                sys.stdout.flush()
+                seen += 1
+                if count and seen >= count:
+                    return
+        except KeyboardInterrupt:
+            return
+
+
+@click.group("holders")
+def holders_group() -> None:
+    """Inspect registered decode engines (holders)."""
+
+
+@holders_group.command("list")
+@registry_option
+@json_option
+@timeout_option
+@_fail_cleanly
+def holders_list(registry: str, as_json: bool, timeout: float) -> None:
+    """List registered holders."""
+    with RegistryClient(registry, timeout=timeout) as client:
+        holders = list(client.iter_holders())
+    if as_json:
+        for h in holders:
+            click.echo(_json(h))
+        return
+    rows = [[h.holder_id, _state(pb.HolderState, h.state, "HOLDER_STATE_"),
+             f"{h.nixl_host}:{h.nixl_port}", h.block_size, h.tp_size, h.lease_count,
+             h.retained_blocks, _fmt_duration(seconds(h.expires_in))] for h in holders]
+    click.echo(_table(["HOLDER", "STATE", "NIXL", "BLOCK_SIZE", "TP", "LEASES", "BLOCKS",
+                       "EXPIRES_IN"], rows))
+    click.echo(f"{len(holders)} holder(s)")

@@ -1,0 +1,239 @@
+"""`HolderSession`: what a decode engine runs to hold leases safely.
+
+It registers the engine as a holder, heartbeats every TTL/3 on a background thread, grants
+leases and remembers them, and calls `on_reclaim(lease_ids)` when blocks may be freed:
+
+- when the registry reports them reclaimable (expired, revoked, superseded; no live pin);
+- when a lease's hard deadline passes (max lifetime + the registry's max pin TTL + a margin,
+  counted from before the grant was sent), whether or not the registry can be reached: the
+  fail-safe of DESIGN invariant 4.
+
+After `on_reclaim` returns, the freed ids are acknowledged on the next heartbeat. When the
+registry no longer knows the holder (it restarted, or this engine missed its TTL), the session
+re-registers and re-sends the leases it still holds; the registry restores or rejects them.
+Registry outages never raise into the engine: `grant` returns None and the caller simply does
+not retain the blocks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import structlog
+
+from kvbridge.clients._registry import RegistryClient, duration, seconds
+from kvbridge.clock import Clock, SystemClock
+from kvbridge.errors import HolderNotFound, KvbridgeError
+from kvbridge.registry.v1 import registry_pb2 as pb
+
+log = structlog.get_logger("kvbridge.holder")
+
+ReclaimCallback = Callable[[list[str]], None]
+DEFAULT_MAX_PIN_TTL = 30.0
+
+
+@dataclass(slots=True)
+class HeldLease:
+    lease_id: str
+    tenant: str
+    conversation_id: str
+    remote_request_id: str
+    block_ids: list[int]
+    token_count: int
+    block_hashes: bytes
+    epoch: int
+    idle_ttl: float
+    max_lifetime: float
+    granted_at: float  # holder's monotonic clock, read before the grant was sent
+    hard_deadline: float
+
+    def snapshot(self, now: float) -> pb.LeaseSnapshot:
+        return pb.LeaseSnapshot(
+            lease_id=self.lease_id, tenant=self.tenant, conversation_id=self.conversation_id,
+            remote_request_id=self.remote_request_id, block_ids=self.block_ids,
+            token_count=self.token_count, block_hashes=self.block_hashes, epoch=self.epoch,
+            idle_ttl=duration(self.idle_ttl), max_lifetime=duration(self.max_lifetime),
+            age=duration(max(now - self.granted_at, 0.0)))
+
+
+class HolderSession:
+    """A decode engine's registration, heartbeat and lease bookkeeping."""
+
+    def __init__(
+        self, client: RegistryClient, *, holder_id: str, nixl_host: str, nixl_port: int,
+        block_size: int, engine_fingerprint: str, on_reclaim: ReclaimCallback, tp_size: int = 1,
+        ttl: float = 10.0, hard_deadline_margin: float = 5.0, clock: Clock | None = None,
+    ) -> None:
+        self.client = client
+        self.holder_id = holder_id
+        self._register_args = dict(holder_id=holder_id, nixl_host=nixl_host,
+                                   nixl_port=nixl_port, block_size=block_size,
+                                   engine_fingerprint=engine_fingerprint, tp_size=tp_size,
+                                   ttl=ttl)
+        self.ttl = ttl
+        self.margin = hard_deadline_margin
+        self.on_reclaim = on_reclaim
+        self.clock = clock or SystemClock()
+        self.max_pin_ttl = DEFAULT_MAX_PIN_TTL
+        self.registered = False
+        self.last_ok: float | None = None
+        self._held: dict[str, HeldLease] = {}
+        self._acks: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Register (once, without raising) and start heartbeating in the background."""
+        self._register()
+        self._thread = threading.Thread(target=self._run, name=f"holder-{self.holder_id}",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self, *, deregister: bool = True) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.ttl)
+        if deregister and self.registered:
+            try:
+                resp = self.client.deregister_holder(self.holder_id)
+                self._reclaim(list(resp.reclaimable_lease_ids), "drained")
+            except KvbridgeError as err:
+                log.warning("holder_deregister_failed", holder=self.holder_id, error=str(err))
+
+    def _run(self) -> None:
+        interval = self.ttl / 3
+        while not self._stop.wait(interval):
+            self.heartbeat_once()
+
+    # ---- the protocol -----------------------------------------------------------------------
+
+    def _register(self) -> bool:
+        now = self.clock.monotonic()
+        with self._lock:
+            held = [lease.snapshot(now) for lease in self._held.values()]
+        try:
+            resp = self.client.register_holder(**self._register_args,  # type: ignore[arg-type]
+                                               held_leases=held)
+        except KvbridgeError as err:
+            log.warning("holder_register_failed", holder=self.holder_id, error=str(err))
+            self.registered = False
+            return False
+        self.max_pin_ttl = seconds(resp.limits.max_pin_ttl) or DEFAULT_MAX_PIN_TTL
+        self.registered = True
+        self.last_ok = self.clock.monotonic()
+        restored = set(resp.restored_lease_ids)
+        with self._lock:
+            rejected = [lid for lid in self._held if lid not in restored]
+        log.info("holder_registered", holder=self.holder_id, held=len(held),
+                 restored=len(restored), rejected=len(rejected))
+        # Leases the registry would not take back can never be read again: free them.
+        self._reclaim(rejected, "not_restored")
+        self._reclaim(list(resp.reclaimable_lease_ids), "reclaimable")
+        return True
+
+    def heartbeat_once(self) -> None:
+        """One heartbeat: ack freed leases, free reclaimable and past-deadline ones."""
+        if not self.registered and not self._register():
+            self._enforce_hard_deadlines()
+            return
+        with self._lock:
+            acks = list(self._acks)
+        try:
+            resp = self.client.heartbeat(self.holder_id, acks, timeout=self.ttl / 3)
+        except HolderNotFound:
+            log.warning("holder_unknown_to_registry", holder=self.holder_id)
+            self.registered = False
+            self._register()
+        except KvbridgeError as err:
+            log.warning("holder_heartbeat_failed", holder=self.holder_id, error=str(err))
+        else:
+            self.last_ok = self.clock.monotonic()
+            with self._lock:
+                self._acks.difference_update(acks)
+            self._reclaim(list(resp.reclaimable_lease_ids), "reclaimable")
+        self._enforce_hard_deadlines()
+
+    def _enforce_hard_deadlines(self) -> None:
+        now = self.clock.monotonic()
+        with self._lock:
+            due = [lid for lid, lease in self._held.items() if lease.hard_deadline <= now]
+        if due:
+            self._reclaim(due, "hard_deadline")
+
+    def _reclaim(self, lease_ids: list[str], why: str) -> None:
+        with self._lock:
+            mine = [lid for lid in lease_ids if lid in self._held]
+            # Ids we do not hold (freed before, or never ours) are acked straight away.
+            self._acks.update(lid for lid in lease_ids if lid not in self._held)
+        if not mine:
+            return
+        try:
+            self.on_reclaim(mine)
+        except Exception:  # the engine's callback failing must not kill the heartbeat
+            log.exception("reclaim_callback_failed", holder=self.holder_id)
+            return
+        with self._lock:
+            for lid in mine:
+                self._held.pop(lid, None)
+            self._acks.update(mine)
+        log.info("leases_reclaimed", holder=self.holder_id, count=len(mine), why=why)
+
+    # ---- leases -----------------------------------------------------------------------------
+
+    def grant(self, tenant: str, conversation_id: str, remote_request_id: str,
+              block_ids: list[int], token_count: int, block_hashes: bytes, *,
+              idle_ttl: float = 0.0, max_lifetime: float = 0.0,
+              timeout: float | None = None) -> pb.Lease | None:
+        """Grant a lease over blocks the caller keeps. None means: do not keep them."""
+        if not self.registered:
+            return None
+        sent_at = self.clock.monotonic()
+        try:
+            resp = self.client.grant_lease(
+                self.holder_id, tenant, conversation_id, remote_request_id, block_ids,
+                token_count, block_hashes, idle_ttl, max_lifetime, timeout=timeout)
+        except HolderNotFound:
+            self.registered = False
+            return None
+        except KvbridgeError as err:
+            log.warning("lease_grant_failed", holder=self.holder_id, conversation=conversation_id,
+                        error=str(err))
+            return None
+        lease = resp.lease
+        life = seconds(lease.max_lifetime)
+        held = HeldLease(lease.lease_id, tenant, conversation_id, remote_request_id,
+                         list(block_ids), token_count, block_hashes, lease.epoch,
+                         seconds(lease.idle_ttl), life, sent_at,
+                         sent_at + life + self.max_pin_ttl + self.margin)
+        with self._lock:
+            self._held[lease.lease_id] = held
+        if resp.superseded_lease_id:
+            log.debug("lease_superseded", lease_id=resp.superseded_lease_id,
+                      by=lease.lease_id, conversation=conversation_id)
+        return lease
+
+    def revoke(self, lease_ids: Iterable[str], reason: str = "memory_pressure") -> list[str]:
+        """Revoke leases (e.g. under memory pressure). Those reclaimable right away are freed
+        through `on_reclaim` now and returned; pinned ones are freed when a heartbeat reports
+        them."""
+        now_free: list[str] = []
+        for lease_id in lease_ids:
+            try:
+                resp = self.client.revoke_lease(lease_id, reason, self.holder_id)
+            except KvbridgeError as err:
+                log.warning("lease_revoke_failed", lease_id=lease_id, error=str(err))
+                continue
+            if resp.reclaimable:
+                now_free.append(lease_id)
+        self._reclaim(now_free, reason)
+        return now_free
+
+    def held(self) -> list[HeldLease]:
+        """Leases held now, oldest grant first."""
+        with self._lock:
+            return sorted(self._held.values(), key=lambda lease: lease.granted_at)

@@ -1,0 +1,373 @@
+"""Registry clients: `RegistryClient` (blocking) and `AsyncRegistryClient` (asyncio).
+
+Both take the same arguments and return the API's response messages. Every call has a
+deadline (`timeout`, per client and per call). Idempotent calls are retried on UNAVAILABLE with
+jittered backoff inside that deadline; grants and reads get a generated `request_id` so that a
+retry after a lost reply returns the same lease or pin instead of making a second one. Failures
+raise `kvbridge.errors` exceptions (`LeaseNotFound`, `Unavailable`, `DeadlineExceeded`, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf import duration_pb2
+
+from kvbridge._grpc_status import from_rpc_error
+from kvbridge.errors import DeadlineExceeded, KvbridgeError, Unavailable
+from kvbridge.registry.v1 import registry_pb2 as pb
+from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
+
+DEFAULT_TIMEOUT = 2.0
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.enable_retries", 0),  # retries are ours, bounded by the call's deadline
+]
+
+
+def duration(seconds: float) -> duration_pb2.Duration:
+    """A google.protobuf.Duration for `seconds`."""
+    whole = int(seconds)
+    return duration_pb2.Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
+
+
+def seconds(d: duration_pb2.Duration) -> float:
+    """Seconds in a google.protobuf.Duration."""
+    return float(d.seconds + d.nanos * 1e-9)
+
+
+def _backoff(attempt: int) -> float:
+    return float(min(0.05 * 2**attempt, 0.5) * (0.5 + random.random() / 2))
+
+
+class _Requests:
+    """Builds each RPC's request from keyword arguments (shared by both clients)."""
+
+    @staticmethod
+    def register_holder(holder_id: str, nixl_host: str, nixl_port: int, block_size: int,
+                        engine_fingerprint: str, tp_size: int = 1, ttl: float = 0.0,
+                        held_leases: Sequence[pb.LeaseSnapshot] = ()) -> pb.RegisterHolderRequest:
+        return pb.RegisterHolderRequest(
+            holder_id=holder_id, nixl_host=nixl_host, nixl_port=nixl_port, tp_size=tp_size,
+            block_size=block_size, engine_fingerprint=engine_fingerprint,
+            ttl=duration(ttl), held_leases=held_leases)
+
+    @staticmethod
+    def grant_lease(holder_id: str, tenant: str, conversation_id: str, remote_request_id: str,
+                    block_ids: Sequence[int], token_count: int, block_hashes: bytes,
+                    idle_ttl: float = 0.0, max_lifetime: float = 0.0,
+                    request_id: str | None = None) -> pb.GrantLeaseRequest:
+        return pb.GrantLeaseRequest(
+            holder_id=holder_id, tenant=tenant, conversation_id=conversation_id,
+            remote_request_id=remote_request_id, block_ids=block_ids, token_count=token_count,
+            block_hashes=block_hashes, idle_ttl=duration(idle_ttl),
+            max_lifetime=duration(max_lifetime),
+            request_id=request_id if request_id is not None else uuid.uuid4().hex)
+
+    @staticmethod
+    def renew_leases(lease_ids: Iterable[str] = (),
+                     conversations: Iterable[tuple[str, str]] = ()) -> pb.RenewLeasesRequest:
+        return pb.RenewLeasesRequest(
+            lease_ids=list(lease_ids),
+            conversations=[pb.ConversationRef(tenant=t, conversation_id=c)
+                           for t, c in conversations])
+
+    @staticmethod
+    def acquire_read(tenant: str, conversation_id: str, block_hashes: bytes,
+                     min_tokens: int = 0, pin_ttl: float = 0.0, reader_id: str = "",
+                     request_id: str | None = None) -> pb.AcquireReadRequest:
+        return pb.AcquireReadRequest(
+            tenant=tenant, conversation_id=conversation_id, block_hashes=block_hashes,
+            min_tokens=min_tokens, pin_ttl=duration(pin_ttl), reader_id=reader_id,
+            request_id=request_id if request_id is not None else uuid.uuid4().hex)
+
+    @staticmethod
+    def list_leases(tenant: str = "", conversation_id: str = "", holder_id: str = "",
+                    include_inactive: bool = False, page_size: int = 0, page_token: str = "",
+                    include_blocks: bool = False) -> pb.ListLeasesRequest:
+        return pb.ListLeasesRequest(
+            tenant=tenant, conversation_id=conversation_id, holder_id=holder_id,
+            include_inactive=include_inactive, page_size=page_size, page_token=page_token,
+            include_blocks=include_blocks)
+
+
+class RegistryClient:
+    """Blocking registry client. Thread-safe; one channel per client."""
+
+    def __init__(self, target: str, *, timeout: float = DEFAULT_TIMEOUT,
+                 retries: int = 3, channel: grpc.Channel | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retries = retries
+        self._channel = channel or grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.RegistryServiceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> RegistryClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, request: Any, *, idempotent: bool,
+              timeout: float | None) -> Any:
+        budget = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        attempt = 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(f"{method} to {self.target}: no reply within {budget:g}s")
+            try:
+                return getattr(self._stub, method)(request, timeout=left)
+            except grpc.RpcError as err:
+                if (idempotent and attempt < self.retries and err.code() in _RETRYABLE
+                        and deadline - time.monotonic() > _backoff(attempt)):
+                    time.sleep(_backoff(attempt))
+                    attempt += 1
+                    continue
+                raise from_rpc_error(err) from None
+
+    def register_holder(self, holder_id: str, nixl_host: str, nixl_port: int, block_size: int,
+                        engine_fingerprint: str, tp_size: int = 1, ttl: float = 0.0,
+                        held_leases: Sequence[pb.LeaseSnapshot] = (), *,
+                        timeout: float | None = None) -> pb.RegisterHolderResponse:
+        req = _Requests.register_holder(holder_id, nixl_host, nixl_port, block_size,
+                                        engine_fingerprint, tp_size, ttl, held_leases)
+        return self._call("RegisterHolder", req, idempotent=True, timeout=timeout)
+
+    def heartbeat(self, holder_id: str, reclaimed_lease_ids: Iterable[str] = (), *,
+                  timeout: float | None = None) -> pb.HeartbeatHolderResponse:
+        req = pb.HeartbeatHolderRequest(holder_id=holder_id,
+                                        reclaimed_lease_ids=list(reclaimed_lease_ids))
+        return self._call("HeartbeatHolder", req, idempotent=True, timeout=timeout)
+
+    def deregister_holder(self, holder_id: str, *, timeout: float | None = None
+                          ) -> pb.DeregisterHolderResponse:
+        req = pb.DeregisterHolderRequest(holder_id=holder_id)
+        return self._call("DeregisterHolder", req, idempotent=True, timeout=timeout)
+
+    def list_holders(self, page_size: int = 0, page_token: str = "", *,
+                     timeout: float | None = None) -> pb.ListHoldersResponse:
+        req = pb.ListHoldersRequest(page_size=page_size, page_token=page_token)
+        return self._call("ListHolders", req, idempotent=True, timeout=timeout)
+
+    def iter_holders(self, *, timeout: float | None = None) -> Iterator[pb.Holder]:
+        token = ""
+        while True:
+            page = self.list_holders(page_token=token, timeout=timeout)
+            yield from page.holders
+            token = page.next_page_token
+            if not token:
+                return
+
+    def grant_lease(self, holder_id: str, tenant: str, conversation_id: str,
+                    remote_request_id: str, block_ids: Sequence[int], token_count: int,
+                    block_hashes: bytes, idle_ttl: float = 0.0, max_lifetime: float = 0.0,
+                    request_id: str | None = None, *, timeout: float | None = None
+                    ) -> pb.GrantLeaseResponse:
+        req = _Requests.grant_lease(holder_id, tenant, conversation_id, remote_request_id,
+                                    block_ids, token_count, block_hashes, idle_ttl,
+                                    max_lifetime, request_id)
+        return self._call("GrantLease", req, idempotent=True, timeout=timeout)
+
+    def renew_leases(self, lease_ids: Iterable[str] = (),
+                     conversations: Iterable[tuple[str, str]] = (), *,
+                     timeout: float | None = None) -> pb.RenewLeasesResponse:
+        req = _Requests.renew_leases(lease_ids, conversations)
+        return self._call("RenewLeases", req, idempotent=True, timeout=timeout)
+
+    def revoke_lease(self, lease_id: str, reason: str = "", holder_id: str = "", *,
+                     timeout: float | None = None) -> pb.RevokeLeaseResponse:
+        req = pb.RevokeLeaseRequest(lease_id=lease_id, reason=reason, holder_id=holder_id)
+        return self._call("RevokeLease", req, idempotent=True, timeout=timeout)
+
+    def get_lease(self, lease_id: str, *, timeout: float | None = None) -> pb.Lease:
+        req = pb.GetLeaseRequest(lease_id=lease_id)
+        return self._call("GetLease", req, idempotent=True, timeout=timeout).lease
+
+    def list_leases(self, tenant: str = "", conversation_id: str = "", holder_id: str = "",
+                    include_inactive: bool = False, page_size: int = 0, page_token: str = "",
+                    include_blocks: bool = False, *, timeout: float | None = None
+                    ) -> pb.ListLeasesResponse:
+        req = _Requests.list_leases(tenant, conversation_id, holder_id, include_inactive,
+                                    page_size, page_token, include_blocks)
+        return self._call("ListLeases", req, idempotent=True, timeout=timeout)
+
+    def iter_leases(self, **filters: Any) -> Iterator[pb.Lease]:
+        token = ""
+        while True:
+            page = self.list_leases(page_token=token, **filters)
+            yield from page.leases
+            token = page.next_page_token
+            if not token:
+                return
+
+    def acquire_read(self, tenant: str, conversation_id: str, block_hashes: bytes,
+                     min_tokens: int = 0, pin_ttl: float = 0.0, reader_id: str = "",
+                     request_id: str | None = None, *, timeout: float | None = None
+                     ) -> pb.AcquireReadResponse:
+        req = _Requests.acquire_read(tenant, conversation_id, block_hashes, min_tokens,
+                                     pin_ttl, reader_id, request_id)
+        return self._call("AcquireRead", req, idempotent=True, timeout=timeout)
+
+    def release_read(self, pin_id: str, *, timeout: float | None = None) -> bool:
+        req = pb.ReleaseReadRequest(pin_id=pin_id)
+        return bool(self._call("ReleaseRead", req, idempotent=True, timeout=timeout).released)
+
+    def watch_leases(self, holder_id: str = "", tenant: str = "",
+                     include_renewals: bool = False) -> Iterator[pb.LeaseEvent]:
+        """Stream lease events until the caller stops iterating or the stream fails."""
+        req = pb.WatchLeasesRequest(holder_id=holder_id, tenant=tenant,
+                                    include_renewals=include_renewals)
+        stream = self._stub.WatchLeases(req)
+        try:
+            for resp in stream:
+                yield resp.event
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.CANCELLED:
+                raise from_rpc_error(err) from None
+        finally:
+            stream.cancel()
+
+
+class AsyncRegistryClient:
+    """asyncio registry client; same methods as `RegistryClient`, awaitable."""
+
+    def __init__(self, target: str, *, timeout: float = DEFAULT_TIMEOUT,
+                 retries: int = 3, channel: grpc.aio.Channel | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retries = retries
+        self._channel = channel or grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.RegistryServiceStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncRegistryClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, method: str, request: Any, *, idempotent: bool,
+                    timeout: float | None) -> Any:
+        budget = self.timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget
+        attempt = 0
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise DeadlineExceeded(f"{method} to {self.target}: no reply within {budget:g}s")
+            try:
+                return await getattr(self._stub, method)(request, timeout=left)
+            except grpc.RpcError as err:
+                if (idempotent and attempt < self.retries and err.code() in _RETRYABLE
+                        and deadline - loop.time() > _backoff(attempt)):
+                    await asyncio.sleep(_backoff(attempt))
+                    attempt += 1
+                    continue
+                raise from_rpc_error(err) from None
+
+    async def register_holder(self, holder_id: str, nixl_host: str, nixl_port: int,
+                              block_size: int, engine_fingerprint: str, tp_size: int = 1,
+                              ttl: float = 0.0, held_leases: Sequence[pb.LeaseSnapshot] = (), *,
+                              timeout: float | None = None) -> pb.RegisterHolderResponse:
+        req = _Requests.register_holder(holder_id, nixl_host, nixl_port, block_size,
+                                        engine_fingerprint, tp_size, ttl, held_leases)
+        return await self._call("RegisterHolder", req, idempotent=True, timeout=timeout)
+
+    async def heartbeat(self, holder_id: str, reclaimed_lease_ids: Iterable[str] = (), *,
+                        timeout: float | None = None) -> pb.HeartbeatHolderResponse:
+        req = pb.HeartbeatHolderRequest(holder_id=holder_id,
+                                        reclaimed_lease_ids=list(reclaimed_lease_ids))
+        return await self._call("HeartbeatHolder", req, idempotent=True, timeout=timeout)
+
+    async def deregister_holder(self, holder_id: str, *, timeout: float | None = None
+                                ) -> pb.DeregisterHolderResponse:
+        req = pb.DeregisterHolderRequest(holder_id=holder_id)
+        return await self._call("DeregisterHolder", req, idempotent=True, timeout=timeout)
+
+    async def list_holders(self, page_size: int = 0, page_token: str = "", *,
+                           timeout: float | None = None) -> pb.ListHoldersResponse:
+        req = pb.ListHoldersRequest(page_size=page_size, page_token=page_token)
+        return await self._call("ListHolders", req, idempotent=True, timeout=timeout)
+
+    async def grant_lease(self, holder_id: str, tenant: str, conversation_id: str,
+                          remote_request_id: str, block_ids: Sequence[int], token_count: int,
+                          block_hashes: bytes, idle_ttl: float = 0.0, max_lifetime: float = 0.0,
+                          request_id: str | None = None, *, timeout: float | None = None
+                          ) -> pb.GrantLeaseResponse:
+        req = _Requests.grant_lease(holder_id, tenant, conversation_id, remote_request_id,
+                                    block_ids, token_count, block_hashes, idle_ttl,
+                                    max_lifetime, request_id)
+        return await self._call("GrantLease", req, idempotent=True, timeout=timeout)
+
+    async def renew_leases(self, lease_ids: Iterable[str] = (),
+                           conversations: Iterable[tuple[str, str]] = (), *,
+                           timeout: float | None = None) -> pb.RenewLeasesResponse:
+        req = _Requests.renew_leases(lease_ids, conversations)
+        return await self._call("RenewLeases", req, idempotent=True, timeout=timeout)
+
+    async def revoke_lease(self, lease_id: str, reason: str = "", holder_id: str = "", *,
+                           timeout: float | None = None) -> pb.RevokeLeaseResponse:
+        req = pb.RevokeLeaseRequest(lease_id=lease_id, reason=reason, holder_id=holder_id)
+        return await self._call("RevokeLease", req, idempotent=True, timeout=timeout)
+
+    async def get_lease(self, lease_id: str, *, timeout: float | None = None) -> pb.Lease:
+        req = pb.GetLeaseRequest(lease_id=lease_id)
+        resp = await self._call("GetLease", req, idempotent=True, timeout=timeout)
+        return resp.lease  # type: ignore[no-any-return]
+
+    async def list_leases(self, tenant: str = "", conversation_id: str = "",
+                          holder_id: str = "", include_inactive: bool = False,
+                          page_size: int = 0, page_token: str = "",
+                          include_blocks: bool = False, *, timeout: float | None = None
+                          ) -> pb.ListLeasesResponse:
+        req = _Requests.list_leases(tenant, conversation_id, holder_id, include_inactive,
+                                    page_size, page_token, include_blocks)
+        return await self._call("ListLeases", req, idempotent=True, timeout=timeout)
+
+    async def acquire_read(self, tenant: str, conversation_id: str, block_hashes: bytes,
+                           min_tokens: int = 0, pin_ttl: float = 0.0, reader_id: str = "",
+                           request_id: str | None = None, *, timeout: float | None = None
+                           ) -> pb.AcquireReadResponse:
+        req = _Requests.acquire_read(tenant, conversation_id, block_hashes, min_tokens,
+                                     pin_ttl, reader_id, request_id)
+        return await self._call("AcquireRead", req, idempotent=True, timeout=timeout)
+
+    async def release_read(self, pin_id: str, *, timeout: float | None = None) -> bool:
+        req = pb.ReleaseReadRequest(pin_id=pin_id)
+        resp = await self._call("ReleaseRead", req, idempotent=True, timeout=timeout)
+        return bool(resp.released)
+
+    async def watch_leases(self, holder_id: str = "", tenant: str = "",
+                           include_renewals: bool = False) -> Any:
+        """An async iterator of lease events."""
+        req = pb.WatchLeasesRequest(holder_id=holder_id, tenant=tenant,
+                                    include_renewals=include_renewals)
+        call = self._stub.WatchLeases(req)
+        try:
+            async for resp in call:
+                yield resp.event
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.CANCELLED:
+                raise from_rpc_error(err) from None
+        finally:
+            call.cancel()
+
+
+__all__ = ["AsyncRegistryClient", "KvbridgeError", "RegistryClient", "Unavailable",
+           "duration", "seconds"]

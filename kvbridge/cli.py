@@ -1,0 +1,40 @@
+"""The `kvbridge` command."""
+
+from __future__ import annotations
+
+import click
+
+from kvbridge import __version__
+from kvbridge.clients._cli import holders_group, leases_group
+from kvbridge.services.registry._cli import registry_group
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="kvbridge")
+def main() -> None:
+    """kvbridge: leases that let prefill engines reuse the KV cache decode engines hold.
+
+    \b
+    Services:   kvbridge registry serve
+    Operations: kvbridge leases list|show|renew|revoke|watch, kvbridge holders list
+    Benchmarks: kvbridge bench registry
+    """
+
+
+@click.group("bench")
+def bench_group() -> None:
+    """Benchmarks that print figures (JSON with --json)."""
+
+
+def _register_benchmarks() -> None:
+    from kvbridge.benchmarks.registry_bench import registry_bench
+
+    bench_group.add_command(registry_bench)
+
+
+_register_benchmarks()
+for group in (registry_group, leases_group, holders_group, bench_group):
+    main.add_command(group)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""kvbridge services: the lease registry (and, later, routing and the gateway)."""

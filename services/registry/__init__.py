@@ -1,0 +1,42 @@
+"""The lease registry: holders, conversation leases, read pins and reclaim notices.
+
+- `LeaseTable` (`_core`): the transport-free state machine, with an injected clock.
+- `RegistryConfig` (`_config`): limits and defaults, from flags or `KVBRIDGE_*` variables.
+- `RegistryServicer`, `create_server`, `serve` (`_servicer`, `_server`): the gRPC adapter.
+"""
+
+from kvbridge.services.registry._config import RegistryConfig
+from kvbridge.services.registry._core import (
+    Grant,
+    GrantSpec,
+    HolderSpec,
+    LeaseTable,
+    Read,
+    Registration,
+    Renewal,
+    Snapshot,
+)
+from kvbridge.services.registry._model import (
+    EventType,
+    Holder,
+    HolderState,
+    Lease,
+    LeaseEvent,
+    LeaseState,
+    MissReason,
+    Pin,
+)
+
+__all__ = [
+    "EventType", "Grant", "GrantSpec", "Holder", "HolderSpec", "HolderState", "Lease",
+    "LeaseEvent", "LeaseState", "LeaseTable", "MissReason", "Pin", "Read", "RegistryConfig",
+    "Registration", "Renewal", "Snapshot",
+]
+
+from kvbridge.services.registry._server import (  # noqa: E402  (after the core re-exports)
+    RegistryServer,
+    create_server,
+    serve,
+)
+
+__all__ += ["RegistryServer", "create_server", "serve"]

@@ -1,0 +1,33 @@
+"""`kvbridge registry serve`."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import click
+
+from kvbridge.config import build_config, config_options
+from kvbridge.services.registry._config import RegistryConfig
+from kvbridge.services.registry._server import serve
+
+
+@click.group("registry")
+def registry_group() -> None:
+    """The lease registry service."""
+
+
+@registry_group.command("serve")
+@config_options(RegistryConfig)
+def serve_command(**options: Any) -> None:
+    """Run a lease registry until SIGTERM/SIGINT (graceful shutdown).
+
+    Serves the gRPC API (kvbridge.registry.v1.RegistryService, plus health and reflection) on
+    --listen and Prometheus metrics on --metrics-listen. Every flag can also be set with the
+    KVBRIDGE_* environment variable named in its help.
+    """
+    config = build_config(RegistryConfig, options)
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        raise click.ClickException(f"cannot start the registry: {exc}") from exc

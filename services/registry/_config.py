@@ -1,0 +1,83 @@
+"""The registry's configuration and limits."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+from kvbridge.config import setting
+
+
+@dataclasses.dataclass(frozen=True)
+class RegistryConfig:
+    """Everything an operator can set on a registry; validated at construction."""
+
+    env_prefix: ClassVar[str] = "KVBRIDGE_REGISTRY_"
+
+    listen: str = setting("127.0.0.1:50051", "host:port for the gRPC API (port 0 picks one)")
+    metrics_listen: str = setting(
+        "127.0.0.1:9464", "host:port for Prometheus /metrics over HTTP; empty disables it"
+    )
+    default_idle_ttl_s: float = setting(
+        60.0, "idle TTL of a lease when the grant names none; renewed by each turn or keepalive"
+    )
+    min_idle_ttl_s: float = setting(1.0, "shortest idle TTL a grant may ask for")
+    max_idle_ttl_s: float = setting(3600.0, "longest idle TTL a grant may ask for")
+    default_max_lifetime_s: float = setting(
+        3600.0, "maximum lifetime of a lease when the grant names none (no renewal goes past it)"
+    )
+    max_lifetime_cap_s: float = setting(86400.0, "longest maximum lifetime a grant may ask for")
+    default_pin_ttl_s: float = setting(10.0, "read pin duration when the reader names none")
+    max_pin_ttl_s: float = setting(
+        30.0, "longest read pin; holders add it to their hard deadline, restarts wait it out"
+    )
+    default_holder_ttl_s: float = setting(
+        10.0, "holder heartbeat TTL when the holder names none (heartbeat every TTL/3)"
+    )
+    min_holder_ttl_s: float = setting(1.0, "shortest holder TTL accepted")
+    max_holder_ttl_s: float = setting(300.0, "longest holder TTL accepted")
+    recovery_grace_s: float = setting(
+        -1.0,
+        "after a start with empty state, report nothing reclaimable for this long so pins "
+        "granted before the restart run out; -1 means max_pin_ttl_s + 1",
+    )
+    max_leases: int = setting(1_000_000, "total leases (active and awaiting reclaim) held")
+    max_blocks_per_lease: int = setting(16384, "most KV blocks one lease may cover")
+    max_id_length: int = setting(256, "longest id (tenant, conversation, holder, request)")
+    max_batch: int = setting(10000, "most items in one RenewLeases call")
+    max_watchers: int = setting(256, "concurrent WatchLeases streams")
+    max_message_bytes: int = setting(8 * 1024 * 1024, "largest gRPC message accepted")
+    expiry_batch: int = setting(20000, "most expirations processed per scheduler tick")
+    shutdown_grace_s: float = setting(5.0, "seconds in-flight RPCs get on SIGTERM")
+    log_level: str = setting("info", "debug, info, warning or error")
+    log_format: str = setting("auto", "json, console, or auto (JSON unless on a terminal)")
+
+    def __post_init__(self) -> None:
+        positive = ("default_idle_ttl_s", "min_idle_ttl_s", "max_idle_ttl_s",
+                    "default_max_lifetime_s", "max_lifetime_cap_s", "default_pin_ttl_s",
+                    "max_pin_ttl_s", "default_holder_ttl_s", "min_holder_ttl_s",
+                    "max_holder_ttl_s", "max_leases", "max_blocks_per_lease", "max_id_length",
+                    "max_batch", "max_watchers", "max_message_bytes", "expiry_batch")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.min_idle_ttl_s <= self.default_idle_ttl_s <= self.max_idle_ttl_s:
+            raise ValueError("need min_idle_ttl_s <= default_idle_ttl_s <= max_idle_ttl_s")
+        if not self.default_idle_ttl_s <= self.default_max_lifetime_s <= self.max_lifetime_cap_s:
+            raise ValueError(
+                "need default_idle_ttl_s <= default_max_lifetime_s <= max_lifetime_cap_s")
+        if self.default_pin_ttl_s > self.max_pin_ttl_s:
+            raise ValueError("default_pin_ttl_s must not exceed max_pin_ttl_s")
+        if not self.min_holder_ttl_s <= self.default_holder_ttl_s <= self.max_holder_ttl_s:
+            raise ValueError(
+                "need min_holder_ttl_s <= default_holder_ttl_s <= max_holder_ttl_s")
+        if self.recovery_grace_s != -1.0 and self.recovery_grace_s < self.max_pin_ttl_s:
+            raise ValueError("recovery_grace_s must be at least max_pin_ttl_s (or -1 for auto)")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
+        if self.log_format not in ("json", "console", "auto"):
+            raise ValueError(f"log_format must be json|console|auto, got {self.log_format!r}")
+
+    @property
+    def effective_recovery_grace_s(self) -> float:
+        return self.max_pin_ttl_s + 1.0 if self.recovery_grace_s < 0 else self.recovery_grace_s

@@ -1,0 +1,667 @@
+"""The lease table: holders, conversation leases, read pins and expiry, with no transport.
+
+`LeaseTable` is single-threaded (the servicer calls it from one event loop) and takes an
+injected clock; `tick()` runs expiry and is driven by the server's scheduler or, in tests, by
+advancing a `FakeClock`. Every check happens before the first mutation, so a call that raises
+changes nothing. Deadlines are also checked lazily on access, so correctness never depends on
+how promptly `tick()` runs.
+
+Invariants kept here (DESIGN.md):
+- a lease is never reported reclaimable while a pin on it is live;
+- a pin never outlives its lease's `pin_bound` (max lifetime + max pin TTL);
+- only the conversation's current ACTIVE lease is readable: superseded, expired, revoked and
+  holder-lost leases never are again;
+- after a start with empty state nothing is reported reclaimable for the recovery grace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import secrets
+from array import array
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import structlog
+
+from kvbridge import blockhash
+from kvbridge.clock import Clock
+from kvbridge.errors import (
+    CapacityExhausted,
+    HolderConflict,
+    HolderDraining,
+    HolderNotFound,
+    IdempotencyConflict,
+    LeaseNotFound,
+    NotLeaseHolder,
+)
+from kvbridge.services.registry import _validate as check
+from kvbridge.services.registry._config import RegistryConfig
+from kvbridge.services.registry._model import (
+    EventType,
+    Holder,
+    HolderState,
+    Lease,
+    LeaseEvent,
+    LeaseState,
+    MissReason,
+    Pin,
+)
+
+log = structlog.get_logger("kvbridge.registry")
+
+Listener = Callable[[LeaseEvent], None]
+
+_DEAD_EVENT = {
+    LeaseState.EXPIRED: EventType.EXPIRED,
+    LeaseState.REVOKED: EventType.REVOKED,
+    LeaseState.SUPERSEDED: EventType.SUPERSEDED,
+    LeaseState.HOLDER_LOST: EventType.HOLDER_LOST,
+}
+_MISS_FOR_STATE = {
+    LeaseState.EXPIRED: MissReason.EXPIRED,
+    LeaseState.REVOKED: MissReason.REVOKED,
+    LeaseState.HOLDER_LOST: MissReason.HOLDER_GONE,
+    LeaseState.SUPERSEDED: MissReason.NO_LEASE,
+}
+
+
+@dataclass(slots=True)
+class HolderSpec:
+    holder_id: str
+    nixl_host: str
+    nixl_port: int
+    tp_size: int
+    block_size: int
+    fingerprint: str
+    ttl: float = 0.0  # 0: the registry default
+
+
+@dataclass(slots=True)
+class GrantSpec:
+    holder_id: str
+    tenant: str
+    conversation_id: str
+    remote_request_id: str
+    block_ids: list[int] | array[int]
+    token_count: int
+    hashes: bytes
+    idle_ttl: float = 0.0  # 0: the registry default
+    max_lifetime: float = 0.0
+    request_id: str = ""
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """A lease a holder still retains, replayed on re-registration."""
+
+    lease_id: str
+    grant: GrantSpec
+    epoch: int
+    age: float
+
+
+@dataclass(slots=True)
+class Registration:
+    holder: Holder
+    restored: list[str]
+    reclaimable: list[str]
+
+
+@dataclass(slots=True)
+class Grant:
+    lease: Lease
+    superseded: Lease | None
+
+
+@dataclass(slots=True)
+class Renewal:
+    lease_id: str
+    renewed: bool
+    state: LeaseState | None
+    expires_in: float
+
+
+@dataclass(slots=True)
+class Read:
+    """The outcome of `acquire_read`. On a hit, `pin` is set and the listed blocks are pinned."""
+
+    miss: MissReason
+    mismatch_block: int
+    lease: Lease | None
+    matched_blocks: int = 0
+    partial: bool = False
+    pin: Pin | None = None
+
+    @property
+    def matched_tokens(self) -> int:
+        return self.matched_blocks * self.lease.holder.block_size if self.lease else 0
+
+
+class LeaseTable:
+    """Holders, leases and pins of one registry (the in-memory backend's state)."""
+
+    def __init__(
+        self, config: RegistryConfig, clock: Clock, *, recovering: bool = True
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self._holders: dict[str, Holder] = {}
+        self._leases: dict[str, Lease] = {}
+        self._conversations: dict[str, dict[str, Lease]] = {}  # tenant -> conversation -> lease
+        self._pins: dict[str, Pin] = {}
+        self._lease_heap: list[tuple[float, str]] = []  # (deadline, lease id), lazily rescheduled
+        self._pin_heap: list[tuple[float, str]] = []
+        self._listeners: list[Listener] = []
+        self._renewal_listeners = 0
+        now = clock.monotonic()
+        # A fresh, empty registry may be a restarted one: holders may have pins from before.
+        self._reclaim_hold_until = now + config.effective_recovery_grace_s if recovering else now
+        self.active_leases = 0
+
+    # ---- listeners --------------------------------------------------------------------------
+
+    def add_listener(self, listener: Listener, *, renewals: bool = False) -> None:
+        """Call `listener` for every lease event (RENEWED ones only when `renewals`)."""
+        self._listeners.append(listener)
+        self._renewal_listeners += renewals
+
+    def remove_listener(self, listener: Listener, *, renewals: bool = False) -> None:
+        self._listeners.remove(listener)
+        self._renewal_listeners -= renewals
+
+    def _emit(self, type: EventType, lease: Lease, lateness: float = 0.0) -> None:
+        if self._listeners:
+            event = LeaseEvent(type, lease, self.clock.wall(), lateness)
+            for listener in tuple(self._listeners):
+                listener(event)
+
+    # ---- holders ----------------------------------------------------------------------------
+
+    def register_holder(self, spec: HolderSpec, held: Iterable[Snapshot] = ()) -> Registration:
+        """Register or re-register a holder; restore `held` leases this registry does not know."""
+        cfg = self.config
+        check.identifier("holder_id", spec.holder_id, cfg.max_id_length)
+        check.identifier("nixl_host", spec.nixl_host, cfg.max_id_length)
+        check.in_range("nixl_port", spec.nixl_port, 0, 65535)
+        check.in_range("tp_size", spec.tp_size, 1, 4096)
+        check.in_range("block_size", spec.block_size, 1, 65536)
+        check.identifier("engine_fingerprint", spec.fingerprint, cfg.max_id_length)
+        ttl = spec.ttl or cfg.default_holder_ttl_s
+        check.duration("ttl", ttl, cfg.min_holder_ttl_s, cfg.max_holder_ttl_s)
+        snapshots = list(held)
+        seen: set[str] = set()
+        for i, snap in enumerate(snapshots):
+            check.identifier(f"held_leases[{i}].lease_id", snap.lease_id, cfg.max_id_length)
+            if snap.lease_id in seen:
+                raise check.InvalidArgument(f"held_leases[{i}].lease_id", "duplicate lease id")
+            seen.add(snap.lease_id)
+            check.duration(f"held_leases[{i}].age", snap.age, 0.0, cfg.max_lifetime_cap_s * 2)
+            check.in_range(f"held_leases[{i}].epoch", snap.epoch, 1, 2**63 - 1)
+            self._check_grant(snap.grant, spec.block_size, f"held_leases[{i}].")
+
+        now = self.clock.monotonic()
+        holder = self._holders.get(spec.holder_id)
+        if holder is not None and holder.state is not HolderState.LOST and (
+            holder.block_size != spec.block_size or holder.fingerprint != spec.fingerprint
+            or holder.tp_size != spec.tp_size
+        ):
+            raise HolderConflict(
+                f"holder {spec.holder_id!r} is registered with another layout "
+                f"(block size {holder.block_size}, tp {holder.tp_size}); deregister it first",
+                holder=spec.holder_id,
+            )
+        if len(self._leases) + len(snapshots) > cfg.max_leases:
+            raise CapacityExhausted("registry lease capacity reached", limit=cfg.max_leases)
+
+        if holder is None:
+            holder = Holder(spec.holder_id, spec.nixl_host, spec.nixl_port, spec.tp_size,
+                            spec.block_size, spec.fingerprint, ttl, now + ttl)
+            self._holders[spec.holder_id] = holder
+            event = "holder_registered"
+        else:
+            event = "holder_reregistered"
+            if holder.state is HolderState.LOST:
+                holder.block_size, holder.tp_size = spec.block_size, spec.tp_size
+                holder.fingerprint = spec.fingerprint
+            holder.nixl_host, holder.nixl_port = spec.nixl_host, spec.nixl_port
+            holder.ttl, holder.expire_at = ttl, now + ttl
+            holder.state = HolderState.ACTIVE
+
+        # The holder is the source of truth for its memory: an active lease it no longer
+        # lists (say the engine restarted) must never be read again.
+        held_ids = {snap.lease_id for snap in snapshots}
+        for lease in list(holder.leases.values()):
+            if lease.lease_id not in held_ids:
+                self._kill(lease, LeaseState.REVOKED)
+        restored: list[str] = []
+        for snap in snapshots:
+            known = self._leases.get(snap.lease_id)
+            if known is None:
+                self._restore(holder, snap, now)
+                restored.append(snap.lease_id)
+            elif known.holder is holder and known.state is LeaseState.ACTIVE:
+                restored.append(snap.lease_id)
+        reclaimable = self.reclaimable_of(holder)
+        log.info(event, holder=holder.holder_id, nixl=f"{holder.nixl_host}:{holder.nixl_port}",
+                 block_size=holder.block_size, ttl_s=ttl, restored=len(restored),
+                 dead=len(reclaimable))
+        return Registration(holder, restored, reclaimable)
+
+    def _restore(self, holder: Holder, snap: Snapshot, now: float) -> None:
+        g = snap.grant
+        cfg = self.config
+        idle = g.idle_ttl or cfg.default_idle_ttl_s
+        life = g.max_lifetime or cfg.default_max_lifetime_s
+        lease = Lease(snap.lease_id, g.tenant, g.conversation_id, holder, g.remote_request_id,
+                      array("I", g.block_ids), g.token_count, g.hashes, snap.epoch, idle, life,
+                      now - snap.age, self.clock.wall() - snap.age, cfg.max_pin_ttl_s)
+        lease.expire_at = min(now + idle, lease.max_expire_at)  # restoring counts as activity
+        self._leases[lease.lease_id] = lease
+        holder.leases[lease.lease_id] = lease
+        holder.retained_blocks += len(lease.block_ids)
+        self.active_leases += 1
+        current = self._conversations.get(g.tenant, {}).get(g.conversation_id)
+        if lease.expire_at <= now:
+            self._kill(lease, LeaseState.EXPIRED)
+        elif current is None or (current.epoch, current.created_at) < (lease.epoch, lease.created_at):
+            self._conversations.setdefault(g.tenant, {})[g.conversation_id] = lease
+            if current is not None and current.state is LeaseState.ACTIVE:
+                self._kill(current, LeaseState.SUPERSEDED)
+        else:
+            self._kill(lease, LeaseState.SUPERSEDED)
+        if lease.state is LeaseState.ACTIVE:
+            heapq.heappush(self._lease_heap, (lease.expire_at, lease.lease_id))
+
+    def heartbeat(self, holder_id: str, reclaimed: Iterable[str] = ()) -> tuple[list[str], float]:
+        """Keep a holder alive; forget leases it freed; return its reclaimable leases."""
+        check.identifier("holder_id", holder_id, self.config.max_id_length)
+        acked = list(reclaimed)
+        if len(acked) > self.config.max_batch:
+            raise check.InvalidArgument("reclaimed_lease_ids", f"at most {self.config.max_batch}")
+        now = self.clock.monotonic()
+        holder = self._live_holder(holder_id, now)
+        holder.expire_at = now + holder.ttl
+        for lease_id in acked:
+            lease = holder.dead_leases.get(lease_id)
+            if lease is not None and lease.pin_count == 0:
+                self._forget(lease)
+        return self.reclaimable_of(holder), holder.ttl
+
+    def deregister_holder(self, holder_id: str) -> tuple[list[str], int]:
+        """Drain a holder: revoke its leases. Returns (reclaimable ids, leases still pinned)."""
+        check.identifier("holder_id", holder_id, self.config.max_id_length)
+        holder = self._live_holder(holder_id, self.clock.monotonic())
+        holder.state = HolderState.DRAINING
+        for lease in list(holder.leases.values()):
+            self._kill(lease, LeaseState.REVOKED)
+        pinned = sum(1 for lease in holder.dead_leases.values() if lease.pin_count)
+        log.info("holder_draining", holder=holder_id, pinned=pinned)
+        return self.reclaimable_of(holder), pinned
+
+    def reclaimable_of(self, holder: Holder) -> list[str]:
+        if self.clock.monotonic() < self._reclaim_hold_until:
+            return []
+        return [lid for lid, lease in holder.dead_leases.items() if lease.pin_count == 0]
+
+    def holders(self) -> list[Holder]:
+        """Registered holders that are not lost, in id order."""
+        self._expire_holders(self.clock.monotonic())
+        return sorted(
+            (h for h in self._holders.values() if h.state is not HolderState.LOST),
+            key=lambda h: h.holder_id,
+        )
+
+    def get_holder(self, holder_id: str) -> Holder:
+        return self._live_holder(holder_id, self.clock.monotonic())
+
+    def _live_holder(self, holder_id: str, now: float) -> Holder:
+        holder = self._holders.get(holder_id)
+        if holder is not None and holder.state is not HolderState.LOST and holder.expire_at <= now:
+            self._lose_holder(holder, now)
+        if holder is None or holder.state is HolderState.LOST:
+            raise HolderNotFound(f"holder {holder_id!r} is not registered; register it (again)",
+                                 holder=holder_id)
+        return holder
+
+    def _lose_holder(self, holder: Holder, now: float) -> None:
+        holder.state = HolderState.LOST
+        holder.lost_at = now
+        lost = list(holder.leases.values())
+        for lease in lost:
+            self._kill(lease, LeaseState.HOLDER_LOST)
+        log.warning("holder_lost", holder=holder.holder_id, leases_lost=len(lost),
+                    late_ms=round((now - holder.expire_at) * 1000, 1))
+
+    # ---- leases -----------------------------------------------------------------------------
+
+    def _check_grant(self, g: GrantSpec, block_size: int, prefix: str = "") -> None:
+        cfg = self.config
+        check.identifier(prefix + "tenant", g.tenant, cfg.max_id_length)
+        check.identifier(prefix + "conversation_id", g.conversation_id, cfg.max_id_length)
+        check.identifier(prefix + "remote_request_id", g.remote_request_id, cfg.max_id_length)
+        check.blocks(prefix, g.block_ids, g.token_count, g.hashes, block_size,
+                     cfg.max_blocks_per_lease)
+        idle = g.idle_ttl or cfg.default_idle_ttl_s
+        check.duration(prefix + "idle_ttl", idle, cfg.min_idle_ttl_s, cfg.max_idle_ttl_s)
+        life = g.max_lifetime or max(cfg.default_max_lifetime_s, idle)
+        check.duration(prefix + "max_lifetime", life, idle, cfg.max_lifetime_cap_s)
+        if g.request_id:
+            check.identifier(prefix + "request_id", g.request_id, cfg.max_id_length)
+
+    def grant(self, g: GrantSpec) -> Grant:
+        """Grant a lease; supersede the conversation's current one. Idempotent by request id."""
+        cfg = self.config
+        check.identifier("holder_id", g.holder_id, cfg.max_id_length)
+        now = self.clock.monotonic()
+        holder = self._live_holder(g.holder_id, now)
+        self._check_grant(g, holder.block_size)
+        if holder.state is HolderState.DRAINING:
+            raise HolderDraining(f"holder {g.holder_id!r} is draining", holder=g.holder_id)
+        if g.request_id:
+            lease_id = _derived_id("l", g.holder_id, g.request_id)
+            existing = self._leases.get(lease_id)
+            if existing is not None:
+                if (existing.tenant, existing.conversation_id, existing.remote_request_id) != (
+                    g.tenant, g.conversation_id, g.remote_request_id
+                ):
+                    raise IdempotencyConflict(
+                        f"request_id {g.request_id!r} was used for another grant",
+                        request_id=g.request_id)
+                return Grant(existing, None)
+        else:
+            lease_id = "l-" + secrets.token_hex(8)
+        if len(self._leases) >= cfg.max_leases:
+            raise CapacityExhausted("registry lease capacity reached", limit=cfg.max_leases)
+
+        idle = g.idle_ttl or cfg.default_idle_ttl_s
+        life = g.max_lifetime or max(cfg.default_max_lifetime_s, idle)
+        convs = self._conversations.setdefault(g.tenant, {})
+        current = convs.get(g.conversation_id)
+        epoch = current.epoch + 1 if current is not None else 1
+        lease = Lease(lease_id, g.tenant, g.conversation_id, holder, g.remote_request_id,
+                      array("I", g.block_ids), g.token_count, g.hashes, epoch, idle, life, now,
+                      self.clock.wall(), cfg.max_pin_ttl_s)
+        superseded = None
+        if current is not None and current.state is LeaseState.ACTIVE:
+            self._kill(current, LeaseState.SUPERSEDED)
+            superseded = current
+        convs[g.conversation_id] = lease
+        self._leases[lease_id] = lease
+        holder.leases[lease_id] = lease
+        holder.retained_blocks += len(lease.block_ids)
+        self.active_leases += 1
+        heapq.heappush(self._lease_heap, (lease.expire_at, lease_id))
+        log.debug("lease_granted", lease_id=lease_id, tenant=g.tenant,
+                  conversation=g.conversation_id, holder=g.holder_id, epoch=epoch,
+                  blocks=len(lease.block_ids), tokens=g.token_count)
+        self._emit(EventType.GRANTED, lease)
+        return Grant(lease, superseded)
+
+    def renew(self, lease_ids: Iterable[str], conversations: Iterable[tuple[str, str]] = ()
+              ) -> list[Renewal]:
+        """Renew leases by id and conversations' current leases; one result per item."""
+        cfg = self.config
+        ids, convs = list(lease_ids), list(conversations)
+        if len(ids) + len(convs) > cfg.max_batch:
+            raise check.InvalidArgument("lease_ids", f"at most {cfg.max_batch} items per call")
+        for i, lid in enumerate(ids):
+            check.identifier(f"lease_ids[{i}]", lid, cfg.max_id_length)
+        for i, (tenant, conv) in enumerate(convs):
+            check.identifier(f"conversations[{i}].tenant", tenant, cfg.max_id_length)
+            check.identifier(f"conversations[{i}].conversation_id", conv, cfg.max_id_length)
+        now = self.clock.monotonic()
+        leases = [self._leases.get(lid) for lid in ids]
+        leases += [self._conversations.get(t, {}).get(c) for t, c in convs]
+        names = ids + [""] * len(convs)
+        out = []
+        for name, lease in zip(names, leases, strict=True):
+            if lease is None:
+                out.append(Renewal(name, False, None, 0.0))
+                continue
+            self._refresh(lease, now)
+            if lease.state is LeaseState.ACTIVE:
+                lease.expire_at = min(now + lease.idle_ttl, lease.max_expire_at)
+                out.append(Renewal(lease.lease_id, True, lease.state, lease.expire_at - now))
+                if self._renewal_listeners:
+                    self._emit(EventType.RENEWED, lease)
+            else:
+                out.append(Renewal(lease.lease_id, False, lease.state, 0.0))
+        return out
+
+    def revoke(self, lease_id: str, holder_id: str = "", reason: str = "") -> Lease:
+        """Revoke a lease (no-op if already dead). With `holder_id`, it must be that holder's."""
+        check.identifier("lease_id", lease_id, self.config.max_id_length)
+        if holder_id:
+            check.identifier("holder_id", holder_id, self.config.max_id_length)
+        if len(reason) > 1024:
+            raise check.InvalidArgument("reason", "at most 1024 characters")
+        lease = self.get_lease(lease_id)
+        if holder_id and lease.holder.holder_id != holder_id:
+            raise NotLeaseHolder(f"lease {lease_id!r} belongs to another holder",
+                                 lease_id=lease_id)
+        if lease.state is LeaseState.ACTIVE:
+            log.info("lease_revoked", lease_id=lease_id, tenant=lease.tenant,
+                     conversation=lease.conversation_id, holder=lease.holder.holder_id,
+                     reason=reason or "unspecified", pins=lease.pin_count)
+            self._kill(lease, LeaseState.REVOKED)
+        return lease
+
+    def get_lease(self, lease_id: str) -> Lease:
+        check.identifier("lease_id", lease_id, self.config.max_id_length)
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise LeaseNotFound(f"no lease {lease_id!r}", lease_id=lease_id)
+        self._refresh(lease, self.clock.monotonic())
+        return lease
+
+    def leases(self, tenant: str = "", conversation_id: str = "", holder_id: str = "",
+               include_inactive: bool = False, after: str = "") -> Iterator[Lease]:
+        """Leases matching the filters, in lease id order, starting after lease id `after`."""
+        cfg = self.config
+        for name, value in (("tenant", tenant), ("conversation_id", conversation_id),
+                            ("holder_id", holder_id)):
+            if value:
+                check.identifier(name, value, cfg.max_id_length)
+        if conversation_id and not tenant:
+            raise check.InvalidArgument("conversation_id", "filtering by conversation needs tenant")
+        source: Iterable[Lease]
+        if holder_id:
+            holder = self._holders.get(holder_id)
+            source = [] if holder is None else [*holder.leases.values(),
+                                                 *holder.dead_leases.values()]
+        elif tenant:
+            convs = self._conversations.get(tenant, {})
+            if conversation_id:
+                lease = convs.get(conversation_id)
+                source = [] if lease is None else [lease]
+                if include_inactive:
+                    source = [x for x in self._leases.values()
+                              if x.tenant == tenant and x.conversation_id == conversation_id]
+            else:
+                source = (x for x in self._leases.values() if x.tenant == tenant)
+        else:
+            source = self._leases.values()
+        now = self.clock.monotonic()
+        picked = []
+        for lease in source:
+            if (tenant and lease.tenant != tenant) or (
+                conversation_id and lease.conversation_id != conversation_id
+            ) or lease.lease_id <= after:
+                continue
+            self._refresh(lease, now)
+            if include_inactive or lease.state is LeaseState.ACTIVE:
+                picked.append(lease)
+        picked.sort(key=lambda x: x.lease_id)
+        return iter(picked)
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    def acquire_read(self, tenant: str, conversation_id: str, hashes: bytes, min_tokens: int = 0,
+                     pin_ttl: float = 0.0, reader_id: str = "", request_id: str = "") -> Read:
+        """Match a prompt's full-block hashes against the conversation's lease; pin on a hit."""
+        cfg = self.config
+        check.identifier("tenant", tenant, cfg.max_id_length)
+        check.identifier("conversation_id", conversation_id, cfg.max_id_length)
+        check.hashes("block_hashes", hashes, cfg.max_blocks_per_lease * 4)
+        check.in_range("min_tokens", min_tokens, 0, 2**31)
+        if pin_ttl < 0:
+            raise check.InvalidArgument("pin_ttl", "must not be negative")
+        if reader_id:
+            check.identifier("reader_id", reader_id, cfg.max_id_length)
+        if request_id:
+            check.identifier("request_id", request_id, cfg.max_id_length)
+
+        now = self.clock.monotonic()
+        lease = self._conversations.get(tenant, {}).get(conversation_id)
+        if lease is None:
+            return Read(MissReason.NO_LEASE, 0, None)
+        self._refresh(lease, now)
+        if lease.state is not LeaseState.ACTIVE:
+            return Read(_MISS_FOR_STATE[lease.state], 0, lease)
+        if lease.holder.state is not HolderState.ACTIVE:
+            return Read(MissReason.HOLDER_GONE, 0, lease)
+
+        block_size = lease.holder.block_size
+        full = lease.token_count // block_size
+        k = blockhash.matching_prefix(lease.hashes[: full * blockhash.HASH_SIZE], hashes)
+        partial = k == full and lease.token_count % block_size != 0
+        reusable = k * block_size + (lease.token_count - full * block_size if partial else 0)
+        if reusable == 0:
+            reason = MissReason.HASH_MISMATCH if full and hashes else MissReason.BELOW_MINIMUM
+            return Read(reason, k, lease)
+        if reusable < min_tokens:
+            return Read(MissReason.BELOW_MINIMUM, k, lease, k, partial)
+
+        pin_id = _derived_id("p", reader_id, request_id) if request_id else ""
+        pin = self._pins.get(pin_id) if pin_id else None
+        if pin is not None and pin.lease is not lease:
+            raise IdempotencyConflict(f"request_id {request_id!r} was used for another read",
+                                      request_id=request_id)
+        if pin is None:
+            deadline = min(now + min(pin_ttl or cfg.default_pin_ttl_s, cfg.max_pin_ttl_s),
+                           lease.pin_bound)
+            if deadline <= now:
+                return Read(MissReason.EXPIRED, k, lease)
+            pin = Pin(pin_id or "p-" + secrets.token_hex(8), lease, deadline)
+            self._pins[pin.pin_id] = pin
+            lease.pin_count += 1
+            heapq.heappush(self._pin_heap, (deadline, pin.pin_id))
+        # A read is conversation activity: keep the lease for the turn that follows.
+        lease.expire_at = min(now + lease.idle_ttl, lease.max_expire_at)
+        return Read(MissReason.HIT, k, lease, k, partial, pin)
+
+    def release_read(self, pin_id: str) -> bool:
+        """Release a pin. False when it was already released or expired."""
+        check.identifier("pin_id", pin_id, self.config.max_id_length)
+        pin = self._pins.pop(pin_id, None)
+        if pin is None:
+            return False
+        self._unpin(pin.lease)
+        return True
+
+    def _unpin(self, lease: Lease) -> None:
+        lease.pin_count -= 1
+        if lease.reclaimable:
+            self._emit(EventType.RECLAIMABLE, lease)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def _refresh(self, lease: Lease, now: float) -> None:
+        """Apply a deadline that passed but that tick() has not processed yet."""
+        if lease.state is LeaseState.ACTIVE:
+            holder = lease.holder
+            if holder.state is not HolderState.LOST and holder.expire_at <= now:
+                self._lose_holder(holder, now)
+            elif lease.expire_at <= now:
+                self._kill(lease, LeaseState.EXPIRED, now - lease.expire_at)
+
+    def _kill(self, lease: Lease, state: LeaseState, lateness: float = 0.0) -> None:
+        holder = lease.holder
+        lease.state = state
+        self.active_leases -= 1
+        holder.leases.pop(lease.lease_id, None)
+        holder.dead_leases[lease.lease_id] = lease
+        self._emit(_DEAD_EVENT[state], lease, lateness)
+        if lease.pin_count == 0:
+            self._emit(EventType.RECLAIMABLE, lease)
+
+    def _forget(self, lease: Lease) -> None:
+        """The holder freed the blocks: drop every trace of the lease."""
+        holder = lease.holder
+        holder.dead_leases.pop(lease.lease_id, None)
+        holder.retained_blocks -= len(lease.block_ids)
+        self._leases.pop(lease.lease_id, None)
+        convs = self._conversations.get(lease.tenant)
+        if convs is not None and convs.get(lease.conversation_id) is lease:
+            del convs[lease.conversation_id]
+            if not convs:
+                del self._conversations[lease.tenant]
+        self._emit(EventType.RECLAIMED, lease)
+
+    def tick(self) -> int:
+        """Process due deadlines (holders, pins, at most `expiry_batch` leases). Returns the
+        number of leases expired."""
+        now = self.clock.monotonic()
+        self._expire_holders(now)
+        heap = self._pin_heap
+        while heap and heap[0][0] <= now:
+            _, pin_id = heapq.heappop(heap)
+            pin = self._pins.get(pin_id)
+            if pin is not None and pin.expire_at <= now:
+                del self._pins[pin_id]
+                self._unpin(pin.lease)
+        expired = 0
+        heap = self._lease_heap
+        budget = self.config.expiry_batch
+        while heap and heap[0][0] <= now and expired < budget:
+            _, lease_id = heapq.heappop(heap)
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.state is not LeaseState.ACTIVE:
+                continue
+            if lease.expire_at > now:  # renewed since it was scheduled
+                heapq.heappush(heap, (lease.expire_at, lease_id))
+                continue
+            self._kill(lease, LeaseState.EXPIRED, now - lease.expire_at)
+            expired += 1
+        if expired:
+            log.debug("leases_expired", count=expired)
+        return expired
+
+    def _expire_holders(self, now: float) -> None:
+        for holder in list(self._holders.values()):
+            if holder.state is HolderState.LOST:
+                # Past the holder's own hard deadline it has freed everything it held.
+                retention = self.config.max_lifetime_cap_s + self.config.max_pin_ttl_s
+                if now - holder.lost_at > retention and not any(
+                    lease.pin_count for lease in holder.dead_leases.values()
+                ):
+                    for lease in list(holder.dead_leases.values()):
+                        self._forget(lease)
+                    del self._holders[holder.holder_id]
+            elif holder.expire_at <= now:
+                self._lose_holder(holder, now)
+
+    def next_deadline(self) -> float | None:
+        """The earliest pending deadline, for the scheduler's sleep."""
+        candidates = [h[0][0] for h in (self._lease_heap, self._pin_heap) if h]
+        candidates += [h.expire_at for h in self._holders.values()
+                       if h.state is not HolderState.LOST]
+        return min(candidates) if candidates else None
+
+    # ---- introspection ----------------------------------------------------------------------
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "leases_active": self.active_leases,
+            "leases_total": len(self._leases),
+            "holders": sum(1 for h in self._holders.values() if h.state is not HolderState.LOST),
+            "pins": len(self._pins),
+        }
+
+
+def _derived_id(prefix: str, scope: str, request_id: str) -> str:
+    """A stable id for a retried request: the same (scope, request id) gives the same id."""
+    digest = hashlib.blake2b(f"{scope}\x00{request_id}".encode(), digest_size=8).hexdigest()
+    return f"{prefix}-{digest}"

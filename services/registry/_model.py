@@ -1,0 +1,138 @@
+"""The registry's records: holders, leases, pins, and the events their changes emit.
+
+Records are plain slotted objects owned by `LeaseTable`; nothing outside the core mutates them.
+Block ids are kept as a compact `array('I')` and hashes as one `bytes` so that a lease of 64
+blocks costs about 1.3 KiB for its payload plus a few hundred bytes of bookkeeping.
+"""
+
+from __future__ import annotations
+
+import enum
+from array import array
+
+
+class HolderState(enum.IntEnum):
+    ACTIVE = 1
+    DRAINING = 2
+    LOST = 3  # missed its TTL; kept only until its dead leases are accounted for
+
+
+class LeaseState(enum.IntEnum):
+    ACTIVE = 1
+    EXPIRED = 2
+    REVOKED = 3
+    SUPERSEDED = 4
+    HOLDER_LOST = 5
+
+
+class MissReason(enum.IntEnum):
+    HIT = 0
+    NO_LEASE = 1
+    EXPIRED = 2
+    HOLDER_GONE = 3
+    HASH_MISMATCH = 4
+    BELOW_MINIMUM = 5
+    REVOKED = 6
+
+
+class EventType(enum.IntEnum):
+    GRANTED = 1
+    RENEWED = 2
+    SUPERSEDED = 3
+    EXPIRED = 4
+    REVOKED = 5
+    HOLDER_LOST = 6
+    RECLAIMABLE = 7
+    RECLAIMED = 8
+
+
+class Holder:
+    __slots__ = (
+        "block_size", "dead_leases", "expire_at", "fingerprint", "holder_id", "leases",
+        "lost_at", "nixl_host", "nixl_port", "retained_blocks", "state", "tp_size", "ttl",
+    )
+
+    def __init__(
+        self, holder_id: str, nixl_host: str, nixl_port: int, tp_size: int, block_size: int,
+        fingerprint: str, ttl: float, expire_at: float,
+    ) -> None:
+        self.holder_id = holder_id
+        self.nixl_host = nixl_host
+        self.nixl_port = nixl_port
+        self.tp_size = tp_size
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        self.ttl = ttl
+        self.expire_at = expire_at
+        self.state = HolderState.ACTIVE
+        self.lost_at = 0.0
+        # Active leases, and leases no longer active whose blocks the holder has not yet
+        # confirmed freeing. Keyed by lease id.
+        self.leases: dict[str, Lease] = {}
+        self.dead_leases: dict[str, Lease] = {}
+        self.retained_blocks = 0
+
+
+class Lease:
+    __slots__ = (
+        "block_ids", "conversation_id", "created_at", "created_wall", "epoch", "expire_at",
+        "hashes", "holder", "idle_ttl", "lease_id", "max_expire_at", "max_lifetime", "pin_bound",
+        "pin_count", "remote_request_id", "state", "tenant", "token_count",
+    )
+
+    def __init__(
+        self, lease_id: str, tenant: str, conversation_id: str, holder: Holder,
+        remote_request_id: str, block_ids: array[int], token_count: int, hashes: bytes,
+        epoch: int, idle_ttl: float, max_lifetime: float, created_at: float,
+        created_wall: float, max_pin_ttl: float,
+    ) -> None:
+        self.lease_id = lease_id
+        self.tenant = tenant
+        self.conversation_id = conversation_id
+        self.holder = holder
+        self.remote_request_id = remote_request_id
+        self.block_ids = block_ids
+        self.token_count = token_count
+        self.hashes = hashes
+        self.epoch = epoch
+        self.idle_ttl = idle_ttl
+        self.max_lifetime = max_lifetime
+        self.created_at = created_at
+        self.created_wall = created_wall
+        self.max_expire_at = created_at + max_lifetime
+        self.expire_at = min(created_at + idle_ttl, self.max_expire_at)
+        # No pin may end after this: the holder frees on its own at max_lifetime + max_pin_ttl
+        # + its margin, measured from before it asked for the grant (invariant 4).
+        self.pin_bound = self.max_expire_at + max_pin_ttl
+        self.state = LeaseState.ACTIVE
+        self.pin_count = 0
+
+    @property
+    def reclaimable(self) -> bool:
+        return self.state is not LeaseState.ACTIVE and self.pin_count == 0
+
+
+class Pin:
+    __slots__ = ("expire_at", "lease", "pin_id")
+
+    def __init__(self, pin_id: str, lease: Lease, expire_at: float) -> None:
+        self.pin_id = pin_id
+        self.lease = lease
+        self.expire_at = expire_at
+
+
+class LeaseEvent:
+    """One lease change, as delivered to listeners (metrics, watch streams, logs)."""
+
+    __slots__ = ("conversation_id", "epoch", "holder_id", "lateness", "lease_id", "tenant",
+                 "type", "wall")
+
+    def __init__(self, type: EventType, lease: Lease, wall: float, lateness: float = 0.0) -> None:
+        self.type = type
+        self.lease_id = lease.lease_id
+        self.tenant = lease.tenant
+        self.conversation_id = lease.conversation_id
+        self.holder_id = lease.holder.holder_id
+        self.epoch = lease.epoch
+        self.wall = wall
+        self.lateness = lateness

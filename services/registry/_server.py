@@ -1,0 +1,137 @@
+"""Running a registry: `create_server` builds and binds one (tests, embedding), `serve` runs it
+until SIGTERM/SIGINT and then shuts down gracefully."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from kvbridge import logs
+from kvbridge.clock import Clock, SystemClock
+from kvbridge.registry.v1 import registry_pb2 as pb
+from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
+from kvbridge.services.registry._config import RegistryConfig
+from kvbridge.services.registry._core import LeaseTable
+from kvbridge.services.registry._metrics import RegistryMetrics
+from kvbridge.services.registry._servicer import RegistryServicer
+
+log = structlog.get_logger("kvbridge.registry")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RegistryService"].full_name
+_MAX_TICK_SLEEP = 0.02  # bounds expiry lateness even if a deadline moves earlier
+
+
+def split_hostport(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+@dataclass
+class RegistryServer:
+    """A bound (and, after `start`, serving) registry."""
+
+    config: RegistryConfig
+    table: LeaseTable
+    metrics: RegistryMetrics
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    metrics_port: int | None = None
+    _scheduler: asyncio.Task[None] | None = None
+    _http: object | None = field(default=None, repr=False)
+
+    @property
+    def address(self) -> str:
+        host, _ = split_hostport(self.config.listen)
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+        if self.config.metrics_listen:
+            host, port = split_hostport(self.config.metrics_listen)
+            httpd, _thread = start_http_server(port, host, registry=self.metrics.registry)
+            self._http = httpd
+            self.metrics_port = httpd.server_port
+        self._scheduler = asyncio.create_task(self._run_expiry(), name="registry-expiry")
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info("registry_started", listen=self.address, metrics_port=self.metrics_port,
+                 recovery_grace_s=self.config.effective_recovery_grace_s)
+
+    async def _run_expiry(self) -> None:
+        table, clock = self.table, self.table.clock
+        while True:
+            try:
+                expired = table.tick()
+            except Exception:  # the scheduler must outlive any single bad tick
+                log.exception("expiry_tick_failed")
+                expired = 0
+            if expired >= self.config.expiry_batch:
+                await asyncio.sleep(0)  # more are due: let RPCs in, then continue
+                continue
+            deadline = table.next_deadline()
+            delay = _MAX_TICK_SLEEP if deadline is None else deadline - clock.monotonic()
+            await asyncio.sleep(min(max(delay, 0.0005), _MAX_TICK_SLEEP))
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop accepting RPCs, give in-flight ones `grace` seconds, then close."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.config.shutdown_grace_s if grace is None else grace)
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            try:
+                await self._scheduler
+            except asyncio.CancelledError:
+                pass
+        if self._http is not None:
+            self._http.shutdown()  # type: ignore[attr-defined]
+            self._http.server_close()  # type: ignore[attr-defined]
+        log.info("registry_stopped", counts=self.table.counts())
+
+
+async def create_server(config: RegistryConfig, *, clock: Clock | None = None,
+                        table: LeaseTable | None = None) -> RegistryServer:
+    """Build a registry bound to `config.listen` (not started). Port 0 picks a free port."""
+    table = table or LeaseTable(config, clock or SystemClock())
+    metrics = RegistryMetrics(table)
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ])
+    pb_grpc.add_RegistryServiceServicer_to_server(RegistryServicer(table, metrics), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    host, port = split_hostport(config.listen)
+    bound = server.add_insecure_port(f"{host}:{port}" if ":" not in host else f"[{host}]:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind the registry to {config.listen}")
+    return RegistryServer(config, table, metrics, server, bound, health_servicer)
+
+
+async def serve(config: RegistryConfig, *, ready: asyncio.Event | None = None) -> None:
+    """Run a registry until SIGTERM or SIGINT."""
+    logs.configure(config.log_level, config.log_format)
+    registry = await create_server(config)
+    await registry.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("registry_shutting_down", grace_s=config.shutdown_grace_s)
+    await registry.stop()

@@ -1,0 +1,344 @@
+"""The gRPC adapter over `LeaseTable`: proto in, domain call, proto out. No policy lives here.
+
+Every method is wrapped by `_rpc`, which times it and turns a domain error into a canonical
+status with an ErrorInfo (the mapping is `kvbridge.errors.STATUS_CODES`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+import structlog
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from kvbridge._grpc_status import to_status
+from kvbridge.errors import CapacityExhausted, KvbridgeError
+from kvbridge.registry.v1 import registry_pb2 as pb
+from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
+from kvbridge.services.registry import _validate as check
+from kvbridge.services.registry._core import (
+    GrantSpec,
+    HolderSpec,
+    LeaseTable,
+    Snapshot,
+)
+from kvbridge.services.registry._metrics import RegistryMetrics
+from kvbridge.services.registry._model import (
+    EventType,
+    Holder,
+    HolderState,
+    Lease,
+    LeaseEvent,
+    LeaseState,
+)
+
+log = structlog.get_logger("kvbridge.registry")
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+
+_HOLDER_STATE = {HolderState.ACTIVE: pb.HOLDER_STATE_ACTIVE,
+                 HolderState.DRAINING: pb.HOLDER_STATE_DRAINING}
+_DEFAULT_PAGE, _MAX_PAGE = 100, 1000
+_WATCH_QUEUE = 10_000
+
+
+def _seconds(d: duration_pb2.Duration, field: str) -> float:
+    if d.seconds < 0 or d.nanos < 0:
+        raise check.InvalidArgument(field, "must not be negative")
+    return d.seconds + d.nanos * 1e-9
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    seconds = max(seconds, 0.0)
+    whole = int(seconds)
+    return duration_pb2.Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
+
+
+def _timestamp(wall: float) -> timestamp_pb2.Timestamp:
+    whole = int(wall)
+    return timestamp_pb2.Timestamp(seconds=whole, nanos=int((wall - whole) * 1e9))
+
+
+def _page(size: int) -> int:
+    if size > _MAX_PAGE:
+        raise check.InvalidArgument("page_size", f"at most {_MAX_PAGE}")
+    return size or _DEFAULT_PAGE
+
+
+def _rpc(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    async def wrapper(self: RegistryServicer, request: Req,
+                      context: grpc.aio.ServicerContext) -> Resp:
+        start = time.perf_counter()
+        try:
+            return await fn(self, request, context)
+        except KvbridgeError as err:
+            self.metrics.rpc_errors.labels(name, err.reason).inc()
+            log.debug("rpc_rejected", method=name, reason=err.reason, error=err.message)
+            await context.abort_with_status(to_status(err))
+            raise  # unreachable: abort_with_status raises
+        finally:
+            self._durations[name].observe(time.perf_counter() - start)
+
+    return wrapper
+
+
+class RegistryServicer(pb_grpc.RegistryServiceServicer):
+    def __init__(self, table: LeaseTable, metrics: RegistryMetrics) -> None:
+        self.table = table
+        self.metrics = metrics
+        self.clock = table.clock
+        self._watchers = 0
+        self._durations = {
+            name: metrics.rpc_duration.labels(name)
+            for name in pb.DESCRIPTOR.services_by_name["RegistryService"].methods_by_name
+        }
+
+    # ---- conversions ------------------------------------------------------------------------
+
+    def _holder(self, h: Holder) -> pb.Holder:
+        left = h.expire_at - self.clock.monotonic()
+        return pb.Holder(
+            holder_id=h.holder_id, nixl_host=h.nixl_host, nixl_port=h.nixl_port,
+            tp_size=h.tp_size, block_size=h.block_size, engine_fingerprint=h.fingerprint,
+            state=_HOLDER_STATE.get(h.state, pb.HOLDER_STATE_UNSPECIFIED),
+            ttl=_duration(h.ttl), expires_in=_duration(left),
+            expire_time=_timestamp(self.clock.wall() + left), lease_count=len(h.leases),
+            retained_blocks=h.retained_blocks,
+        )
+
+    def _lease(self, lease: Lease, *, blocks: bool = False) -> pb.Lease:
+        active = lease.state is LeaseState.ACTIVE
+        left = lease.expire_at - self.clock.monotonic() if active else 0.0
+        msg = pb.Lease(
+            lease_id=lease.lease_id, tenant=lease.tenant, conversation_id=lease.conversation_id,
+            holder_id=lease.holder.holder_id, remote_request_id=lease.remote_request_id,
+            token_count=lease.token_count, epoch=lease.epoch, state=int(lease.state),
+            idle_ttl=_duration(lease.idle_ttl), max_lifetime=_duration(lease.max_lifetime),
+            expires_in=_duration(left), expire_time=_timestamp(self.clock.wall() + left),
+            create_time=_timestamp(lease.created_wall), pin_count=lease.pin_count,
+        )
+        if blocks:
+            msg.block_ids.extend(lease.block_ids)
+            msg.block_hashes = lease.hashes
+        return msg
+
+    def _grant_spec(self, r: Any, holder_id: str, prefix: str = "") -> GrantSpec:
+        return GrantSpec(
+            holder_id=holder_id, tenant=r.tenant, conversation_id=r.conversation_id,
+            remote_request_id=r.remote_request_id, block_ids=r.block_ids,
+            token_count=r.token_count, hashes=r.block_hashes,
+            idle_ttl=_seconds(r.idle_ttl, prefix + "idle_ttl"),
+            max_lifetime=_seconds(r.max_lifetime, prefix + "max_lifetime"),
+            request_id=getattr(r, "request_id", ""),
+        )
+
+    # ---- holders ----------------------------------------------------------------------------
+
+    @_rpc
+    async def RegisterHolder(self, request: pb.RegisterHolderRequest,
+                             context: grpc.aio.ServicerContext) -> pb.RegisterHolderResponse:
+        spec = HolderSpec(request.holder_id, request.nixl_host, request.nixl_port,
+                          request.tp_size, request.block_size, request.engine_fingerprint,
+                          _seconds(request.ttl, "ttl"))
+        held = [
+            Snapshot(s.lease_id, self._grant_spec(s, request.holder_id, f"held_leases[{i}]."),
+                     s.epoch, _seconds(s.age, f"held_leases[{i}].age"))
+            for i, s in enumerate(request.held_leases)
+        ]
+        reg = self.table.register_holder(spec, held)
+        cfg = self.table.config
+        return pb.RegisterHolderResponse(
+            holder=self._holder(reg.holder),
+            limits=pb.RegistryLimits(
+                max_pin_ttl=_duration(cfg.max_pin_ttl_s),
+                heartbeat_interval=_duration(reg.holder.ttl / 3),
+                max_blocks_per_lease=cfg.max_blocks_per_lease),
+            restored_lease_ids=reg.restored, reclaimable_lease_ids=reg.reclaimable,
+        )
+
+    @_rpc
+    async def HeartbeatHolder(self, request: pb.HeartbeatHolderRequest,
+                              context: grpc.aio.ServicerContext) -> pb.HeartbeatHolderResponse:
+        reclaimable, ttl = self.table.heartbeat(request.holder_id, request.reclaimed_lease_ids)
+        return pb.HeartbeatHolderResponse(reclaimable_lease_ids=reclaimable,
+                                          expires_in=_duration(ttl))
+
+    @_rpc
+    async def DeregisterHolder(self, request: pb.DeregisterHolderRequest,
+                               context: grpc.aio.ServicerContext) -> pb.DeregisterHolderResponse:
+        reclaimable, pinned = self.table.deregister_holder(request.holder_id)
+        return pb.DeregisterHolderResponse(reclaimable_lease_ids=reclaimable,
+                                           pinned_lease_count=pinned)
+
+    @_rpc
+    async def ListHolders(self, request: pb.ListHoldersRequest,
+                          context: grpc.aio.ServicerContext) -> pb.ListHoldersResponse:
+        size = _page(request.page_size)
+        holders = [h for h in self.table.holders() if h.holder_id > request.page_token]
+        page = holders[:size]
+        token = page[-1].holder_id if len(holders) > size else ""
+        return pb.ListHoldersResponse(holders=[self._holder(h) for h in page],
+                                      next_page_token=token)
+
+    # ---- leases -----------------------------------------------------------------------------
+
+    @_rpc
+    async def GrantLease(self, request: pb.GrantLeaseRequest,
+                         context: grpc.aio.ServicerContext) -> pb.GrantLeaseResponse:
+        grant = self.table.grant(self._grant_spec(request, request.holder_id))
+        return pb.GrantLeaseResponse(
+            lease=self._lease(grant.lease),
+            superseded_lease_id=grant.superseded.lease_id if grant.superseded else "",
+        )
+
+    @_rpc
+    async def RenewLeases(self, request: pb.RenewLeasesRequest,
+                          context: grpc.aio.ServicerContext) -> pb.RenewLeasesResponse:
+        results = self.table.renew(
+            request.lease_ids, [(c.tenant, c.conversation_id) for c in request.conversations])
+        out = pb.RenewLeasesResponse()
+        renewed = 0
+        for r in results:
+            item = out.results.add(lease_id=r.lease_id, renewed=r.renewed,
+                                   state=int(r.state) if r.state else 0)
+            if r.renewed:
+                renewed += 1
+                left = r.expires_in
+                item.expires_in.seconds = int(left)
+                item.expires_in.nanos = int((left - int(left)) * 1e9)
+        out.renewed_count = renewed
+        self.metrics.renewals.inc(renewed)
+        return out
+
+    @_rpc
+    async def RevokeLease(self, request: pb.RevokeLeaseRequest,
+                          context: grpc.aio.ServicerContext) -> pb.RevokeLeaseResponse:
+        lease = self.table.revoke(request.lease_id, request.holder_id, request.reason)
+        return pb.RevokeLeaseResponse(lease=self._lease(lease), reclaimable=lease.reclaimable)
+
+    @_rpc
+    async def GetLease(self, request: pb.GetLeaseRequest,
+                       context: grpc.aio.ServicerContext) -> pb.GetLeaseResponse:
+        return pb.GetLeaseResponse(lease=self._lease(self.table.get_lease(request.lease_id),
+                                                     blocks=True))
+
+    @_rpc
+    async def ListLeases(self, request: pb.ListLeasesRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListLeasesResponse:
+        size = _page(request.page_size)
+        if request.page_token:
+            check.identifier("page_token", request.page_token, self.table.config.max_id_length)
+        it = self.table.leases(request.tenant, request.conversation_id, request.holder_id,
+                               request.include_inactive, request.page_token)
+        page = []
+        for lease in it:
+            if len(page) == size:
+                return pb.ListLeasesResponse(
+                    leases=[self._lease(x, blocks=request.include_blocks) for x in page],
+                    next_page_token=page[-1].lease_id)
+            page.append(lease)
+        return pb.ListLeasesResponse(
+            leases=[self._lease(x, blocks=request.include_blocks) for x in page])
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    @_rpc
+    async def AcquireRead(self, request: pb.AcquireReadRequest,
+                          context: grpc.aio.ServicerContext) -> pb.AcquireReadResponse:
+        read = self.table.acquire_read(
+            request.tenant, request.conversation_id, request.block_hashes, request.min_tokens,
+            _seconds(request.pin_ttl, "pin_ttl"), request.reader_id, request.request_id)
+        self.metrics.read(read.miss)
+        out = pb.AcquireReadResponse(miss_reason=int(read.miss),
+                                     mismatch_block=read.mismatch_block)
+        lease = read.lease
+        if lease is None:
+            return out
+        out.lease.CopyFrom(self._lease(lease))
+        if read.pin is None:
+            return out
+        h = lease.holder
+        out.holder.CopyFrom(pb.Holder(
+            holder_id=h.holder_id, nixl_host=h.nixl_host, nixl_port=h.nixl_port,
+            tp_size=h.tp_size, block_size=h.block_size, engine_fingerprint=h.fingerprint,
+            state=pb.HOLDER_STATE_ACTIVE))
+        k = read.matched_blocks
+        out.matched_blocks = k
+        out.matched_tokens = k * h.block_size
+        out.remote_block_ids.extend(lease.block_ids[:k])
+        if read.partial:
+            size = 16
+            out.partial_block_id = lease.block_ids[k]
+            out.partial_block_tokens = lease.token_count - k * h.block_size
+            out.partial_block_hash = lease.hashes[k * size:(k + 1) * size]
+        left = read.pin.expire_at - self.clock.monotonic()
+        out.pin.pin_id = read.pin.pin_id
+        out.pin.expires_in.CopyFrom(_duration(left))
+        out.pin.expire_time.CopyFrom(_timestamp(self.clock.wall() + left))
+        return out
+
+    @_rpc
+    async def ReleaseRead(self, request: pb.ReleaseReadRequest,
+                          context: grpc.aio.ServicerContext) -> pb.ReleaseReadResponse:
+        return pb.ReleaseReadResponse(released=self.table.release_read(request.pin_id))
+
+    # ---- watch ------------------------------------------------------------------------------
+
+    async def WatchLeases(self, request: pb.WatchLeasesRequest,
+                          context: grpc.aio.ServicerContext
+                          ) -> AsyncIterator[pb.WatchLeasesResponse]:
+        cfg = self.table.config
+        try:
+            for name in ("holder_id", "tenant"):
+                value = getattr(request, name)
+                if value:
+                    check.identifier(name, value, cfg.max_id_length)
+            if self._watchers >= cfg.max_watchers:
+                raise CapacityExhausted("too many watchers", limit=cfg.max_watchers)
+        except KvbridgeError as err:
+            await context.abort_with_status(to_status(err))
+            return
+        queue: asyncio.Queue[LeaseEvent] = asyncio.Queue(_WATCH_QUEUE)
+        holder, tenant = request.holder_id, request.tenant
+        overflowed = False
+
+        def listener(event: LeaseEvent) -> None:
+            nonlocal overflowed
+            if (holder and event.holder_id != holder) or (tenant and event.tenant != tenant):
+                return
+            if event.type is EventType.RENEWED and not request.include_renewals:
+                return
+            if queue.full():
+                overflowed = True  # the stream ends at its next step; events are not skipped
+            else:
+                queue.put_nowait(event)
+
+        self._watchers += 1
+        self.table.add_listener(listener, renewals=request.include_renewals)
+        log.info("watch_started", holder=holder or "*", tenant=tenant or "*")
+        try:
+            while True:
+                event = await queue.get()
+                if overflowed:
+                    log.warning("watch_overflow", holder=holder or "*", tenant=tenant or "*")
+                    await context.abort_with_status(to_status(CapacityExhausted(
+                        "watcher fell behind; reconnect and re-list", queue=_WATCH_QUEUE)))
+                    return
+                yield pb.WatchLeasesResponse(event=pb.LeaseEvent(
+                    type=int(event.type), lease_id=event.lease_id, tenant=event.tenant,
+                    conversation_id=event.conversation_id, holder_id=event.holder_id,
+                    epoch=event.epoch, event_time=_timestamp(event.wall),
+                    lateness=_duration(event.lateness)))
+        finally:
+            self.table.remove_listener(listener, renewals=request.include_renewals)
+            self._watchers -= 1
