@@ -1,6 +1,333 @@
-"""Placeholder replaced below."""
+"""`kvbridge bench registry`: the registry's control-plane figures, beside a trivial echo service.
+
+Starts a registry and a trivial grpc.aio echo service, each in a process of its own, and drives
+them from this one, so that the registry is measured against the limit of this machine's gRPC
+stack in the same run (ratios, not absolute numbers, are what transfer between machines):
+
+- acquire-read latency (p50/p99) at a fixed offered rate (open loop), against 64-block leases;
+  the echo service's p99 at the same rate;
+- the highest sustained AcquireRead rate (closed loop, many calls in flight), and the echo's;
+- lease renewals per second through the batched RenewLeases;
+- resident memory per lease, from the registry's RSS before and after granting N leases;
+- how late expiry fires (p99), from the registry's own lateness figure on EXPIRED events,
+  with the N leases still live in the expiry queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
 import click
+import grpc
+from kvbridge.clients._registry import AsyncRegistryClient, seconds
+from kvbridge.registry.v1 import registry_pb2 as pb
+
+ECHO_METHOD = "/kvbridge.bench.Echo/Echo"
+_PORT_LINE = re.compile(r"^(?:PORT (\d+)|.*\"listen\": \"[^\"]*:(\d+)\")")
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+async def _echo_main() -> None:
+    """A trivial grpc.aio echo service (the baseline), printing its port."""
+
+    async def echo(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        return request
+
+    server = grpc.aio.server()
+    handler = grpc.method_handlers_generic_handler("kvbridge.bench.Echo", {
+        "Echo": grpc.unary_unary_rpc_method_handler(echo, _identity, _identity)})
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print(f"PORT {port}", flush=True)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await server.stop(0)
+
+
+@dataclass
+class _Proc:
+    popen: subprocess.Popen[str]
+    port: int
+
+    def rss_bytes(self) -> int:
+        status = Path(f"/proc/{self.popen.pid}/status").read_text()
+        kib = int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1))  # type: ignore[union-attr]
+        return kib * 1024
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def _spawn(args: list[str], env: dict[str, str] | None = None) -> _Proc:
+    popen = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, **(env or {})})
+    assert popen.stdout is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = popen.stdout.readline()
+        if not line:
+            break
+        m = _PORT_LINE.match(line)
+        if m:
+            return _Proc(popen, int(m.group(1) or m.group(2)))
+    popen.kill()
+    raise RuntimeError(f"{args[:4]} did not start: {popen.stdout.read()[-2000:]}")
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else float("nan")
+
+
+async def _open_loop(call: Callable[[int], Awaitable[Any]], rate: float, duration: float
+                     ) -> list[float]:
+    """Issue calls at a fixed offered rate regardless of replies; return latencies in ms."""
+    latencies: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def one(i: int) -> None:
+        start = time.perf_counter()
+        await call(i)
+        latencies.append((time.perf_counter() - start) * 1000)
+
+    tasks = []
+    n = int(rate * duration)
+    t0 = loop.time()
+    for i in range(n):
+        delay = t0 + i / rate - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    return latencies
+
+
+async def _closed_loop(call: Callable[[int], Awaitable[Any]], concurrency: int,
+                       duration: float) -> float:
+    """Keep `concurrency` calls in flight for `duration`; return completed calls per second."""
+    done = 0
+    stop_at = time.perf_counter() + duration
+
+    async def worker(w: int) -> None:
+        nonlocal done
+        i = w
+        while time.perf_counter() < stop_at:
+            await call(i)
+            done += 1
+            i += concurrency
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    return done / (time.perf_counter() - start)
+
+
+async def _bounded(coros: Callable[[int], Awaitable[Any]], n: int, concurrency: int) -> None:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        async with sem:
+            await coros(i)
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def _run(leases: int, blocks: int, rate: float, duration: float, concurrency: int,
+               log: Callable[[str], None]) -> dict[str, Any]:
+    block_size = 16
+    registry = _spawn([sys.executable, "-m", "kvbridge.cli", "registry", "serve",
+                       "--listen", "127.0.0.1:0", "--metrics-listen", "",
+                       "--log-level", "info", "--log-format", "json",
+                       "--max-leases", str(leases * 2 + 100000)])
+    echo = _spawn([sys.executable, "-c",
+                   "import asyncio; from kvbridge.benchmarks.registry_bench import _echo_main;"
+                   " asyncio.run(_echo_main())"])
+    # The registry logs nothing per RPC; drain its output so a burst of warnings cannot block.
+    assert registry.popen.stdout is not None
+    asyncio.get_running_loop().run_in_executor(None, registry.popen.stdout.read)
+    out: dict[str, Any] = {"leases": leases, "blocks_per_lease": blocks,
+                           "offered_rate_rps": rate}
+    try:
+        client = AsyncRegistryClient(f"127.0.0.1:{registry.port}", timeout=30, retries=0)
+        await client.register_holder("bench-decode", "127.0.0.1", 5600, block_size,
+                                     "bench-fingerprint", ttl=300)
+        block_ids = list(range(blocks))
+        tokens = blocks * block_size
+        hashes = [os.urandom(16 * blocks) for _ in range(256)]  # varied payloads, cheap to make
+
+        async def grant(i: int, tenant: str = "bench", ttl: float = 3600.0) -> str:
+            resp = await client.grant_lease(
+                "bench-decode", tenant, f"conv-{i}", f"req-{i}", block_ids, tokens,
+                hashes[i % 256], idle_ttl=ttl, max_lifetime=max(ttl, 3600.0),
+                request_id=f"{tenant}-{i}")
+            return str(resp.lease.lease_id)
+
+        # Warm up code paths and the allocator, then measure memory per lease.
+        await _bounded(lambda i: grant(i, "warmup"), 2000, concurrency)
+        await asyncio.sleep(0.5)
+        rss0 = registry.rss_bytes()
+        log(f"granting {leases} leases of {blocks} blocks ...")
+        t = time.perf_counter()
+        lease_ids: list[str] = [""] * leases
+
+        async def grant_into(i: int) -> None:
+            lease_ids[i] = await grant(i)
+
+        await _bounded(grant_into, leases, concurrency)
+        out["grants_per_s"] = round(leases / (time.perf_counter() - t))
+        await asyncio.sleep(0.5)
+        out["rss_mb"] = round(registry.rss_bytes() / 2**20, 1)
+        out["bytes_per_lease"] = round((registry.rss_bytes() - rss0) / leases)
+        log(f"  {out['grants_per_s']} grants/s, {out['bytes_per_lease']} bytes/lease")
+
+        # Batched renewals.
+        batch = 1000
+        renewed = 0
+
+        async def renew(i: int) -> None:
+            nonlocal renewed
+            start = (i * batch) % leases
+            resp = await client.renew_leases(lease_ids[start:start + batch])
+            renewed += resp.renewed_count
+
+        t = time.perf_counter()
+        rounds = max(leases // batch, 1) * 2
+        await _bounded(renew, rounds, 4)
+        out["renewals_per_s"] = round(renewed / (time.perf_counter() - t))
+        log(f"  {out['renewals_per_s']} renewals/s")
+
+        # Expiry lateness: short-TTL leases among the long-lived ones, observed via Watch.
+        lateness: list[float] = []
+        probes = 2000
+
+        async def watch() -> None:
+            async for event in client.watch_leases(tenant="expiry-probe"):
+                if event.type == pb.LEASE_EVENT_TYPE_EXPIRED:
+                    lateness.append(seconds(event.lateness) * 1000)
+                    if len(lateness) >= probes:
+                        return
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0.2)
+        await _open_loop(lambda i: grant(i, "expiry-probe", 1.0), probes / 2.0, 2.0)
+        await asyncio.wait_for(watcher, timeout=30)
+        out["expiry_late_p50_ms"] = round(_pct(lateness, 0.5), 3)
+        out["expiry_late_p99_ms"] = round(_pct(lateness, 0.99), 3)
+        log(f"  expiry late p99 {out['expiry_late_p99_ms']} ms")
+
+        # The hot path: AcquireRead for a 64-block prompt that matches, then its release.
+        prompts = {i: hashes[i % 256] + os.urandom(16 * 8) for i in range(256)}
+
+        async def acquire(i: int) -> None:
+            k = i % leases
+            resp = await client.acquire_read("bench", f"conv-{k}", prompts[k % 256],
+                                             min_tokens=64, pin_ttl=1.0, reader_id="bench",
+                                             request_id=uuid.uuid4().hex)
+            if resp.miss_reason != pb.MISS_REASON_UNSPECIFIED:
+                raise RuntimeError(f"unexpected miss {resp.miss_reason}")
+
+        await _closed_loop(acquire, concurrency, 1.0)  # warm-up
+        lat = await _open_loop(acquire, rate, duration)
+        out["acquire_read_p50_ms"] = round(_pct(lat, 0.5), 3)
+        out["acquire_read_p99_ms"] = round(_pct(lat, 0.99), 3)
+        cpu0 = registry.cpu_seconds()
+        out["max_rps"] = round(await _closed_loop(acquire, concurrency, duration))
+        out["server_cpu_us_per_rpc"] = round(
+            (registry.cpu_seconds() - cpu0) / (out["max_rps"] * duration) * 1e6)
+        log(f"  acquire-read p50 {out['acquire_read_p50_ms']} ms p99 "
+            f"{out['acquire_read_p99_ms']} ms, max {out['max_rps']} RPC/s")
+        await client.close()
+
+        # The same two measurements against the trivial echo service.
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{echo.port}")
+        echo_call = channel.unary_unary(ECHO_METHOD, request_serializer=_identity,
+                                        response_deserializer=_identity)
+        payload = os.urandom(16 * (blocks + 8))
+
+        async def ping(i: int) -> None:
+            await echo_call(payload, timeout=30)
+
+        await _closed_loop(ping, concurrency, 1.0)
+        lat = await _open_loop(ping, rate, duration)
+        out["echo_p50_ms"] = round(_pct(lat, 0.5), 3)
+        out["echo_p99_ms"] = round(_pct(lat, 0.99), 3)
+        cpu0 = echo.cpu_seconds()
+        out["echo_max_rps"] = round(await _closed_loop(ping, concurrency, duration))
+        out["echo_server_cpu_us_per_rpc"] = round(
+            (echo.cpu_seconds() - cpu0) / (out["echo_max_rps"] * duration) * 1e6)
+        await channel.close()
+        out["acquire_p99_vs_echo"] = round(out["acquire_read_p99_ms"] / out["echo_p99_ms"], 2)
+        out["max_rps_vs_echo"] = round(out["max_rps"] / out["echo_max_rps"], 2)
+        log(f"  echo p99 {out['echo_p99_ms']} ms, max {out['echo_max_rps']} RPC/s")
+    finally:
+        registry.stop()
+        echo.stop()
+    return out
+
+
+TARGETS = [
+    ("acquire_read_p99_ms", "<=", 1.0, "acquire-read p99 at the offered rate (ms)"),
+    ("acquire_p99_vs_echo", "<=", 1.25, "acquire-read p99 / echo p99"),
+    ("max_rps", ">=", 4000, "sustained AcquireRead RPC/s"),
+    ("renewals_per_s", ">=", 20000, "batched renewals/s"),
+    ("bytes_per_lease", "<=", 2048, "resident bytes per 64-block lease"),
+    ("expiry_late_p99_ms", "<=", 50, "expiry lateness p99 (ms)"),
+]
+
 
 @click.command("registry")
-def registry_bench() -> None:
-    """Registry benchmark."""
+@click.option("--leases", default=100_000, show_default=True, type=click.IntRange(min=1000),
+              help="live leases for the memory and expiry figures")
+@click.option("--blocks", default=64, show_default=True, type=click.IntRange(1, 4096),
+              help="blocks per lease")
+@click.option("--rate", default=1000.0, show_default=True, type=click.FloatRange(min=1),
+              help="offered AcquireRead (and echo) rate for the latency figures, RPC/s")
+@click.option("--duration", default=5.0, show_default=True, type=click.FloatRange(min=0.5),
+              help="seconds per latency/throughput phase")
+@click.option("--concurrency", default=64, show_default=True, type=click.IntRange(1, 4096),
+              help="calls in flight for the closed-loop phases")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON object")
+def registry_bench(leases: int, blocks: int, rate: float, duration: float, concurrency: int,
+                   as_json: bool) -> None:
+    """Measure the registry beside a trivial gRPC echo service (about a minute)."""
+
+    def log(msg: str) -> None:
+        click.echo(msg, err=True)
+
+    result = asyncio.run(_run(leases, blocks, rate, duration, concurrency, log))
+    if as_json:
+        click.echo(json.dumps(result, sort_keys=True))
+        return
+    for key, value in result.items():
+        click.echo(f"{key:<22} {value}")
+    click.echo("\ntargets:")
+    for key, op, bound, what in TARGETS:
+        value = result[key]
+        ok = value <= bound if op == "<=" else value >= bound
+        click.echo(f"  {'met ' if ok else 'MISS'} {what}: {value} (target {op} {bound})")

@@ -22,11 +22,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import structlog
-
 from kvbridge.clients._registry import RegistryClient, duration, seconds
+from kvbridge.registry.v1 import registry_pb2 as pb
+
 from kvbridge.clock import Clock, SystemClock
 from kvbridge.errors import HolderNotFound, KvbridgeError
-from kvbridge.registry.v1 import registry_pb2 as pb
 
 log = structlog.get_logger("kvbridge.holder")
 
@@ -131,8 +131,8 @@ class HolderSession:
             rejected = [lid for lid in self._held if lid not in restored]
         log.info("holder_registered", holder=self.holder_id, held=len(held),
                  restored=len(restored), rejected=len(rejected))
-        # Leases the registry would not take back can never be read again: free them.
-        self._reclaim(rejected, "not_restored")
+        # Leases the registry would not take back are never read again, but a reader may still
+        # hold a pin on one: free them only once reported reclaimable (or at the hard deadline).
         self._reclaim(list(resp.reclaimable_lease_ids), "reclaimable")
         return True
 

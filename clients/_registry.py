@@ -18,11 +18,11 @@ from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2
+from kvbridge.registry.v1 import registry_pb2 as pb
+from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
 
 from kvbridge._grpc_status import from_rpc_error
 from kvbridge.errors import DeadlineExceeded, KvbridgeError, Unavailable
-from kvbridge.registry.v1 import registry_pb2 as pb
-from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
 
 DEFAULT_TIMEOUT = 2.0
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
@@ -329,7 +329,7 @@ class AsyncRegistryClient:
     async def get_lease(self, lease_id: str, *, timeout: float | None = None) -> pb.Lease:
         req = pb.GetLeaseRequest(lease_id=lease_id)
         resp = await self._call("GetLease", req, idempotent=True, timeout=timeout)
-        return resp.lease  # type: ignore[no-any-return]
+        return resp.lease
 
     async def list_leases(self, tenant: str = "", conversation_id: str = "",
                           holder_id: str = "", include_inactive: bool = False,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 from google.protobuf import any_pb2
-from google.rpc import error_details_pb2, status_pb2
+from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
 from grpc_status import rpc_status
 
 from kvbridge.errors import (
@@ -55,8 +55,7 @@ def from_rpc_error(err: grpc.RpcError) -> KvbridgeError:
         details = (err.details() if hasattr(err, "details") else "") or str(code)
         return ERRORS_BY_CODE.get(code, KvbridgeError)(details, code=code.name)
     cls = ERRORS_BY_REASON.get(info.reason, KvbridgeError)
-    details = err.details() if hasattr(err, "details") else str(err)
-    message = details or info.reason
+    message = str((err.details() if hasattr(err, "details") else str(err)) or info.reason)
     meta = dict(info.metadata)
     if cls is InvalidArgument:
         field = meta.pop("field", "request")

@@ -111,7 +111,7 @@ def count_blocks(hashes: bytes) -> int:
     return len(hashes) // HASH_SIZE
 
 
-def matching_prefix(ours: bytes, theirs: bytes) -> int:
+def matching_prefix(ours: bytes | memoryview, theirs: bytes | memoryview) -> int:
     """How many leading blocks two hash concatenations share."""
     n = min(len(ours), len(theirs)) // HASH_SIZE
     if ours[: n * HASH_SIZE] == theirs[: n * HASH_SIZE]:

@@ -4,21 +4,26 @@ from __future__ import annotations
 
 import click
 
-from kvbridge import __version__
+from kvbridge import __version__, logs
 from kvbridge.clients._cli import holders_group, leases_group
 from kvbridge.services.registry._cli import registry_group
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="kvbridge")
-def main() -> None:
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="warning", show_default=True, envvar="KVBRIDGE_LOG_LEVEL",
+              help="log level of client commands (services take their own --log-level)")
+def main(log_level: str) -> None:
     """kvbridge: leases that let prefill engines reuse the KV cache decode engines hold.
 
     \b
     Services:   kvbridge registry serve
     Operations: kvbridge leases list|show|renew|revoke|watch, kvbridge holders list
     Benchmarks: kvbridge bench registry
+    Demo:       kvbridge registry demo
     """
+    logs.configure(log_level, "auto")
 
 
 @click.group("bench")

@@ -49,7 +49,8 @@ def config_options(cls: type[Any], *, exclude: tuple[str, ...] = ()) -> Callable
                 continue
             default = field.default
             kind: Any = type(default) if default is not None else str
-            help_text = f"{field.metadata.get('help', '')} [env {env_name(field, cls)}; default {default}]"
+            help_text = (f"{field.metadata.get('help', '')} "
+                         f"[env {env_name(field, cls)}; default {default}]")
             if kind is bool:
                 opt = click.option(
                     _flag(field.name) + "/--no-" + field.name.replace("_", "-"),
@@ -60,7 +61,7 @@ def config_options(cls: type[Any], *, exclude: tuple[str, ...] = ()) -> Callable
                     _flag(field.name), field.name, type=kind, default=None,
                     envvar=env_name(field, cls), help=help_text, show_envvar=False,
                 )
-            fn = opt(fn)  # type: ignore[operator]
+            fn = opt(fn)  # type: ignore[type-var]  # click's decorator typing wants FC
         return fn
 
     return decorate
@@ -88,7 +89,7 @@ def from_env(cls: type[T], environ: Mapping[str, str] | None = None) -> T:
         raw = environ.get(env_name(field, cls))
         if raw is None:
             continue
-        kind = type(field.default)
+        kind: Any = type(field.default)
         if kind is bool:
             kwargs[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
         else:

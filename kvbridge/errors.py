@@ -125,5 +125,5 @@ ERRORS_BY_CODE: dict[grpc.StatusCode, type[KvbridgeError]] = {
 def status_code(error: KvbridgeError) -> grpc.StatusCode:
     for cls in type(error).__mro__:
         if cls in STATUS_CODES:
-            return STATUS_CODES[cls]  # type: ignore[index]
+            return STATUS_CODES[cls]
     return grpc.StatusCode.INTERNAL

@@ -28,12 +28,26 @@ from kvbridge.services.registry._model import (
 )
 
 __all__ = [
-    "EventType", "Grant", "GrantSpec", "Holder", "HolderSpec", "HolderState", "Lease",
-    "LeaseEvent", "LeaseState", "LeaseTable", "MissReason", "Pin", "Read", "RegistryConfig",
-    "Registration", "Renewal", "Snapshot",
+    "EventType",
+    "Grant",
+    "GrantSpec",
+    "Holder",
+    "HolderSpec",
+    "HolderState",
+    "Lease",
+    "LeaseEvent",
+    "LeaseState",
+    "LeaseTable",
+    "MissReason",
+    "Pin",
+    "Read",
+    "Registration",
+    "RegistryConfig",
+    "Renewal",
+    "Snapshot",
 ]
 
-from kvbridge.services.registry._server import (  # noqa: E402  (after the core re-exports)
+from kvbridge.services.registry._server import (
     RegistryServer,
     create_server,
     serve,

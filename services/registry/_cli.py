@@ -6,10 +6,10 @@ import asyncio
 from typing import Any
 
 import click
-
-from kvbridge.config import build_config, config_options
 from kvbridge.services.registry._config import RegistryConfig
 from kvbridge.services.registry._server import serve
+
+from kvbridge.config import build_config, config_options
 
 
 @click.group("registry")
@@ -31,3 +31,12 @@ def serve_command(**options: Any) -> None:
         asyncio.run(serve(config))
     except OSError as exc:
         raise click.ClickException(f"cannot start the registry: {exc}") from exc
+
+
+def _register_demo() -> None:
+    from kvbridge.clients._demo import demo_command
+
+    registry_group.add_command(demo_command)
+
+
+_register_demo()

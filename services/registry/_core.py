@@ -8,7 +8,8 @@ how promptly `tick()` runs.
 
 Invariants kept here (DESIGN.md):
 - a lease is never reported reclaimable while a pin on it is live;
-- a pin never outlives its lease's `pin_bound` (max lifetime + max pin TTL);
+- a pin never ends after its lease's maximum lifetime + the maximum pin TTL, the bound the
+  holder's own hard deadline is built on;
 - only the conversation's current ACTIVE lease is readable: superseded, expired, revoked and
   holder-lost leases never are again;
 - after a start with empty state nothing is reported reclaimable for the recovery grace.
@@ -19,11 +20,24 @@ from __future__ import annotations
 import hashlib
 import heapq
 import secrets
-from array import array
-from collections.abc import Callable, Iterable, Iterator
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import structlog
+from kvbridge.services.registry import _validate as check
+from kvbridge.services.registry._config import RegistryConfig
+from kvbridge.services.registry._expiry import ExpiryWheel
+from kvbridge.services.registry._model import (
+    EventType,
+    Holder,
+    HolderState,
+    Lease,
+    LeaseEvent,
+    LeaseState,
+    MissReason,
+    Pin,
+)
 
 from kvbridge import blockhash
 from kvbridge.clock import Clock
@@ -35,18 +49,6 @@ from kvbridge.errors import (
     IdempotencyConflict,
     LeaseNotFound,
     NotLeaseHolder,
-)
-from kvbridge.services.registry import _validate as check
-from kvbridge.services.registry._config import RegistryConfig
-from kvbridge.services.registry._model import (
-    EventType,
-    Holder,
-    HolderState,
-    Lease,
-    LeaseEvent,
-    LeaseState,
-    MissReason,
-    Pin,
 )
 
 log = structlog.get_logger("kvbridge.registry")
@@ -84,7 +86,7 @@ class GrantSpec:
     tenant: str
     conversation_id: str
     remote_request_id: str
-    block_ids: list[int] | array[int]
+    block_ids: Sequence[int]
     token_count: int
     hashes: bytes
     idle_ttl: float = 0.0  # 0: the registry default
@@ -151,10 +153,11 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self._conversations: dict[str, dict[str, Lease]] = {}  # tenant -> conversation -> lease
         self._pins: dict[str, Pin] = {}
-        self._lease_heap: list[tuple[float, str]] = []  # (deadline, lease id), lazily rescheduled
+        self._expiry: ExpiryWheel[Lease] = ExpiryWheel()  # lazily rescheduled on renewal
+        self._durations: dict[float, float] = {}  # one float object per distinct TTL
         self._pin_heap: list[tuple[float, str]] = []
         self._listeners: list[Listener] = []
-        self._renewal_listeners = 0
+        self._renewal_listeners: list[Listener] = []
         now = clock.monotonic()
         # A fresh, empty registry may be a restarted one: holders may have pins from before.
         self._reclaim_hold_until = now + config.effective_recovery_grace_s if recovering else now
@@ -165,16 +168,19 @@ class LeaseTable:
     def add_listener(self, listener: Listener, *, renewals: bool = False) -> None:
         """Call `listener` for every lease event (RENEWED ones only when `renewals`)."""
         self._listeners.append(listener)
-        self._renewal_listeners += renewals
+        if renewals:
+            self._renewal_listeners.append(listener)
 
     def remove_listener(self, listener: Listener, *, renewals: bool = False) -> None:
         self._listeners.remove(listener)
-        self._renewal_listeners -= renewals
+        if renewals:
+            self._renewal_listeners.remove(listener)
 
     def _emit(self, type: EventType, lease: Lease, lateness: float = 0.0) -> None:
         if self._listeners:
             event = LeaseEvent(type, lease, self.clock.wall(), lateness)
-            for listener in tuple(self._listeners):
+            targets = self._renewal_listeners if type is EventType.RENEWED else self._listeners
+            for listener in tuple(targets):
                 listener(event)
 
     # ---- holders ----------------------------------------------------------------------------
@@ -203,6 +209,8 @@ class LeaseTable:
 
         now = self.clock.monotonic()
         holder = self._holders.get(spec.holder_id)
+        if holder is not None and holder.state is not HolderState.LOST and holder.expire_at <= now:
+            self._lose_holder(holder, now)  # it missed its TTL: its leases are lost for good
         if holder is not None and holder.state is not HolderState.LOST and (
             holder.block_size != spec.block_size or holder.fingerprint != spec.fingerprint
             or holder.tp_size != spec.tp_size
@@ -212,7 +220,8 @@ class LeaseTable:
                 f"(block size {holder.block_size}, tp {holder.tp_size}); deregister it first",
                 holder=spec.holder_id,
             )
-        if len(self._leases) + len(snapshots) > cfg.max_leases:
+        unknown = sum(1 for snap in snapshots if snap.lease_id not in self._leases)
+        if len(self._leases) + unknown > cfg.max_leases:
             raise CapacityExhausted("registry lease capacity reached", limit=cfg.max_leases)
 
         if holder is None:
@@ -232,7 +241,7 @@ class LeaseTable:
         # The holder is the source of truth for its memory: an active lease it no longer
         # lists (say the engine restarted) must never be read again.
         held_ids = {snap.lease_id for snap in snapshots}
-        for lease in list(holder.leases.values()):
+        for lease in self._active_of(holder):
             if lease.lease_id not in held_ids:
                 self._kill(lease, LeaseState.REVOKED)
         restored: list[str] = []
@@ -254,25 +263,24 @@ class LeaseTable:
         cfg = self.config
         idle = g.idle_ttl or cfg.default_idle_ttl_s
         life = g.max_lifetime or cfg.default_max_lifetime_s
-        lease = Lease(snap.lease_id, g.tenant, g.conversation_id, holder, g.remote_request_id,
-                      array("I", g.block_ids), g.token_count, g.hashes, snap.epoch, idle, life,
-                      now - snap.age, self.clock.wall() - snap.age, cfg.max_pin_ttl_s)
+        lease = Lease(snap.lease_id, sys.intern(g.tenant), g.conversation_id, holder,
+                      g.remote_request_id, g.block_ids, g.token_count, g.hashes, snap.epoch,
+                      idle, life, now - snap.age)
         lease.expire_at = min(now + idle, lease.max_expire_at)  # restoring counts as activity
-        self._leases[lease.lease_id] = lease
-        holder.leases[lease.lease_id] = lease
-        holder.retained_blocks += len(lease.block_ids)
-        self.active_leases += 1
+        self._add(lease)
         current = self._conversations.get(g.tenant, {}).get(g.conversation_id)
         if lease.expire_at <= now:
             self._kill(lease, LeaseState.EXPIRED)
-        elif current is None or (current.epoch, current.created_at) < (lease.epoch, lease.created_at):
+        elif current is None or (
+            (current.epoch, current.created_at) < (lease.epoch, lease.created_at)
+        ):
             self._conversations.setdefault(g.tenant, {})[g.conversation_id] = lease
             if current is not None and current.state is LeaseState.ACTIVE:
                 self._kill(current, LeaseState.SUPERSEDED)
         else:
             self._kill(lease, LeaseState.SUPERSEDED)
         if lease.state is LeaseState.ACTIVE:
-            heapq.heappush(self._lease_heap, (lease.expire_at, lease.lease_id))
+            self._expiry.add(lease, lease.expire_at)
 
     def heartbeat(self, holder_id: str, reclaimed: Iterable[str] = ()) -> tuple[list[str], float]:
         """Keep a holder alive; forget leases it freed; return its reclaimable leases."""
@@ -294,7 +302,7 @@ class LeaseTable:
         check.identifier("holder_id", holder_id, self.config.max_id_length)
         holder = self._live_holder(holder_id, self.clock.monotonic())
         holder.state = HolderState.DRAINING
-        for lease in list(holder.leases.values()):
+        for lease in self._active_of(holder):
             self._kill(lease, LeaseState.REVOKED)
         pinned = sum(1 for lease in holder.dead_leases.values() if lease.pin_count)
         log.info("holder_draining", holder=holder_id, pinned=pinned)
@@ -328,7 +336,7 @@ class LeaseTable:
     def _lose_holder(self, holder: Holder, now: float) -> None:
         holder.state = HolderState.LOST
         holder.lost_at = now
-        lost = list(holder.leases.values())
+        lost = self._active_of(holder)
         for lease in lost:
             self._kill(lease, LeaseState.HOLDER_LOST)
         log.warning("holder_lost", holder=holder.holder_id, leases_lost=len(lost),
@@ -380,22 +388,19 @@ class LeaseTable:
         convs = self._conversations.setdefault(g.tenant, {})
         current = convs.get(g.conversation_id)
         epoch = current.epoch + 1 if current is not None else 1
-        lease = Lease(lease_id, g.tenant, g.conversation_id, holder, g.remote_request_id,
-                      array("I", g.block_ids), g.token_count, g.hashes, epoch, idle, life, now,
-                      self.clock.wall(), cfg.max_pin_ttl_s)
+        lease = Lease(lease_id, sys.intern(g.tenant), g.conversation_id, holder,
+                      g.remote_request_id, g.block_ids, g.token_count, g.hashes, epoch,
+                      self._shared(idle), self._shared(life), now)
         superseded = None
         if current is not None and current.state is LeaseState.ACTIVE:
             self._kill(current, LeaseState.SUPERSEDED)
             superseded = current
         convs[g.conversation_id] = lease
-        self._leases[lease_id] = lease
-        holder.leases[lease_id] = lease
-        holder.retained_blocks += len(lease.block_ids)
-        self.active_leases += 1
-        heapq.heappush(self._lease_heap, (lease.expire_at, lease_id))
+        self._add(lease)
+        self._expiry.add(lease, lease.expire_at)
         log.debug("lease_granted", lease_id=lease_id, tenant=g.tenant,
                   conversation=g.conversation_id, holder=g.holder_id, epoch=epoch,
-                  blocks=len(lease.block_ids), tokens=g.token_count)
+                  blocks=lease.block_count, tokens=g.token_count)
         self._emit(EventType.GRANTED, lease)
         return Grant(lease, superseded)
 
@@ -469,8 +474,8 @@ class LeaseTable:
         source: Iterable[Lease]
         if holder_id:
             holder = self._holders.get(holder_id)
-            source = [] if holder is None else [*holder.leases.values(),
-                                                 *holder.dead_leases.values()]
+            source = [] if holder is None else [
+                *self._active_of(holder), *holder.dead_leases.values()]
         elif tenant:
             convs = self._conversations.get(tenant, {})
             if conversation_id:
@@ -506,7 +511,7 @@ class LeaseTable:
         check.identifier("conversation_id", conversation_id, cfg.max_id_length)
         check.hashes("block_hashes", hashes, cfg.max_blocks_per_lease * 4)
         check.in_range("min_tokens", min_tokens, 0, 2**31)
-        if pin_ttl < 0:
+        if not pin_ttl >= 0:  # also rejects NaN
             raise check.InvalidArgument("pin_ttl", "must not be negative")
         if reader_id:
             check.identifier("reader_id", reader_id, cfg.max_id_length)
@@ -525,7 +530,7 @@ class LeaseTable:
 
         block_size = lease.holder.block_size
         full = lease.token_count // block_size
-        k = blockhash.matching_prefix(lease.hashes[: full * blockhash.HASH_SIZE], hashes)
+        k = blockhash.matching_prefix(lease.hash_view(full), hashes)
         partial = k == full and lease.token_count % block_size != 0
         reusable = k * block_size + (lease.token_count - full * block_size if partial else 0)
         if reusable == 0:
@@ -541,7 +546,7 @@ class LeaseTable:
                                       request_id=request_id)
         if pin is None:
             deadline = min(now + min(pin_ttl or cfg.default_pin_ttl_s, cfg.max_pin_ttl_s),
-                           lease.pin_bound)
+                           lease.max_expire_at + cfg.max_pin_ttl_s)
             if deadline <= now:
                 return Read(MissReason.EXPIRED, k, lease)
             pin = Pin(pin_id or "p-" + secrets.token_hex(8), lease, deadline)
@@ -577,11 +582,30 @@ class LeaseTable:
             elif lease.expire_at <= now:
                 self._kill(lease, LeaseState.EXPIRED, now - lease.expire_at)
 
+    def _shared(self, seconds: float) -> float:
+        """The same float object for equal TTLs: leases mostly share a handful of them."""
+        if len(self._durations) > 1024:
+            self._durations.clear()
+        return self._durations.setdefault(seconds, seconds)
+
+    def _add(self, lease: Lease) -> None:
+        self._leases[lease.lease_id] = lease
+        lease.holder.lease_count += 1
+        lease.holder.retained_blocks += lease.block_count
+        self.active_leases += 1
+
+    def _active_of(self, holder: Holder) -> list[Lease]:
+        """A holder's active leases (a scan: only for rare events such as holder loss)."""
+        if holder.lease_count == 0:
+            return []
+        return [x for x in self._leases.values()
+                if x.holder is holder and x.state is LeaseState.ACTIVE]
+
     def _kill(self, lease: Lease, state: LeaseState, lateness: float = 0.0) -> None:
         holder = lease.holder
         lease.state = state
         self.active_leases -= 1
-        holder.leases.pop(lease.lease_id, None)
+        holder.lease_count -= 1
         holder.dead_leases[lease.lease_id] = lease
         self._emit(_DEAD_EVENT[state], lease, lateness)
         if lease.pin_count == 0:
@@ -591,7 +615,7 @@ class LeaseTable:
         """The holder freed the blocks: drop every trace of the lease."""
         holder = lease.holder
         holder.dead_leases.pop(lease.lease_id, None)
-        holder.retained_blocks -= len(lease.block_ids)
+        holder.retained_blocks -= lease.block_count
         self._leases.pop(lease.lease_id, None)
         convs = self._conversations.get(lease.tenant)
         if convs is not None and convs.get(lease.conversation_id) is lease:
@@ -613,15 +637,11 @@ class LeaseTable:
                 del self._pins[pin_id]
                 self._unpin(pin.lease)
         expired = 0
-        heap = self._lease_heap
-        budget = self.config.expiry_batch
-        while heap and heap[0][0] <= now and expired < budget:
-            _, lease_id = heapq.heappop(heap)
-            lease = self._leases.get(lease_id)
-            if lease is None or lease.state is not LeaseState.ACTIVE:
+        for lease in self._expiry.due(now, self.config.expiry_batch):
+            if lease.state is not LeaseState.ACTIVE:
                 continue
             if lease.expire_at > now:  # renewed since it was scheduled
-                heapq.heappush(heap, (lease.expire_at, lease_id))
+                self._expiry.add(lease, lease.expire_at)
                 continue
             self._kill(lease, LeaseState.EXPIRED, now - lease.expire_at)
             expired += 1
@@ -645,7 +665,10 @@ class LeaseTable:
 
     def next_deadline(self) -> float | None:
         """The earliest pending deadline, for the scheduler's sleep."""
-        candidates = [h[0][0] for h in (self._lease_heap, self._pin_heap) if h]
+        candidates = [self._pin_heap[0][0]] if self._pin_heap else []
+        lease_due = self._expiry.next_deadline()
+        if lease_due is not None:
+            candidates.append(lease_due)
         candidates += [h.expire_at for h in self._holders.values()
                        if h.state is not HolderState.LOST]
         return min(candidates) if candidates else None

@@ -1,14 +1,18 @@
 """The registry's records: holders, leases, pins, and the events their changes emit.
 
 Records are plain slotted objects owned by `LeaseTable`; nothing outside the core mutates them.
-Block ids are kept as a compact `array('I')` and hashes as one `bytes` so that a lease of 64
-blocks costs about 1.3 KiB for its payload plus a few hundred bytes of bookkeeping.
+A lease keeps its block ids packed as uint32 `bytes` and its hashes as one `bytes`, and derives
+what it can (maximum lifetime, pin bound) instead of storing it: a lease of 64 blocks costs about
+1.3 KiB of payload plus a few hundred bytes of bookkeeping.
 """
 
 from __future__ import annotations
 
 import enum
 from array import array
+from collections.abc import Iterable
+
+from kvbridge.blockhash import HASH_SIZE
 
 
 class HolderState(enum.IntEnum):
@@ -48,7 +52,7 @@ class EventType(enum.IntEnum):
 
 class Holder:
     __slots__ = (
-        "block_size", "dead_leases", "expire_at", "fingerprint", "holder_id", "leases",
+        "block_size", "dead_leases", "expire_at", "fingerprint", "holder_id", "lease_count",
         "lost_at", "nixl_host", "nixl_port", "retained_blocks", "state", "tp_size", "ttl",
     )
 
@@ -66,46 +70,62 @@ class Holder:
         self.expire_at = expire_at
         self.state = HolderState.ACTIVE
         self.lost_at = 0.0
-        # Active leases, and leases no longer active whose blocks the holder has not yet
-        # confirmed freeing. Keyed by lease id.
-        self.leases: dict[str, Lease] = {}
+        # Active leases are counted, not indexed (a holder's leases are found by a scan on the
+        # rare events that need them); leases no longer active whose blocks the holder has not
+        # yet confirmed freeing are indexed, since every heartbeat reports them.
+        self.lease_count = 0
         self.dead_leases: dict[str, Lease] = {}
         self.retained_blocks = 0
 
 
 class Lease:
     __slots__ = (
-        "block_ids", "conversation_id", "created_at", "created_wall", "epoch", "expire_at",
-        "hashes", "holder", "idle_ttl", "lease_id", "max_expire_at", "max_lifetime", "pin_bound",
-        "pin_count", "remote_request_id", "state", "tenant", "token_count",
+        "conversation_id", "epoch", "expire_at", "holder", "idle_ttl", "lease_id",
+        "max_expire_at", "max_lifetime", "payload", "pin_count", "remote_request_id", "state",
+        "tenant", "token_count",
     )
 
     def __init__(
         self, lease_id: str, tenant: str, conversation_id: str, holder: Holder,
-        remote_request_id: str, block_ids: array[int], token_count: int, hashes: bytes,
+        remote_request_id: str, block_ids: Iterable[int], token_count: int, hashes: bytes,
         epoch: int, idle_ttl: float, max_lifetime: float, created_at: float,
-        created_wall: float, max_pin_ttl: float,
     ) -> None:
         self.lease_id = lease_id
         self.tenant = tenant
         self.conversation_id = conversation_id
         self.holder = holder
         self.remote_request_id = remote_request_id
-        self.block_ids = block_ids
+        # One object for both: the hashes (HASH_SIZE bytes per block), then the block ids
+        # (uint32 each).
+        self.payload = hashes + array("I", block_ids).tobytes()
         self.token_count = token_count
-        self.hashes = hashes
         self.epoch = epoch
         self.idle_ttl = idle_ttl
         self.max_lifetime = max_lifetime
-        self.created_at = created_at
-        self.created_wall = created_wall
         self.max_expire_at = created_at + max_lifetime
         self.expire_at = min(created_at + idle_ttl, self.max_expire_at)
-        # No pin may end after this: the holder frees on its own at max_lifetime + max_pin_ttl
-        # + its margin, measured from before it asked for the grant (invariant 4).
-        self.pin_bound = self.max_expire_at + max_pin_ttl
         self.state = LeaseState.ACTIVE
         self.pin_count = 0
+
+    @property
+    def created_at(self) -> float:
+        return self.max_expire_at - self.max_lifetime
+
+    @property
+    def block_count(self) -> int:
+        return len(self.payload) // (HASH_SIZE + 4)
+
+    @property
+    def hashes(self) -> bytes:
+        return self.payload[: self.block_count * HASH_SIZE]
+
+    def hash_view(self, blocks: int) -> memoryview:
+        """The first `blocks` hashes, without copying."""
+        return memoryview(self.payload)[: blocks * HASH_SIZE]
+
+    def block_id_list(self, start: int = 0, stop: int | None = None) -> list[int]:
+        ids = memoryview(self.payload)[self.block_count * HASH_SIZE :].cast("I")
+        return ids[start:stop].tolist()
 
     @property
     def reclaimable(self) -> bool:

@@ -4,6 +4,7 @@ until SIGTERM/SIGINT and then shuts down gracefully."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from dataclasses import dataclass, field
 
@@ -11,21 +12,22 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
-
-from kvbridge import logs
-from kvbridge.clock import Clock, SystemClock
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
 from kvbridge.services.registry._config import RegistryConfig
 from kvbridge.services.registry._core import LeaseTable
 from kvbridge.services.registry._metrics import RegistryMetrics
 from kvbridge.services.registry._servicer import RegistryServicer
+from prometheus_client import start_http_server
+
+from kvbridge import logs
+from kvbridge.clock import Clock, SystemClock
 
 log = structlog.get_logger("kvbridge.registry")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RegistryService"].full_name
 _MAX_TICK_SLEEP = 0.02  # bounds expiry lateness even if a deadline moves earlier
+_MIN_TICK_SLEEP = 0.002  # pins and leases due within this are batched into one tick
 
 
 def split_hostport(value: str) -> tuple[str, int]:
@@ -80,7 +82,7 @@ class RegistryServer:
                 continue
             deadline = table.next_deadline()
             delay = _MAX_TICK_SLEEP if deadline is None else deadline - clock.monotonic()
-            await asyncio.sleep(min(max(delay, 0.0005), _MAX_TICK_SLEEP))
+            await asyncio.sleep(min(max(delay, _MIN_TICK_SLEEP), _MAX_TICK_SLEEP))
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting RPCs, give in-flight ones `grace` seconds, then close."""
@@ -88,10 +90,8 @@ class RegistryServer:
         await self.server.stop(self.config.shutdown_grace_s if grace is None else grace)
         if self._scheduler is not None:
             self._scheduler.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._scheduler
-            except asyncio.CancelledError:
-                pass
         if self._http is not None:
             self._http.shutdown()  # type: ignore[attr-defined]
             self._http.server_close()  # type: ignore[attr-defined]

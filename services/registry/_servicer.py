@@ -10,14 +10,11 @@ import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 import structlog
 from google.protobuf import duration_pb2, timestamp_pb2
-
-from kvbridge._grpc_status import to_status
-from kvbridge.errors import CapacityExhausted, KvbridgeError
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
 from kvbridge.services.registry import _validate as check
@@ -37,11 +34,16 @@ from kvbridge.services.registry._model import (
     LeaseState,
 )
 
+from kvbridge import blockhash
+from kvbridge._grpc_status import to_status
+from kvbridge.errors import CapacityExhausted, KvbridgeError
+
 log = structlog.get_logger("kvbridge.registry")
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
-Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
+Ctx = grpc.aio.ServicerContext[Any, Any]
+Handler = Callable[[Any, Req, Ctx], Awaitable[Resp]]
 
 _HOLDER_STATE = {HolderState.ACTIVE: pb.HOLDER_STATE_ACTIVE,
                  HolderState.DRAINING: pb.HOLDER_STATE_DRAINING}
@@ -77,7 +79,7 @@ def _rpc(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
 
     @functools.wraps(fn)
     async def wrapper(self: RegistryServicer, request: Req,
-                      context: grpc.aio.ServicerContext) -> Resp:
+                      context: Ctx) -> Resp:
         start = time.perf_counter()
         try:
             return await fn(self, request, context)
@@ -112,23 +114,25 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             tp_size=h.tp_size, block_size=h.block_size, engine_fingerprint=h.fingerprint,
             state=_HOLDER_STATE.get(h.state, pb.HOLDER_STATE_UNSPECIFIED),
             ttl=_duration(h.ttl), expires_in=_duration(left),
-            expire_time=_timestamp(self.clock.wall() + left), lease_count=len(h.leases),
+            expire_time=_timestamp(self.clock.wall() + left), lease_count=h.lease_count,
             retained_blocks=h.retained_blocks,
         )
 
     def _lease(self, lease: Lease, *, blocks: bool = False) -> pb.Lease:
-        active = lease.state is LeaseState.ACTIVE
-        left = lease.expire_at - self.clock.monotonic() if active else 0.0
+        now = self.clock.monotonic()
+        wall = self.clock.wall()
+        left = lease.expire_at - now if lease.state is LeaseState.ACTIVE else 0.0
         msg = pb.Lease(
             lease_id=lease.lease_id, tenant=lease.tenant, conversation_id=lease.conversation_id,
             holder_id=lease.holder.holder_id, remote_request_id=lease.remote_request_id,
-            token_count=lease.token_count, epoch=lease.epoch, state=int(lease.state),
+            token_count=lease.token_count, epoch=lease.epoch,
+            state=cast(pb.LeaseState.ValueType, int(lease.state)),
             idle_ttl=_duration(lease.idle_ttl), max_lifetime=_duration(lease.max_lifetime),
-            expires_in=_duration(left), expire_time=_timestamp(self.clock.wall() + left),
-            create_time=_timestamp(lease.created_wall), pin_count=lease.pin_count,
+            expires_in=_duration(left), expire_time=_timestamp(wall + left),
+            create_time=_timestamp(wall - (now - lease.created_at)), pin_count=lease.pin_count,
         )
         if blocks:
-            msg.block_ids.extend(lease.block_ids)
+            msg.block_ids.extend(lease.block_id_list())
             msg.block_hashes = lease.hashes
         return msg
 
@@ -146,7 +150,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
 
     @_rpc
     async def RegisterHolder(self, request: pb.RegisterHolderRequest,
-                             context: grpc.aio.ServicerContext) -> pb.RegisterHolderResponse:
+                             context: Ctx) -> pb.RegisterHolderResponse:
         spec = HolderSpec(request.holder_id, request.nixl_host, request.nixl_port,
                           request.tp_size, request.block_size, request.engine_fingerprint,
                           _seconds(request.ttl, "ttl"))
@@ -168,21 +172,21 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
 
     @_rpc
     async def HeartbeatHolder(self, request: pb.HeartbeatHolderRequest,
-                              context: grpc.aio.ServicerContext) -> pb.HeartbeatHolderResponse:
+                              context: Ctx) -> pb.HeartbeatHolderResponse:
         reclaimable, ttl = self.table.heartbeat(request.holder_id, request.reclaimed_lease_ids)
         return pb.HeartbeatHolderResponse(reclaimable_lease_ids=reclaimable,
                                           expires_in=_duration(ttl))
 
     @_rpc
     async def DeregisterHolder(self, request: pb.DeregisterHolderRequest,
-                               context: grpc.aio.ServicerContext) -> pb.DeregisterHolderResponse:
+                               context: Ctx) -> pb.DeregisterHolderResponse:
         reclaimable, pinned = self.table.deregister_holder(request.holder_id)
         return pb.DeregisterHolderResponse(reclaimable_lease_ids=reclaimable,
                                            pinned_lease_count=pinned)
 
     @_rpc
     async def ListHolders(self, request: pb.ListHoldersRequest,
-                          context: grpc.aio.ServicerContext) -> pb.ListHoldersResponse:
+                          context: Ctx) -> pb.ListHoldersResponse:
         size = _page(request.page_size)
         holders = [h for h in self.table.holders() if h.holder_id > request.page_token]
         page = holders[:size]
@@ -194,7 +198,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
 
     @_rpc
     async def GrantLease(self, request: pb.GrantLeaseRequest,
-                         context: grpc.aio.ServicerContext) -> pb.GrantLeaseResponse:
+                         context: Ctx) -> pb.GrantLeaseResponse:
         grant = self.table.grant(self._grant_spec(request, request.holder_id))
         return pb.GrantLeaseResponse(
             lease=self._lease(grant.lease),
@@ -203,14 +207,14 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
 
     @_rpc
     async def RenewLeases(self, request: pb.RenewLeasesRequest,
-                          context: grpc.aio.ServicerContext) -> pb.RenewLeasesResponse:
+                          context: Ctx) -> pb.RenewLeasesResponse:
         results = self.table.renew(
             request.lease_ids, [(c.tenant, c.conversation_id) for c in request.conversations])
         out = pb.RenewLeasesResponse()
         renewed = 0
         for r in results:
             item = out.results.add(lease_id=r.lease_id, renewed=r.renewed,
-                                   state=int(r.state) if r.state else 0)
+                                   state=cast(pb.LeaseState.ValueType, int(r.state or 0)))
             if r.renewed:
                 renewed += 1
                 left = r.expires_in
@@ -222,25 +226,25 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
 
     @_rpc
     async def RevokeLease(self, request: pb.RevokeLeaseRequest,
-                          context: grpc.aio.ServicerContext) -> pb.RevokeLeaseResponse:
+                          context: Ctx) -> pb.RevokeLeaseResponse:
         lease = self.table.revoke(request.lease_id, request.holder_id, request.reason)
         return pb.RevokeLeaseResponse(lease=self._lease(lease), reclaimable=lease.reclaimable)
 
     @_rpc
     async def GetLease(self, request: pb.GetLeaseRequest,
-                       context: grpc.aio.ServicerContext) -> pb.GetLeaseResponse:
+                       context: Ctx) -> pb.GetLeaseResponse:
         return pb.GetLeaseResponse(lease=self._lease(self.table.get_lease(request.lease_id),
                                                      blocks=True))
 
     @_rpc
     async def ListLeases(self, request: pb.ListLeasesRequest,
-                         context: grpc.aio.ServicerContext) -> pb.ListLeasesResponse:
+                         context: Ctx) -> pb.ListLeasesResponse:
         size = _page(request.page_size)
         if request.page_token:
             check.identifier("page_token", request.page_token, self.table.config.max_id_length)
         it = self.table.leases(request.tenant, request.conversation_id, request.holder_id,
                                request.include_inactive, request.page_token)
-        page = []
+        page: list[Lease] = []
         for lease in it:
             if len(page) == size:
                 return pb.ListLeasesResponse(
@@ -254,12 +258,12 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
 
     @_rpc
     async def AcquireRead(self, request: pb.AcquireReadRequest,
-                          context: grpc.aio.ServicerContext) -> pb.AcquireReadResponse:
+                          context: Ctx) -> pb.AcquireReadResponse:
         read = self.table.acquire_read(
             request.tenant, request.conversation_id, request.block_hashes, request.min_tokens,
             _seconds(request.pin_ttl, "pin_ttl"), request.reader_id, request.request_id)
         self.metrics.read(read.miss)
-        out = pb.AcquireReadResponse(miss_reason=int(read.miss),
+        out = pb.AcquireReadResponse(miss_reason=cast(pb.MissReason.ValueType, int(read.miss)),
                                      mismatch_block=read.mismatch_block)
         lease = read.lease
         if lease is None:
@@ -275,10 +279,11 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         k = read.matched_blocks
         out.matched_blocks = k
         out.matched_tokens = k * h.block_size
-        out.remote_block_ids.extend(lease.block_ids[:k])
+        ids = lease.block_id_list(0, k + 1 if read.partial else k)
+        out.remote_block_ids.extend(ids[:k])
         if read.partial:
-            size = 16
-            out.partial_block_id = lease.block_ids[k]
+            size = blockhash.HASH_SIZE
+            out.partial_block_id = ids[k]
             out.partial_block_tokens = lease.token_count - k * h.block_size
             out.partial_block_hash = lease.hashes[k * size:(k + 1) * size]
         left = read.pin.expire_at - self.clock.monotonic()
@@ -289,13 +294,13 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
 
     @_rpc
     async def ReleaseRead(self, request: pb.ReleaseReadRequest,
-                          context: grpc.aio.ServicerContext) -> pb.ReleaseReadResponse:
+                          context: Ctx) -> pb.ReleaseReadResponse:
         return pb.ReleaseReadResponse(released=self.table.release_read(request.pin_id))
 
     # ---- watch ------------------------------------------------------------------------------
 
     async def WatchLeases(self, request: pb.WatchLeasesRequest,
-                          context: grpc.aio.ServicerContext
+                          context: Ctx
                           ) -> AsyncIterator[pb.WatchLeasesResponse]:
         cfg = self.table.config
         try:
@@ -335,7 +340,8 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                         "watcher fell behind; reconnect and re-list", queue=_WATCH_QUEUE)))
                     return
                 yield pb.WatchLeasesResponse(event=pb.LeaseEvent(
-                    type=int(event.type), lease_id=event.lease_id, tenant=event.tenant,
+                    type=cast(pb.LeaseEventType.ValueType, int(event.type)),
+                    lease_id=event.lease_id, tenant=event.tenant,
                     conversation_id=event.conversation_id, holder_id=event.holder_id,
                     epoch=event.epoch, event_time=_timestamp(event.wall),
                     lateness=_duration(event.lateness)))
