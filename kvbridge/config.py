@@ -15,6 +15,7 @@ construction.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -57,8 +58,12 @@ def config_options(cls: type[Any], *, exclude: tuple[str, ...] = ()) -> Callable
                     field.name, default=None, envvar=env_name(field, cls), help=help_text,
                 )
             else:
+                # click ignores an empty variable, but for a text setting empty is a value
+                # (e.g. metrics_listen "" disables metrics): read it as the default then.
+                env_default = (functools.partial(os.environ.get, env_name(field, cls))
+                               if kind is str else None)
                 opt = click.option(
-                    _flag(field.name), field.name, type=kind, default=None,
+                    _flag(field.name), field.name, type=kind, default=env_default,
                     envvar=env_name(field, cls), help=help_text, show_envvar=False,
                 )
             fn = opt(fn)  # type: ignore[type-var]  # click's decorator typing wants FC

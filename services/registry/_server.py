@@ -57,12 +57,12 @@ class RegistryServer:
         return f"{host}:{self.port}"
 
     async def start(self) -> None:
-        await self.server.start()
-        if self.config.metrics_listen:
+        if self.config.metrics_listen:  # first: if its port is taken, nothing is left running
             host, port = split_hostport(self.config.metrics_listen)
             httpd, _thread = start_http_server(port, host, registry=self.metrics.registry)
             self._http = httpd
             self.metrics_port = httpd.server_port
+        await self.server.start()
         self._scheduler = asyncio.create_task(self._run_expiry(), name="registry-expiry")
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
@@ -115,7 +115,11 @@ async def create_server(config: RegistryConfig, *, clock: Clock | None = None,
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
     host, port = split_hostport(config.listen)
-    bound = server.add_insecure_port(f"{host}:{port}" if ":" not in host else f"[{host}]:{port}")
+    try:
+        bound = server.add_insecure_port(
+            f"{host}:{port}" if ":" not in host else f"[{host}]:{port}")
+    except RuntimeError as exc:  # grpcio raises (rather than return 0) when the bind fails
+        raise OSError(f"cannot bind the registry to {config.listen}: {exc}") from exc
     if bound == 0:
         raise OSError(f"cannot bind the registry to {config.listen}")
     return RegistryServer(config, table, metrics, server, bound, health_servicer)

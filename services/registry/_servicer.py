@@ -268,14 +268,27 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         lease = read.lease
         if lease is None:
             return out
-        out.lease.CopyFrom(self._lease(lease))
+        # The hot path: only what a reader needs, no timestamps.
+        ref = out.lease
+        ref.lease_id = lease.lease_id
+        ref.tenant = lease.tenant
+        ref.conversation_id = lease.conversation_id
+        ref.holder_id = lease.holder.holder_id
+        ref.remote_request_id = lease.remote_request_id
+        ref.token_count = lease.token_count
+        ref.epoch = lease.epoch
+        ref.state = cast(pb.LeaseState.ValueType, int(lease.state))
+        ref.pin_count = lease.pin_count
         if read.pin is None:
             return out
         h = lease.holder
-        out.holder.CopyFrom(pb.Holder(
-            holder_id=h.holder_id, nixl_host=h.nixl_host, nixl_port=h.nixl_port,
-            tp_size=h.tp_size, block_size=h.block_size, engine_fingerprint=h.fingerprint,
-            state=pb.HOLDER_STATE_ACTIVE))
+        out.holder.holder_id = h.holder_id
+        out.holder.nixl_host = h.nixl_host
+        out.holder.nixl_port = h.nixl_port
+        out.holder.tp_size = h.tp_size
+        out.holder.block_size = h.block_size
+        out.holder.engine_fingerprint = h.fingerprint
+        out.holder.state = pb.HOLDER_STATE_ACTIVE
         k = read.matched_blocks
         out.matched_blocks = k
         out.matched_tokens = k * h.block_size

@@ -1,0 +1,13 @@
+# kvbridge control-plane image (registry today; router and gateway join it as they land).
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY kvbridge kvbridge
+COPY services services
+COPY clients clients
+COPY connector connector
+COPY benchmarks benchmarks
+COPY protos protos
+RUN pip install --no-cache-dir ".[redis]"
+USER nobody
+ENTRYPOINT ["kvbridge"]
