@@ -7,6 +7,7 @@ import click
 from kvbridge import __version__, logs
 from kvbridge.clients._cli import holders_group, leases_group
 from kvbridge.services.registry._cli import registry_group
+from kvbridge.tiny_model import model_group
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -22,6 +23,7 @@ def main(log_level: str) -> None:
     Operations: kvbridge leases list|show|renew|revoke|watch, kvbridge holders list
     Benchmarks: kvbridge bench registry
     Demo:       kvbridge registry demo
+    Models:     kvbridge model make-tiny PATH
     """
     logs.configure(log_level, "auto")
 
@@ -38,7 +40,7 @@ def _register_benchmarks() -> None:
 
 
 _register_benchmarks()
-for group in (registry_group, leases_group, holders_group, bench_group):
+for group in (registry_group, leases_group, holders_group, bench_group, model_group):
     main.add_command(group)
 
 if __name__ == "__main__":

@@ -1,0 +1,189 @@
+"""`KVBridgeConnector`: vLLM's NIXL connector (pull mode) with kvbridge's control plane.
+
+Scheduler side (engine-core process):
+- decode requests (kv_transfer_params without `do_remote_decode`) that carry a conversation key
+  and finish normally keep their blocks under a registry lease (`DecodeRetention`);
+- prefill requests (`do_remote_decode`) that carry a conversation key and no remote blocks ask
+  the registry for verified, pinned KV on a decode engine as soon as they arrive
+  (`PrefillReuse`); NIXL's own read-back path then reads exactly those blocks.
+Worker side: unchanged NIXL, except that read notifications naming kvbridge-retained blocks are
+not NIXL's to track (they would be logged as reads of expired blocks).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from kvbridge.clients import RegistryClient
+from kvbridge.connector._decode import DecodeRetention
+from kvbridge.connector._metrics import ConnectorMetrics
+from kvbridge.connector._prefill import PrefillReuse
+from kvbridge.connector._settings import REMOTE_ID_PREFIX, ConnectorSettings
+from kvbridge.connector._version import check_vllm_version
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+
+from kvbridge import blockhash
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = structlog.get_logger("kvbridge.connector")
+
+
+def engine_fingerprint(vllm_config: VllmConfig) -> str:
+    """What must be equal for two engines' KV blocks to be interchangeable."""
+    model = vllm_config.model_config
+    hf = model.hf_text_config
+    return blockhash.engine_fingerprint({
+        "model": model.model,
+        "revision": model.revision,
+        "dtype": str(model.dtype),
+        "cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "layers": getattr(hf, "num_hidden_layers", None),
+        "kv_heads": model.get_total_num_kv_heads(),
+        "head_size": model.get_head_size(),
+        "tp": vllm_config.parallel_config.tensor_parallel_size,
+    })
+
+
+class _NotificationFilter:
+    """Wraps the worker's NIXL agent: read notifications for kvbridge-retained blocks are
+    dropped before NIXL's bookkeeping sees them (those blocks are not NIXL's)."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+    def get_new_notifs(self) -> dict[str, list[bytes]]:
+        out = {}
+        for peer, notifs in self._agent.get_new_notifs().items():
+            kept = [n for n in notifs if not n.startswith(REMOTE_ID_PREFIX.encode())]
+            if kept:
+                out[peer] = kept
+        return out
+
+
+class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: Any) -> None:
+        check_vllm_version()
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
+        self.prefill: PrefillReuse | None = None
+        self.decode: DecodeRetention | None = None
+        if role == KVConnectorRole.WORKER:
+            worker = self.connector_worker
+            worker.nixl_wrapper = _NotificationFilter(worker.nixl_wrapper)
+            return
+        if not self.settings.registry:
+            log.warning("kvbridge_disabled", why="kvbridge.registry is not set")
+            return
+        scheduler = self.connector_scheduler
+        block_size = vllm_config.cache_config.block_size
+        fingerprint = engine_fingerprint(vllm_config)
+        self.metrics = ConnectorMetrics()
+        if self.settings.metrics_port:
+            self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
+        client = RegistryClient(self.settings.registry, timeout=self.settings.rpc_timeout_s,
+                                retries=1)
+        if transfer.kv_role in ("kv_consumer", "kv_both"):
+            if scheduler.is_bidirectional_kv_xfer_enabled and transfer.kv_role == "kv_consumer":
+                raise ValueError(
+                    "kvbridge retains decode KV under leases itself: set "
+                    "bidirectional_kv_xfer to false on decode engines (kv_consumer)")
+            self.decode = DecodeRetention(
+                self.settings, client, holder_id=self.engine_id,
+                nixl_host=scheduler.side_channel_host, nixl_port=scheduler.side_channel_port,
+                block_size=block_size, fingerprint=fingerprint,
+                tp_size=vllm_config.parallel_config.tensor_parallel_size, metrics=self.metrics)
+            self.decode.start()
+        if transfer.kv_role in ("kv_producer", "kv_both"):
+            if not scheduler.is_bidirectional_kv_xfer_enabled:
+                raise ValueError("kvbridge reads decode KV back: set bidirectional_kv_xfer to "
+                                 "true on prefill engines (kv_producer)")
+            if transfer.kv_load_failure_policy != "recompute":
+                raise ValueError("kvbridge needs kv_load_failure_policy 'recompute' on prefill "
+                                 "engines, so that a failed read recomputes")
+            self.prefill = PrefillReuse(
+                self.settings, client, reader_id=self.engine_id, block_size=block_size,
+                fingerprint=fingerprint, threshold=scheduler.kv_recompute_threshold,
+                metrics=self.metrics)
+        log.info("kvbridge_connector_started", role=transfer.kv_role, engine_id=self.engine_id,
+                 registry=self.settings.registry, block_size=block_size,
+                 fingerprint=fingerprint[:12], metrics_port=self.metrics.port,
+                 nixl=f"{scheduler.side_channel_host}:{scheduler.side_channel_port}",
+                 pid=os.getpid())
+
+    # ---- scheduler side ---------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self.decode is not None:
+            self.decode.bind(kv_cache_manager.block_pool)
+
+    def on_new_request(self, request: Any) -> None:
+        super().on_new_request(request)
+        if self.decode is not None:
+            self.decode.drain()
+        if self.prefill is not None:
+            self.prefill.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.prefill is not None:
+            decided = self.prefill.resolve(request, num_computed_tokens)
+            if decided is None:
+                return None, False
+            count, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+            if decided and not count:
+                self.prefill.decline(request)
+            return count, load_async
+        count, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        return count, load_async
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        if self.decode is not None:
+            self.decode.drain()
+            self.decode.check_watermark()
+        return super().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        if self.prefill is not None:
+            failed = connector_output.failed_recving or set()
+            for req_id in connector_output.finished_recving or ():
+                self.prefill.read_done(req_id, req_id not in failed)
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super().request_finished_all_groups(request, block_ids)
+        if self.prefill is not None:
+            self.prefill.finished(request.request_id)
+        if self.decode is not None and not delay:
+            extra = self.decode.on_finished(request, block_ids)
+            if extra:
+                params = {**(params or {}), **extra}
+        return delay, params
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def has_pending_block_frees(self) -> bool:
+        if self.decode is not None:
+            self.decode.drain()
+            self.decode.check_watermark()
+        return bool(super().has_pending_block_frees())
+
+    def shutdown(self) -> None:
+        if self.decode is not None:
+            self.decode.close()
+        if self.prefill is not None:
+            self.prefill.close()
+        super().shutdown()

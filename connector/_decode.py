@@ -1,0 +1,177 @@
+"""Decode side: keep a finished turn's KV blocks under a lease, free them when told to.
+
+Retention pins the blocks in vLLM's block pool (one extra reference each), so the request
+itself is freed as usual, the engine loop does not spin, and the blocks stay in decode's own
+prefix cache for the next turn. Grants run on a background thread (never on the scheduler's
+critical path); reclaim notices arrive on the holder session's heartbeat thread; both hand work
+to the scheduler thread through a queue, since the block pool is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from kvbridge.clients import HolderSession, RegistryClient
+from kvbridge.connector._metrics import ConnectorMetrics
+from kvbridge.connector._settings import REMOTE_ID_PREFIX, ConnectorSettings, conversation_of
+
+from kvbridge import blockhash
+
+log = structlog.get_logger("kvbridge.connector")
+
+_NORMAL_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+
+
+@dataclass
+class _Retained:
+    key: str  # the remote request id readers name
+    block_ids: list[int]
+    tokens: int
+    since: float
+    lease_id: str = ""
+
+
+class DecodeRetention:
+    def __init__(self, settings: ConnectorSettings, client: RegistryClient, *, holder_id: str,
+                 nixl_host: str, nixl_port: int, block_size: int, fingerprint: str,
+                 tp_size: int, metrics: ConnectorMetrics) -> None:
+        self.settings = settings
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        self.metrics = metrics
+        self.session = HolderSession(
+            client, holder_id=holder_id, nixl_host=nixl_host, nixl_port=nixl_port,
+            block_size=block_size, engine_fingerprint=fingerprint, tp_size=tp_size,
+            ttl=settings.holder_ttl_s, hard_deadline_margin=settings.hard_deadline_margin_s,
+            on_reclaim=self._on_reclaim)
+        self._pool: Any = None  # vLLM BlockPool, bound by the scheduler
+        self._grants = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-grant")
+        self._lock = threading.Lock()
+        self._by_key: dict[str, _Retained] = {}
+        self._by_lease: dict[str, str] = {}
+        self._frees: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        self._revoking = False
+
+    def start(self) -> None:
+        self.session.start()
+
+    def bind(self, block_pool: Any) -> None:
+        self._pool = block_pool
+
+    # ---- scheduler thread -------------------------------------------------------------------
+
+    def on_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> dict[str, Any] | None:
+        """Retain a normally finished conversation turn's blocks and grant a lease over them in
+        the background. Returns extra kv_transfer_params for the response, or None."""
+        key = conversation_of(request.kv_transfer_params)
+        if key is None or self._pool is None or request.status.name not in _NORMAL_FINISH:
+            return None
+        if len(block_ids) != 1:
+            log.warning("retention_skipped", request_id=request.request_id,
+                        why="multiple KV cache groups are not supported")
+            return None
+        computed = request.num_computed_tokens
+        blocks = list(block_ids[0][: -(-computed // self.block_size)])
+        if computed <= 0 or not blocks or 0 in blocks:
+            return None
+        tokens = list(request.all_token_ids[:computed])
+        hashes = blockhash.block_hashes(tokens, self.block_size, self.fingerprint,
+                                        request.cache_salt or "", include_partial=True)
+        pool = self._pool
+        pool.touch([pool.blocks[b] for b in blocks])
+        retained = _Retained(f"{REMOTE_ID_PREFIX}{request.request_id}", blocks, computed,
+                             time.monotonic())
+        with self._lock:
+            self._by_key[retained.key] = retained
+        self.metrics.retained_blocks.inc(len(blocks))
+        tenant, conversation = key
+        self._grants.submit(self._grant, retained, tenant, conversation, hashes)
+        return {"kvbridge_retained_tokens": computed}
+
+    def drain(self) -> int:
+        """Free what was reclaimed since the last call. Returns blocks freed."""
+        freed = 0
+        while True:
+            try:
+                key, why = self._frees.get_nowait()
+            except queue.Empty:
+                break
+            with self._lock:
+                retained = self._by_key.pop(key, None)
+                if retained is not None and retained.lease_id:
+                    self._by_lease.pop(retained.lease_id, None)
+            if retained is None or self._pool is None:
+                continue
+            pool = self._pool
+            pool.free_blocks(pool.blocks[b] for b in reversed(retained.block_ids))
+            freed += len(retained.block_ids)
+            self.metrics.retained_blocks.dec(len(retained.block_ids))
+            self.metrics.blocks_freed.labels(why).inc(len(retained.block_ids))
+            log.info("retained_blocks_freed", lease_id=retained.lease_id or None,
+                     blocks=len(retained.block_ids), why=why,
+                     held_s=round(time.monotonic() - retained.since, 1))
+        return freed
+
+    def check_watermark(self) -> None:
+        """Revoke the oldest idle leases while free blocks are below the watermark."""
+        if self._pool is None or self._revoking or not self.settings.free_watermark:
+            return
+        total = self._pool.num_gpu_blocks - 1
+        free = self._pool.get_num_free_blocks()
+        deficit = int(total * self.settings.free_watermark) - free
+        if deficit <= 0:
+            return
+        victims: list[str] = []
+        with self._lock:
+            leased = sorted((r for r in self._by_key.values() if r.lease_id),
+                            key=lambda r: r.since)
+        for retained in leased:
+            if deficit <= 0:
+                break
+            victims.append(retained.lease_id)
+            deficit -= len(retained.block_ids)
+        if victims:
+            self._revoking = True
+            self._grants.submit(self._revoke, victims)
+
+    # ---- background threads -----------------------------------------------------------------
+
+    def _grant(self, retained: _Retained, tenant: str, conversation: str, hashes: bytes) -> None:
+        lease = self.session.grant(
+            tenant, conversation, retained.key, retained.block_ids, retained.tokens, hashes,
+            idle_ttl=self.settings.idle_ttl_s, max_lifetime=self.settings.max_lifetime_s,
+            timeout=self.settings.rpc_timeout_s)
+        if lease is None:  # no lease, no reader: free right away
+            self._frees.put((retained.key, "grant_failed"))
+            return
+        with self._lock:
+            retained.lease_id = lease.lease_id
+            self._by_lease[lease.lease_id] = retained.key
+        self.metrics.leases_granted.inc()
+        log.info("lease_granted", lease_id=lease.lease_id, conversation=conversation,
+                 epoch=lease.epoch, blocks=len(retained.block_ids), tokens=retained.tokens)
+
+    def _on_reclaim(self, lease_ids: list[str]) -> None:
+        with self._lock:
+            keys = [self._by_lease.get(lid) for lid in lease_ids]
+        for key in keys:
+            if key is not None:
+                self._frees.put((key, "reclaimed"))
+
+    def _revoke(self, lease_ids: list[str]) -> None:
+        try:
+            now_free = self.session.revoke(lease_ids, "memory_pressure")
+            log.info("leases_revoked_for_memory", count=len(lease_ids),
+                     freed_now=len(now_free))
+        finally:
+            self._revoking = False
+
+    def close(self) -> None:
+        self._grants.shutdown(wait=False, cancel_futures=True)
+        self.session.close()

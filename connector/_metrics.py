@@ -1,0 +1,35 @@
+"""The connector's counters, in a registry of their own, served over HTTP from the engine-core
+process when `kvbridge.metrics_port` is set."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class ConnectorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.reused_tokens = Counter(
+            "kvbridge_connector_reused_tokens", "Prompt tokens read back from decode", registry=r)
+        self.recomputed_tokens = Counter(
+            "kvbridge_connector_recomputed_tokens",
+            "Prompt tokens of conversation requests computed by this prefill engine", registry=r)
+        self.decisions = Counter(
+            "kvbridge_connector_decisions", "Prefill reuse decisions", ["decision"], registry=r)
+        self.transfer_seconds = Histogram(
+            "kvbridge_connector_transfer_seconds", "Decision to finished D->P read",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0), registry=r)
+        self.leases_granted = Counter(
+            "kvbridge_connector_leases_granted", "Leases granted over retained decode KV",
+            registry=r)
+        self.blocks_freed = Counter(
+            "kvbridge_connector_retained_blocks_freed", "Retained decode blocks freed, by why",
+            ["why"], registry=r)
+        self.retained_blocks = Gauge(
+            "kvbridge_connector_retained_blocks", "Decode KV blocks held for leases", registry=r)
+        self.port: int | None = None
+
+    def serve(self, host: str, port: int) -> None:
+        httpd, _ = start_http_server(port, host, registry=self.registry)
+        self.port = httpd.server_port

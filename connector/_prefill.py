@@ -1,0 +1,223 @@
+"""Prefill side: find verified, pinned KV of a conversation on a decode engine, or recompute.
+
+All methods run on the engine-core scheduler thread except the RPCs, which run on a small
+thread pool so that AcquireRead overlaps the request's own queueing. The control plane is never
+trusted blindly: a miss, an error, a deadline, a partial block whose hash differs, a pin close
+to its end, or fewer reusable tokens than the threshold all mean "recompute".
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from kvbridge.clients import RegistryClient, seconds
+from kvbridge.connector._metrics import ConnectorMetrics
+from kvbridge.connector._settings import ConnectorSettings, conversation_of
+from kvbridge.registry.v1 import registry_pb2 as pb
+
+from kvbridge import blockhash
+from kvbridge.errors import KvbridgeError
+
+log = structlog.get_logger("kvbridge.connector")
+
+REMOTE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
+                 "remote_port", "remote_num_tokens", "tp_size")
+
+
+@dataclass
+class _Pending:
+    tenant: str
+    conversation: str
+    hashes: bytes
+    future: Future[pb.AcquireReadResponse]
+    deadline: float
+
+
+@dataclass
+class _Active:
+    pin_id: str
+    tokens: int
+    started: float
+    conversation: str
+    params: dict[str, Any]
+
+
+class PrefillReuse:
+    def __init__(self, settings: ConnectorSettings, client: RegistryClient, *, reader_id: str,
+                 block_size: int, fingerprint: str, threshold: int,
+                 metrics: ConnectorMetrics) -> None:
+        self.settings = settings
+        self.client = client
+        self.reader_id = reader_id
+        self.block_size = block_size
+        self.fingerprint = fingerprint
+        self.threshold = threshold
+        self.metrics = metrics
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvbridge-read")
+        self._pending: dict[str, _Pending] = {}
+        self._active: dict[str, _Active] = {}
+
+    # ---- hooks (scheduler thread) -----------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        params = request.kv_transfer_params
+        key = conversation_of(params)
+        if key is None or params.get("remote_block_ids") or not params.get("do_remote_decode"):
+            return
+        tokens = request.prompt_token_ids or []
+        if len(tokens) < max(self.threshold, self.block_size):
+            self._decide(request, "short_prompt", 0, len(tokens))
+            return
+        hashes = blockhash.block_hashes(tokens, self.block_size, self.fingerprint,
+                                        request.cache_salt or "")
+        tenant, conversation = key
+        future = self._pool.submit(
+            self.client.acquire_read, tenant, conversation, hashes,
+            min_tokens=max(self.threshold, 1), pin_ttl=self.settings.pin_ttl_s,
+            reader_id=self.reader_id, request_id=request.request_id,
+            timeout=self.settings.read_deadline_s)
+        self._pending[request.request_id] = _Pending(
+            tenant, conversation, hashes, future,
+            time.monotonic() + self.settings.read_deadline_s)
+
+    def resolve(self, request: Any, num_computed_tokens: int) -> bool | None:
+        """Decide for a request: None while its AcquireRead is pending (ask again), True when
+        its kv_transfer_params now name verified remote blocks to read, False to recompute."""
+        pending = self._pending.get(request.request_id)
+        if pending is None:
+            return False
+        tokens = request.prompt_token_ids or []
+        if not pending.future.done():
+            if time.monotonic() < pending.deadline:
+                return None
+            del self._pending[request.request_id]
+            pending.future.add_done_callback(self._release_late)
+            self._decide(request, "deadline", 0, len(tokens) - num_computed_tokens,
+                         conversation=pending.conversation)
+            return False
+        del self._pending[request.request_id]
+        try:
+            read = pending.future.result()
+        except KvbridgeError as err:
+            self._decide(request, "registry_error", 0, len(tokens) - num_computed_tokens,
+                         conversation=pending.conversation, error=err.reason)
+            return False
+        if read.miss_reason != pb.MISS_REASON_UNSPECIFIED:
+            reason = pb.MissReason.Name(read.miss_reason).removeprefix("MISS_REASON_").lower()
+            self._decide(request, f"miss_{reason}", 0, len(tokens) - num_computed_tokens,
+                         conversation=pending.conversation, mismatch_block=read.mismatch_block)
+            return False
+
+        block_ids = list(read.remote_block_ids)
+        usable = read.matched_tokens
+        if read.partial_block_tokens:
+            mine = blockhash.partial_block_hash(
+                tokens, read.lease.token_count, self.block_size, self.fingerprint,
+                request.cache_salt or "", full_hashes=pending.hashes)
+            if mine is not None and mine == read.partial_block_hash:
+                usable = read.lease.token_count
+                block_ids.append(read.partial_block_id)
+        usable = min(usable, len(tokens))
+        why = None
+        if usable <= num_computed_tokens:
+            why = "local_cache"
+        elif usable - num_computed_tokens < self.threshold:
+            why = "below_threshold"
+        elif seconds(read.pin.expires_in) < self.settings.pin_margin_s:
+            why = "pin_margin"
+        if why is not None:
+            self._release(read.pin.pin_id)
+            self._decide(request, why, 0, len(tokens) - num_computed_tokens,
+                         conversation=pending.conversation)
+            return False
+
+        params = request.kv_transfer_params
+        params.update(
+            remote_block_ids=[block_ids[: -(-usable // self.block_size)]],
+            remote_num_tokens=usable,
+            remote_engine_id=read.holder.holder_id,
+            remote_request_id=read.lease.remote_request_id,
+            remote_host=read.holder.nixl_host,
+            remote_port=read.holder.nixl_port,
+            tp_size=read.holder.tp_size or 1,
+        )
+        self._active[request.request_id] = _Active(
+            read.pin.pin_id, usable - num_computed_tokens, time.monotonic(),
+            pending.conversation, params)
+        self._decide(request, "hit", usable - num_computed_tokens, len(tokens) - usable,
+                     conversation=pending.conversation, lease_id=read.lease.lease_id,
+                     epoch=read.lease.epoch, holder=read.holder.holder_id)
+        return True
+
+    def decline(self, request: Any) -> None:
+        """The engine will not read after all (e.g. NIXL's own threshold): undo the hit."""
+        active = self._active.pop(request.request_id, None)
+        if active is None:
+            return
+        for name in REMOTE_FIELDS:
+            request.kv_transfer_params.pop(name, None)
+        self._release(active.pin_id)
+        self.metrics.recomputed_tokens.inc(active.tokens)
+        self.metrics.decisions.labels("declined_by_engine").inc()
+
+    def read_done(self, request_id: str, ok: bool) -> None:
+        active = self._active.pop(request_id, None)
+        if active is None:
+            return
+        # The read is over: a preempted request must recompute, not wait for a read that NIXL
+        # will never queue again.
+        active.params.pop("remote_block_ids", None)
+        active.params["remote_num_tokens"] = 0
+        self._release(active.pin_id)
+        if ok:
+            self.metrics.reused_tokens.inc(active.tokens)
+            self.metrics.transfer_seconds.observe(time.monotonic() - active.started)
+        else:
+            self.metrics.recomputed_tokens.inc(active.tokens)
+            self.metrics.decisions.labels("transfer_failed").inc()
+            log.warning("kv_read_failed", request_id=request_id,
+                        conversation=active.conversation, tokens=active.tokens)
+
+    def finished(self, request_id: str) -> None:
+        """The request ended (possibly aborted): let go of whatever it still holds."""
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            pending.future.add_done_callback(self._release_late)
+        active = self._active.pop(request_id, None)
+        if active is not None:
+            self._release(active.pin_id)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- helpers ----------------------------------------------------------------------------
+
+    def _decide(self, request: Any, decision: str, reused: int, recomputed: int,
+                **fields: Any) -> None:
+        self.metrics.decisions.labels(decision).inc()
+        if recomputed > 0:
+            self.metrics.recomputed_tokens.inc(recomputed)
+        log.info("prefill_decision", request_id=request.request_id, decision=decision,
+                 reused_tokens=reused, recomputed_tokens=max(recomputed, 0),
+                 prompt_tokens=len(request.prompt_token_ids or []), **fields)
+
+    def _release(self, pin_id: str) -> None:
+        self._pool.submit(self._release_quietly, pin_id)
+
+    def _release_quietly(self, pin_id: str) -> None:
+        try:
+            self.client.release_read(pin_id, timeout=self.settings.rpc_timeout_s)
+        except KvbridgeError as err:  # the pin runs out on its own
+            log.debug("release_read_failed", pin_id=pin_id, error=err.reason)
+
+    def _release_late(self, future: Future[pb.AcquireReadResponse]) -> None:
+        try:
+            read = future.result()
+        except Exception:
+            return
+        if read.pin.pin_id:
+            self._release_quietly(read.pin.pin_id)

@@ -1,0 +1,91 @@
+"""The connector's settings, read from `kv_connector_extra_config["kvbridge"]`.
+
+    --kv-transfer-config '{"kv_connector": "KVBridgeConnector",
+      "kv_connector_module_path": "kvbridge.connector",
+      "kv_role": "kv_producer", "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"bidirectional_kv_xfer": true,
+                                    "kv_recompute_threshold": 64,
+                                    "kvbridge": {"registry": "127.0.0.1:50051"}}}'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+# The key under which a request's kv_transfer_params carry its conversation.
+CONVERSATION_KEY = "kvbridge"
+# remote_request_id prefix of retained decode blocks: NIXL's own bookkeeping must ignore the
+# read notifications that carry it.
+REMOTE_ID_PREFIX = "kvbridge-"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorSettings:
+    """What an operator sets per engine (all durations in seconds)."""
+
+    registry: str = ""
+    """Registry address HOST:PORT. Empty: no control plane (the engine behaves as NIXL)."""
+    read_deadline_s: float = 0.05
+    """Prefill: how long a request may wait for its AcquireRead before recomputing."""
+    rpc_timeout_s: float = 1.0
+    """Deadline of control-plane calls off the time-to-first-token path."""
+    pin_ttl_s: float = 10.0
+    """Prefill: pin duration asked for a read."""
+    pin_margin_s: float = 2.0
+    """Prefill: decline a read whose pin ends within this margin (recompute instead)."""
+    idle_ttl_s: float = 60.0
+    """Decode: lease idle TTL (renewed by each turn, read, or client keepalive)."""
+    max_lifetime_s: float = 3600.0
+    """Decode: lease maximum lifetime."""
+    holder_ttl_s: float = 10.0
+    """Decode: holder heartbeat TTL (heartbeats every third of it)."""
+    hard_deadline_margin_s: float = 5.0
+    """Decode: margin past max lifetime + max pin TTL after which blocks are freed regardless."""
+    free_watermark: float = 0.1
+    """Decode: keep at least this fraction of KV blocks free by revoking the oldest idle
+    leases."""
+    metrics_port: int = 0
+    """Port for the connector's Prometheus metrics in the engine-core process (0: off)."""
+    metrics_host: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, float) and value < 0:
+                raise ValueError(f"kvbridge.{field.name} must not be negative, got {value}")
+        if not 0.0 <= self.free_watermark < 1.0:
+            raise ValueError("kvbridge.free_watermark must be in [0, 1)")
+        if self.pin_margin_s >= self.pin_ttl_s:
+            raise ValueError("kvbridge.pin_margin_s must be smaller than pin_ttl_s")
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        raw = dict((extra or {}).get(CONVERSATION_KEY) or {})
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(names))
+        if unknown:
+            raise ValueError(f"unknown kvbridge connector settings: {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(names))}")
+        kwargs = {}
+        for name, value in raw.items():
+            kind: Any = type(names[name].default)
+            try:
+                kwargs[name] = kind(value)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"kvbridge.{name}: {exc}") from exc
+        return cls(**kwargs)
+
+
+def conversation_of(params: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """(tenant, conversation id) a request's kv_transfer_params name, if any."""
+    if not params:
+        return None
+    key = params.get(CONVERSATION_KEY)
+    if not isinstance(key, Mapping):
+        return None
+    tenant, conversation = key.get("tenant"), key.get("conversation_id")
+    if isinstance(tenant, str) and isinstance(conversation, str) and tenant and conversation:
+        return tenant, conversation
+    return None

