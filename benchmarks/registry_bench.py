@@ -31,6 +31,7 @@ from typing import Any
 
 import click
 import grpc
+
 from kvbridge.clients._registry import AsyncRegistryClient, seconds
 from kvbridge.registry.v1 import registry_pb2 as pb
 

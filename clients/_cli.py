@@ -15,10 +15,10 @@ from typing import Any, TypeVar
 
 import click
 from google.protobuf import json_format
-from kvbridge.clients._registry import RegistryClient, seconds
-from kvbridge.registry.v1 import registry_pb2 as pb
 
+from kvbridge.clients._registry import RegistryClient, seconds
 from kvbridge.errors import DeadlineExceeded, InvalidArgument, KvbridgeError, Unavailable
+from kvbridge.registry.v1 import registry_pb2 as pb
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -15,11 +15,11 @@ import time
 from typing import Any
 
 import click
+
+from kvbridge import blockhash
 from kvbridge.clients._holder_session import HolderSession
 from kvbridge.clients._registry import RegistryClient, seconds
 from kvbridge.registry.v1 import registry_pb2 as pb
-
-from kvbridge import blockhash
 
 BLOCK_SIZE = 16
 FINGERPRINT = blockhash.engine_fingerprint({"model": "demo", "dtype": "float32", "tp": 1})
@@ -48,9 +48,8 @@ class _BackgroundRegistry:
         self._thread.join(10)
 
     def _main(self) -> None:
-        from kvbridge.services.registry import LeaseTable, RegistryConfig, create_server
-
         from kvbridge.clock import SystemClock
+        from kvbridge.services.registry import LeaseTable, RegistryConfig, create_server
 
         async def run() -> None:
             config = RegistryConfig(listen="127.0.0.1:0", metrics_listen="",

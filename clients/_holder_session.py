@@ -22,11 +22,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import structlog
-from kvbridge.clients._registry import RegistryClient, duration, seconds
-from kvbridge.registry.v1 import registry_pb2 as pb
 
+from kvbridge.clients._registry import RegistryClient, duration, seconds
 from kvbridge.clock import Clock, SystemClock
 from kvbridge.errors import HolderNotFound, KvbridgeError
+from kvbridge.registry.v1 import registry_pb2 as pb
 
 log = structlog.get_logger("kvbridge.holder")
 

@@ -18,11 +18,11 @@ from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2
-from kvbridge.registry.v1 import registry_pb2 as pb
-from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
 
 from kvbridge._grpc_status import from_rpc_error
 from kvbridge.errors import DeadlineExceeded, KvbridgeError, Unavailable
+from kvbridge.registry.v1 import registry_pb2 as pb
+from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
 
 DEFAULT_TIMEOUT = 2.0
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)

@@ -16,16 +16,16 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import structlog
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+
+from kvbridge import blockhash
 from kvbridge.clients import RegistryClient
 from kvbridge.connector._decode import DecodeRetention
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._prefill import PrefillReuse
 from kvbridge.connector._settings import REMOTE_ID_PREFIX, ConnectorSettings
 from kvbridge.connector._version import check_vllm_version
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
-
-from kvbridge import blockhash
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

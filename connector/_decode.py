@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+
+from kvbridge import blockhash
 from kvbridge.clients import HolderSession, RegistryClient
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._settings import REMOTE_ID_PREFIX, ConnectorSettings, conversation_of
-
-from kvbridge import blockhash
 
 log = structlog.get_logger("kvbridge.connector")
 

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import structlog
+
+from kvbridge import blockhash
 from kvbridge.clients import RegistryClient, seconds
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._settings import ConnectorSettings, conversation_of
-from kvbridge.registry.v1 import registry_pb2 as pb
-
-from kvbridge import blockhash
 from kvbridge.errors import KvbridgeError
+from kvbridge.registry.v1 import registry_pb2 as pb
 
 log = structlog.get_logger("kvbridge.connector")
 

@@ -6,10 +6,10 @@ import asyncio
 from typing import Any
 
 import click
-from kvbridge.services.registry._config import RegistryConfig
-from kvbridge.services.registry._server import serve
 
 from kvbridge.config import build_config, config_options
+from kvbridge.services.registry._config import RegistryConfig
+from kvbridge.services.registry._server import serve
 
 
 @click.group("registry")

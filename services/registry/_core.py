@@ -25,6 +25,18 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import structlog
+
+from kvbridge import blockhash
+from kvbridge.clock import Clock
+from kvbridge.errors import (
+    CapacityExhausted,
+    HolderConflict,
+    HolderDraining,
+    HolderNotFound,
+    IdempotencyConflict,
+    LeaseNotFound,
+    NotLeaseHolder,
+)
 from kvbridge.services.registry import _validate as check
 from kvbridge.services.registry._config import RegistryConfig
 from kvbridge.services.registry._expiry import ExpiryWheel
@@ -37,18 +49,6 @@ from kvbridge.services.registry._model import (
     LeaseState,
     MissReason,
     Pin,
-)
-
-from kvbridge import blockhash
-from kvbridge.clock import Clock
-from kvbridge.errors import (
-    CapacityExhausted,
-    HolderConflict,
-    HolderDraining,
-    HolderNotFound,
-    IdempotencyConflict,
-    LeaseNotFound,
-    NotLeaseHolder,
 )
 
 log = structlog.get_logger("kvbridge.registry")

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvbridge.services.registry._core import LeaseTable
-from kvbridge.services.registry._model import EventType, LeaseEvent, MissReason
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from kvbridge.services.registry._core import LeaseTable
+from kvbridge.services.registry._model import EventType, LeaseEvent, MissReason
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                     0.1, 0.25, 1.0)

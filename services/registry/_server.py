@@ -12,16 +12,16 @@ import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from kvbridge import logs
+from kvbridge.clock import Clock, SystemClock
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
 from kvbridge.services.registry._config import RegistryConfig
 from kvbridge.services.registry._core import LeaseTable
 from kvbridge.services.registry._metrics import RegistryMetrics
 from kvbridge.services.registry._servicer import RegistryServicer
-from prometheus_client import start_http_server
-
-from kvbridge import logs
-from kvbridge.clock import Clock, SystemClock
 
 log = structlog.get_logger("kvbridge.registry")
 

@@ -15,6 +15,10 @@ from typing import Any, TypeVar, cast
 import grpc
 import structlog
 from google.protobuf import duration_pb2, timestamp_pb2
+
+from kvbridge import blockhash
+from kvbridge._grpc_status import to_status
+from kvbridge.errors import CapacityExhausted, KvbridgeError
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
 from kvbridge.services.registry import _validate as check
@@ -33,10 +37,6 @@ from kvbridge.services.registry._model import (
     LeaseEvent,
     LeaseState,
 )
-
-from kvbridge import blockhash
-from kvbridge._grpc_status import to_status
-from kvbridge.errors import CapacityExhausted, KvbridgeError
 
 log = structlog.get_logger("kvbridge.registry")
 
