@@ -16,10 +16,12 @@ stack in the same run (ratios, not absolute numbers, are what transfer between m
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -160,7 +162,7 @@ async def _bounded(coros: Callable[[int], Awaitable[Any]], n: int, concurrency: 
 
 
 async def _run(leases: int, blocks: int, rate: float, duration: float, concurrency: int,
-               log: Callable[[str], None]) -> dict[str, Any]:
+               rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
     block_size = 16
     registry = _spawn([sys.executable, "-m", "kvbridge.cli", "registry", "serve",
                        "--listen", "127.0.0.1:0", "--metrics-listen", "",
@@ -218,8 +220,8 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             renewed += resp.renewed_count
 
         t = time.perf_counter()
-        rounds = max(leases // batch, 1) * 2
-        await _bounded(renew, rounds, 4)
+        calls = max(leases // batch, 1) * 2
+        await _bounded(renew, calls, 4)
         out["renewals_per_s"] = round(renewed / (time.perf_counter() - t))
         log(f"  {out['renewals_per_s']} renewals/s")
 
@@ -242,6 +244,11 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         out["expiry_late_p99_ms"] = round(_pct(lateness, 0.99), 3)
         log(f"  expiry late p99 {out['expiry_late_p99_ms']} ms")
 
+        # The driver's own garbage collector must not stall the latency phases: everything
+        # made so far (100k lease ids, payloads) is moved out of its reach.
+        gc.collect()
+        gc.freeze()
+
         # The hot path: AcquireRead for a 64-block prompt that matches, then its release.
         prompts = {i: hashes[i % 256] + os.urandom(16 * 8) for i in range(256)}
 
@@ -253,19 +260,8 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             if resp.miss_reason != pb.MISS_REASON_UNSPECIFIED:
                 raise RuntimeError(f"unexpected miss {resp.miss_reason}")
 
-        await _closed_loop(acquire, concurrency, 1.0)  # warm-up
-        lat = await _open_loop(acquire, rate, duration)
-        out["acquire_read_p50_ms"] = round(_pct(lat, 0.5), 3)
-        out["acquire_read_p99_ms"] = round(_pct(lat, 0.99), 3)
-        cpu0 = registry.cpu_seconds()
-        out["max_rps"] = round(await _closed_loop(acquire, concurrency, duration))
-        out["server_cpu_us_per_rpc"] = round(
-            (registry.cpu_seconds() - cpu0) / (out["max_rps"] * duration) * 1e6)
-        log(f"  acquire-read p50 {out['acquire_read_p50_ms']} ms p99 "
-            f"{out['acquire_read_p99_ms']} ms, max {out['max_rps']} RPC/s")
-        await client.close()
-
-        # The same two measurements against the trivial echo service.
+        # The same measurements against the trivial echo service, interleaved round by round
+        # with the registry's so that the machine's noise falls on both alike.
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{echo.port}")
         echo_call = channel.unary_unary(ECHO_METHOD, request_serializer=_identity,
                                         response_deserializer=_identity)
@@ -274,18 +270,37 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         async def ping(i: int) -> None:
             await echo_call(payload, timeout=30)
 
-        await _closed_loop(ping, concurrency, 1.0)
-        lat = await _open_loop(ping, rate, duration)
-        out["echo_p50_ms"] = round(_pct(lat, 0.5), 3)
-        out["echo_p99_ms"] = round(_pct(lat, 0.99), 3)
-        cpu0 = echo.cpu_seconds()
-        out["echo_max_rps"] = round(await _closed_loop(ping, concurrency, duration))
-        out["echo_server_cpu_us_per_rpc"] = round(
-            (echo.cpu_seconds() - cpu0) / (out["echo_max_rps"] * duration) * 1e6)
+        targets = {"acquire": (acquire, registry), "echo": (ping, echo)}
+        latencies: dict[str, list[float]] = {"acquire": [], "echo": []}
+        rates: dict[str, list[float]] = {"acquire": [], "echo": []}
+        cpu: dict[str, list[float]] = {"acquire": [], "echo": []}
+        for call, _ in targets.values():
+            await _closed_loop(call, concurrency, 1.0)  # warm-up
+        per_round = max(duration / rounds, 0.5)
+        for r in range(rounds):
+            for name, (call, proc) in targets.items():
+                latencies[name] += await _open_loop(call, rate, per_round)
+                cpu0 = proc.cpu_seconds()
+                rps = await _closed_loop(call, concurrency, per_round)
+                rates[name].append(rps)
+                cpu[name].append((proc.cpu_seconds() - cpu0) / (rps * per_round) * 1e6)
+            log(f"  round {r + 1}/{rounds}: acquire {rates['acquire'][-1]:.0f} RPC/s, "
+                f"echo {rates['echo'][-1]:.0f} RPC/s")
+        await client.close()
         await channel.close()
+        out["acquire_read_p50_ms"] = round(_pct(latencies["acquire"], 0.5), 3)
+        out["acquire_read_p99_ms"] = round(_pct(latencies["acquire"], 0.99), 3)
+        out["echo_p50_ms"] = round(_pct(latencies["echo"], 0.5), 3)
+        out["echo_p99_ms"] = round(_pct(latencies["echo"], 0.99), 3)
+        out["max_rps"] = round(statistics.median(rates["acquire"]))
+        out["echo_max_rps"] = round(statistics.median(rates["echo"]))
+        out["server_cpu_us_per_rpc"] = round(statistics.median(cpu["acquire"]))
+        out["echo_server_cpu_us_per_rpc"] = round(statistics.median(cpu["echo"]))
+        log(f"  acquire-read p50 {out['acquire_read_p50_ms']} ms p99 "
+            f"{out['acquire_read_p99_ms']} ms, max {out['max_rps']} RPC/s; echo p99 "
+            f"{out['echo_p99_ms']} ms, max {out['echo_max_rps']} RPC/s")
         out["acquire_p99_vs_echo"] = round(out["acquire_read_p99_ms"] / out["echo_p99_ms"], 2)
         out["max_rps_vs_echo"] = round(out["max_rps"] / out["echo_max_rps"], 2)
-        log(f"  echo p99 {out['echo_p99_ms']} ms, max {out['echo_max_rps']} RPC/s")
     finally:
         registry.stop()
         echo.stop()
@@ -309,19 +324,21 @@ TARGETS = [
               help="blocks per lease")
 @click.option("--rate", default=1000.0, show_default=True, type=click.FloatRange(min=1),
               help="offered AcquireRead (and echo) rate for the latency figures, RPC/s")
-@click.option("--duration", default=5.0, show_default=True, type=click.FloatRange(min=0.5),
-              help="seconds per latency/throughput phase")
+@click.option("--duration", default=6.0, show_default=True, type=click.FloatRange(min=0.5),
+              help="seconds of latency and of throughput measurement per service, all rounds")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, 20),
+              help="registry and echo phases alternate this many times")
 @click.option("--concurrency", default=64, show_default=True, type=click.IntRange(1, 4096),
               help="calls in flight for the closed-loop phases")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def registry_bench(leases: int, blocks: int, rate: float, duration: float, concurrency: int,
-                   as_json: bool) -> None:
+                   rounds: int, as_json: bool) -> None:
     """Measure the registry beside a trivial gRPC echo service (about a minute)."""
 
     def log(msg: str) -> None:
         click.echo(msg, err=True)
 
-    result = asyncio.run(_run(leases, blocks, rate, duration, concurrency, log))
+    result = asyncio.run(_run(leases, blocks, rate, duration, concurrency, rounds, log))
     if as_json:
         click.echo(json.dumps(result, sort_keys=True))
         return

@@ -49,6 +49,11 @@ class RegistryConfig:
     max_message_bytes: int = setting(8 * 1024 * 1024, "largest gRPC message accepted")
     expiry_batch: int = setting(20000, "most expirations processed per scheduler tick")
     shutdown_grace_s: float = setting(5.0, "seconds in-flight RPCs get on SIGTERM")
+    gc_freeze_interval_s: float = setting(
+        5.0, "move objects older than this out of the cyclic GC's reach (0: plain GC); keeps "
+        "full collections over many leases off the request path")
+    gc_full_interval_s: float = setting(
+        600.0, "with gc_freeze_interval_s: run a full collection of everything this often")
     log_level: str = setting("info", "debug, info, warning or error")
     log_format: str = setting("auto", "json, console, or auto (JSON unless on a terminal)")
 

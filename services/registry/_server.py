@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -125,11 +127,37 @@ async def create_server(config: RegistryConfig, *, clock: Clock | None = None,
     return RegistryServer(config, table, metrics, server, bound, health_servicer)
 
 
+async def _tame_gc(freeze_every: float, full_every: float) -> None:
+    """Keep the cyclic garbage collector's pauses off the request path.
+
+    Leases are long-lived and free of reference cycles, but a full collection walks every one
+    of them (about 100 ms at 100,000 leases here) and, left alone, runs every few seconds
+    under load. So objects that survived `freeze_every` go to the permanent generation, and a
+    full collection of everything (which also frees any cycles among them) runs every
+    `full_every` instead.
+    """
+    last_full = time.monotonic()
+    while True:
+        await asyncio.sleep(freeze_every)
+        if time.monotonic() - last_full >= full_every:
+            gc.unfreeze()
+            start = time.monotonic()
+            collected = gc.collect()
+            last_full = time.monotonic()
+            log.info("gc_full_collection", collected=collected,
+                     pause_ms=round((last_full - start) * 1000, 1))
+        gc.freeze()
+
+
 async def serve(config: RegistryConfig, *, ready: asyncio.Event | None = None) -> None:
     """Run a registry until SIGTERM or SIGINT."""
     logs.configure(config.log_level, config.log_format)
     registry = await create_server(config)
     await registry.start()
+    gc_task = None
+    if config.gc_freeze_interval_s > 0:
+        gc_task = asyncio.create_task(
+            _tame_gc(config.gc_freeze_interval_s, config.gc_full_interval_s))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -138,4 +166,6 @@ async def serve(config: RegistryConfig, *, ready: asyncio.Event | None = None) -
         ready.set()
     await stop.wait()
     log.info("registry_shutting_down", grace_s=config.shutdown_grace_s)
+    if gc_task is not None:
+        gc_task.cancel()
     await registry.stop()
