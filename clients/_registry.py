@@ -30,6 +30,10 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.enable_retries", 0),  # retries are ours, bounded by the call's deadline
+    # Reconnect soon after an outage (gRPC's default backoff grows to two minutes).
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
 

