@@ -31,8 +31,8 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.enable_retries", 0),  # retries are ours, bounded by the call's deadline
     # Reconnect soon after an outage (gRPC's default backoff grows to two minutes).
+    # (min_reconnect_backoff_ms is left alone: it is also the connection attempt's timeout.)
     ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
