@@ -9,8 +9,10 @@ the way a P/D proxy does: prefill with `max_tokens` 1, then decode with prefill'
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -112,18 +114,27 @@ class Engine:
             return ""
 
     def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM (vLLM shuts its engine-core and worker processes down), then SIGKILL to
+        the engine's process group if it does not exit in time."""
         if self.process.poll() is None:
             self.process.terminate()
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                self.kill()
+        self._kill_group()
 
     def kill(self) -> None:
+        """SIGKILL the engine and every process it started (its own process group)."""
+        self._kill_group()
         if self.process.poll() is None:
             self.process.kill()
-            self.process.wait()
+        self.process.wait()
+
+    def _kill_group(self) -> None:
+        # start_engine put the engine in a session of its own: its group is ours alone.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
 
 
 def start_engine(spec: EngineSpec, work_dir: Path) -> Engine:

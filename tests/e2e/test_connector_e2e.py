@@ -130,10 +130,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     try:
         wait_ready(prefill)
         wait_ready(decode)
-        yield Stack(str(model), registry, prefill, decode, pm, dm)
+        stack = Stack(str(model), registry, prefill, decode, pm, dm)
+        yield stack
     finally:
         prefill.stop()
         decode.stop()
+        if "stack" in locals() and stack.decode is not decode:
+            stack.decode.stop()
         registry.stop()
 
 
@@ -229,3 +232,41 @@ def test_registry_down_means_recompute_not_failure(stack: Stack) -> None:
         assert stack.decisions("registry_error") + stack.decisions("deadline") == errors + 1
     finally:
         stack.registry.start()
+
+
+def test_decode_killed_between_turns_fails_over_to_recompute(
+        stack: Stack, tmp_path: Path) -> None:
+    """Runs last: it replaces the decode engine."""
+    rng, history = _conversation(6)
+    key = ("tenant-a", "conv-killed")
+    answer = stack.turn(history, key)
+    history = history + answer + _user_turn(rng)
+    stack.decode.kill()
+    # Prefill right away, before the registry notices the holder is gone: whatever it decides
+    # (a read that fails against the dead engine, or a miss), the request succeeds and reuses
+    # nothing.
+    before = stack.reused()
+    prefill_only = two_step_prefill(stack, history, key)
+    assert prefill_only["choices"][0]["text"] is not None
+    assert stack.reused() == before
+    # A restarted decode engine (a new engine id) serves the next turn; the answer equals the
+    # recomputed one.
+    dm = _free_port()
+    spec = stack.decode.spec
+    new_decode = start_engine(EngineSpec(
+        "decode", stack.model, _free_port(), _free_port(), "e2e-decode-2", spec.registry,
+        cpu=1, kvbridge={"metrics_port": dm, "idle_ttl_s": DECODE_IDLE_TTL,
+                         "holder_ttl_s": 3.0}), tmp_path)
+    wait_ready(new_decode)
+    stack.decode, stack.decode_metrics = new_decode, dm
+    assert stack.turn(history, key) == stack.turn(history, None)
+    assert stack.reused() == before
+
+
+def two_step_prefill(stack: Stack, prompt: list[int], key: tuple[str, str]) -> dict:
+    from kvbridge.engines import post_json
+
+    return post_json(f"{stack.prefill.spec.url}/v1/completions", {
+        "model": stack.model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                               "kvbridge": {"tenant": key[0], "conversation_id": key[1]}}})
