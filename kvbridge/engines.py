@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -41,6 +42,10 @@ class EngineSpec:
     recompute_threshold: int = 64
     kvbridge: dict[str, Any] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
+    # CPU engines busy-poll (OpenMP spin-waits, NIXL's UCX progress thread): on a machine they
+    # share with the control plane, a lower priority keeps the registry and the heartbeats
+    # responsive.
+    nice: int = 10
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
@@ -82,9 +87,9 @@ class EngineSpec:
 
     def environment(self, work_dir: Path) -> dict[str, str]:
         cache = work_dir / f"{self.engine_id}-cache"
-        tmp = work_dir / f"{self.engine_id}-tmp"
         cache.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir(parents=True, exist_ok=True)
+        # vLLM puts IPC sockets under TMPDIR, whose paths must stay under 107 characters.
+        tmp = Path(tempfile.mkdtemp(prefix="kvb-"))
         return {
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
@@ -141,8 +146,10 @@ def start_engine(spec: EngineSpec, work_dir: Path) -> Engine:
     """Start an engine in the background; `wait_ready` waits for it."""
     log_path = work_dir / f"{spec.engine_id}.log"
     log = log_path.open("wb")
+    nice = spec.nice
     process = subprocess.Popen(spec.command(), env=spec.environment(work_dir), stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
+                               stderr=subprocess.STDOUT, start_new_session=True,
+                               preexec_fn=(lambda: os.nice(nice)) if nice else None)
     return Engine(spec, process, log_path)
 
 

@@ -122,11 +122,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     pm, dm = _free_port(), _free_port()
     prefill = start_engine(EngineSpec(
         "prefill", str(model), _free_port(), _free_port(), "e2e-prefill", registry.address,
-        cpu=0, kvbridge={"metrics_port": pm, "read_deadline_s": 1.0}), work)
+        cpu=0, kvbridge={"metrics_port": pm, "read_deadline_s": 3.0}), work)
     decode = start_engine(EngineSpec(
         "decode", str(model), _free_port(), _free_port(), "e2e-decode", registry.address,
         cpu=1, kvbridge={"metrics_port": dm, "idle_ttl_s": DECODE_IDLE_TTL,
-                         "holder_ttl_s": 3.0}), work)
+                         "holder_ttl_s": 6.0}), work)
     try:
         wait_ready(prefill)
         wait_ready(decode)
@@ -198,7 +198,7 @@ def test_expired_lease_is_not_read_and_decode_memory_returns(stack: Stack) -> No
     retained_before = stack.decode_counters()["kvbridge_connector_retained_blocks"]
     answer = stack.turn(history, key)
     assert stack.decode_counters()["kvbridge_connector_retained_blocks"] > retained_before
-    time.sleep(DECODE_IDLE_TTL + 5)  # idle past the lease TTL and a heartbeat
+    time.sleep(DECODE_IDLE_TTL + 5)  # idle past the lease TTL and a heartbeat (every 2 s)
     history = history + answer + _user_turn(rng)
     before = stack.reused()
     expired = stack.decisions("miss_expired") + stack.decisions("miss_no_lease")
@@ -256,7 +256,7 @@ def test_decode_killed_between_turns_fails_over_to_recompute(
     new_decode = start_engine(EngineSpec(
         "decode", stack.model, _free_port(), _free_port(), "e2e-decode-2", spec.registry,
         cpu=1, kvbridge={"metrics_port": dm, "idle_ttl_s": DECODE_IDLE_TTL,
-                         "holder_ttl_s": 3.0}), tmp_path)
+                         "holder_ttl_s": 6.0}), tmp_path)
     wait_ready(new_decode)
     stack.decode, stack.decode_metrics = new_decode, dm
     assert stack.turn(history, key) == stack.turn(history, None)
