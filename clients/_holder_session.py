@@ -82,6 +82,7 @@ class HolderSession:
         self._held: dict[str, HeldLease] = {}
         self._acks: set[str] = set()
         self._lock = threading.Lock()
+        self._register_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -113,6 +114,10 @@ class HolderSession:
     # ---- the protocol -----------------------------------------------------------------------
 
     def _register(self) -> bool:
+        with self._register_lock:  # the heartbeat and grant threads may both get here
+            return self._register_locked()
+
+    def _register_locked(self) -> bool:
         now = self.clock.monotonic()
         with self._lock:
             held = [lease.snapshot(now) for lease in self._held.values()]
@@ -189,20 +194,27 @@ class HolderSession:
               block_ids: list[int], token_count: int, block_hashes: bytes, *,
               idle_ttl: float = 0.0, max_lifetime: float = 0.0,
               timeout: float | None = None) -> pb.Lease | None:
-        """Grant a lease over blocks the caller keeps. None means: do not keep them."""
-        if not self.registered:
-            return None
-        sent_at = self.clock.monotonic()
-        try:
-            resp = self.client.grant_lease(
-                self.holder_id, tenant, conversation_id, remote_request_id, block_ids,
-                token_count, block_hashes, idle_ttl, max_lifetime, timeout=timeout)
-        except HolderNotFound:
-            self.registered = False
-            return None
-        except KvbridgeError as err:
-            log.warning("lease_grant_failed", holder=self.holder_id, conversation=conversation_id,
-                        error=str(err))
+        """Grant a lease over blocks the caller keeps. None means: do not keep them.
+
+        A registry that no longer knows this holder (it restarted, or heartbeats were starved
+        past the TTL) gets a re-registration and the grant once more."""
+        for attempt in range(2):
+            if not self.registered and (attempt == 0 or not self._register()):
+                return None
+            sent_at = self.clock.monotonic()
+            try:
+                resp = self.client.grant_lease(
+                    self.holder_id, tenant, conversation_id, remote_request_id, block_ids,
+                    token_count, block_hashes, idle_ttl, max_lifetime, timeout=timeout)
+                break
+            except HolderNotFound:
+                self.registered = False
+                log.warning("holder_unknown_to_registry", holder=self.holder_id)
+            except KvbridgeError as err:
+                log.warning("lease_grant_failed", holder=self.holder_id,
+                            conversation=conversation_id, error=str(err))
+                return None
+        else:
             return None
         lease = resp.lease
         life = seconds(lease.max_lifetime)

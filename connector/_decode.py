@@ -56,6 +56,7 @@ class DecodeRetention:
         self._by_key: dict[str, _Retained] = {}
         self._by_lease: dict[str, str] = {}
         self._frees: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        self._reclaimed_early: set[str] = set()  # reported before _grant recorded the lease
         self._revoking = False
 
     def start(self) -> None:
@@ -153,16 +154,25 @@ class DecodeRetention:
         with self._lock:
             retained.lease_id = lease.lease_id
             self._by_lease[lease.lease_id] = retained.key
+            early = lease.lease_id in self._reclaimed_early
+            self._reclaimed_early.discard(lease.lease_id)
+        if early:
+            self._frees.put((retained.key, "reclaimed"))
         self.metrics.leases_granted.inc()
         log.info("lease_granted", lease_id=lease.lease_id, conversation=conversation,
                  epoch=lease.epoch, blocks=len(retained.block_ids), tokens=retained.tokens)
 
     def _on_reclaim(self, lease_ids: list[str]) -> None:
+        # The session forgets these leases once this returns, so none may be dropped: a lease
+        # reported between session.grant() returning and _grant() recording it is freed by
+        # _grant() (otherwise its blocks would be held forever, under no lease).
         with self._lock:
-            keys = [self._by_lease.get(lid) for lid in lease_ids]
-        for key in keys:
-            if key is not None:
-                self._frees.put((key, "reclaimed"))
+            for lid in lease_ids:
+                key = self._by_lease.get(lid)
+                if key is None:
+                    self._reclaimed_early.add(lid)
+                else:
+                    self._frees.put((key, "reclaimed"))
 
     def _revoke(self, lease_ids: list[str]) -> None:
         try:

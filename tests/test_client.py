@@ -453,6 +453,24 @@ def test_session_frees_leases_lost_with_a_missed_ttl(sync_client, kv, engine, ho
         session.close(deregister=False)
 
 
+def test_session_grant_reregisters_a_holder_the_registry_lost(sync_client, kv, engine,
+                                                              holder_clock, threaded_registry):
+    # Heartbeats starved past the TTL (a busy engine start): the next grant must not be lost.
+    session = make_session(sync_client, kv, engine, holder_clock, ttl=30.0)
+    session.start()
+    try:
+        threaded_registry.advance(31)
+        threaded_registry.call(threaded_registry.table.tick)
+        with pytest.raises(errors.HolderNotFound):
+            sync_client.heartbeat("decode-0")
+        lease = session_grant(session, kv, "c1")
+        assert lease is not None and session.registered
+        assert sync_client.get_lease(lease.lease_id).state == pb.LEASE_STATE_ACTIVE
+        assert [x.lease_id for x in session.held()] == [lease.lease_id]
+    finally:
+        session.close(deregister=False)
+
+
 def test_session_never_frees_a_pinned_lease_lost_with_a_missed_ttl(
         sync_client, kv, engine, holder_clock, threaded_registry):
     """DESIGN invariant 3: a lease is never reclaimed while one of its pins is live, even when

@@ -1,0 +1,830 @@
+"""The connector's decision logic (`PrefillReuse`, `DecodeRetention`) without vLLM.
+
+vLLM's Request and BlockPool are replaced by small fakes; the registry is real, served over
+gRPC on 127.0.0.1 from its own thread (`ThreadedRegistry`, FakeClock: nothing expires unless a
+test says so). Background threads (grants, releases, revocations) are waited for by short,
+bounded polling of the registry or of the connector's metrics.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pytest
+from conftest import ThreadedRegistry
+
+from kvbridge import blockhash, errors
+from kvbridge.clients import RegistryClient
+from kvbridge.connector._decode import DecodeRetention
+from kvbridge.connector._metrics import ConnectorMetrics
+from kvbridge.connector._prefill import REMOTE_FIELDS, PrefillReuse
+from kvbridge.connector._settings import ConnectorSettings
+from kvbridge.registry.v1 import registry_pb2 as pb
+
+BS = 4
+FP = "fp-connector-logic"
+TENANT = "acme"
+HOLDER = "decode-1"
+NIXL_HOST = "10.9.8.7"
+NIXL_PORT = 5601
+READER = "prefill-1"
+
+_T = TypeVar("_T")
+
+
+# ---- fakes of vLLM objects ----------------------------------------------------------------------
+
+
+@dataclass
+class FakeStatus:
+    name: str
+
+
+class FakeRequest:
+    """The fields of vllm.v1.request.Request the connector reads."""
+
+    def __init__(self, request_id: str, prompt: list[int], output: list[int] | None = None, *,
+                 params: dict[str, Any] | None = None, num_computed_tokens: int | None = None,
+                 status: str = "RUNNING", cache_salt: str | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt)
+        self.all_token_ids = list(prompt) + list(output or [])
+        # A finished decode request has computed the KV of every token but the last sampled.
+        self.num_computed_tokens = (len(self.all_token_ids) - 1 if num_computed_tokens is None
+                                    else num_computed_tokens)
+        self.kv_transfer_params = params if params is not None else {}
+        self.status = FakeStatus(status)
+        self.cache_salt = cache_salt
+
+
+@dataclass
+class FakeBlock:
+    block_id: int
+    ref_cnt: int = 0
+
+
+@dataclass
+class FakeBlockPool:
+    """vLLM's BlockPool as retention uses it: reference counts, touch and free."""
+
+    num_gpu_blocks: int = 64
+    blocks: list[FakeBlock] = field(default_factory=list)
+    touched: list[list[int]] = field(default_factory=list)
+    reported_free: int | None = None  # set to simulate memory pressure
+
+    def __post_init__(self) -> None:
+        self.blocks = [FakeBlock(i) for i in range(self.num_gpu_blocks)]
+
+    def touch(self, blocks: list[FakeBlock]) -> None:
+        self.touched.append([b.block_id for b in blocks])
+        for b in blocks:
+            b.ref_cnt += 1
+
+    def free_blocks(self, blocks: Any) -> None:
+        for b in blocks:
+            assert b.ref_cnt > 0, f"double free of block {b.block_id}"
+            b.ref_cnt -= 1
+
+    def get_num_free_blocks(self) -> int:
+        if self.reported_free is not None:
+            return self.reported_free
+        return sum(1 for b in self.blocks[1:] if b.ref_cnt == 0)  # block 0: vLLM's null block
+
+    def refs(self, ids: Any) -> list[int]:
+        return [self.blocks[i].ref_cnt for i in ids]
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def wait_for(predicate: Callable[[], _T], what: str, timeout: float = 5.0) -> _T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.01)
+
+
+def sample(metrics: ConnectorMetrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels or None) or 0.0
+
+
+def decisions(metrics: ConnectorMetrics, decision: str) -> float:
+    return sample(metrics, "kvbridge_connector_decisions_total", decision=decision)
+
+
+def conv_key(conversation: str) -> dict[str, str]:
+    return {"tenant": TENANT, "conversation_id": conversation}
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@contextmanager
+def paused(registry: ThreadedRegistry) -> Iterator[threading.Event]:
+    """Block the registry's event loop (a slow registry) until the block exits or the gate is
+    set."""
+    gate, entered = threading.Event(), threading.Event()
+
+    def block() -> None:
+        entered.set()
+        gate.wait(10)
+
+    registry.loop.call_soon_threadsafe(block)
+    assert entered.wait(5)
+    try:
+        yield gate
+    finally:
+        gate.set()
+
+
+class RecordingClient(RegistryClient):
+    """A real client that remembers the pins it acquired and the releases it made. With
+    `acquire_timeout`, AcquireRead gets that deadline instead of the connector's: the RPC
+    outlives the scheduling deadline, as when the read pool starts it late."""
+
+    def __init__(self, *args: Any, acquire_timeout: float | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.acquire_timeout = acquire_timeout
+        self.pins: list[str] = []
+        self.released: list[tuple[str, bool]] = []
+
+    def acquire_read(self, *args: Any, **kwargs: Any) -> pb.AcquireReadResponse:
+        if self.acquire_timeout is not None:
+            kwargs["timeout"] = self.acquire_timeout
+        resp = super().acquire_read(*args, **kwargs)
+        if resp.pin.pin_id:
+            self.pins.append(resp.pin.pin_id)
+        return resp
+
+    def release_read(self, pin_id: str, *, timeout: float | None = None) -> bool:
+        ok = super().release_read(pin_id, timeout=timeout)
+        self.released.append((pin_id, ok))
+        return ok
+
+
+# ---- fixtures -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def registry() -> Iterator[ThreadedRegistry]:
+    reg = ThreadedRegistry()
+    yield reg
+    reg.close()
+
+
+@pytest.fixture
+def client(registry: ThreadedRegistry) -> Iterator[RegistryClient]:
+    with RegistryClient(registry.target, timeout=2.0) as c:
+        yield c
+
+
+@dataclass
+class DecodeKit:
+    retention: DecodeRetention
+    pool: FakeBlockPool
+    metrics: ConnectorMetrics
+    last_extra: dict[str, Any] | None = None
+
+    def finish(self, request_id: str, conversation: str | None, prompt: list[int],
+               output: list[int], block_ids: list[int], *, status: str = "FINISHED_STOPPED",
+               groups: int = 1) -> FakeRequest:
+        params: dict[str, Any] = {}
+        if conversation is not None:
+            params["kvbridge"] = conv_key(conversation)
+        request = FakeRequest(request_id, prompt, output, params=params, status=status)
+        self.last_extra = self.retention.on_finished(request, (list(block_ids),) * groups)
+        return request
+
+    def granted(self) -> float:
+        return sample(self.metrics, "kvbridge_connector_leases_granted_total")
+
+    def wait_granted(self, n: int) -> None:
+        wait_for(lambda: self.granted() >= n, f"{n} lease grant(s)")
+
+    def freed(self, why: str) -> float:
+        return sample(self.metrics, "kvbridge_connector_retained_blocks_freed_total", why=why)
+
+    def retained(self) -> float:
+        return sample(self.metrics, "kvbridge_connector_retained_blocks")
+
+
+@pytest.fixture
+def decode(registry: ThreadedRegistry) -> Iterator[DecodeKit]:
+    # retries=1 and a short RPC timeout, as the connector builds its client.
+    rpc = RegistryClient(registry.target, timeout=1.0, retries=1)
+    settings = ConnectorSettings(registry=registry.target, rpc_timeout_s=1.0,
+                                 holder_ttl_s=60.0, free_watermark=0.1)
+    metrics = ConnectorMetrics()
+    retention = DecodeRetention(settings, rpc, holder_id=HOLDER, nixl_host=NIXL_HOST,
+                                nixl_port=NIXL_PORT, block_size=BS, fingerprint=FP, tp_size=1,
+                                metrics=metrics)
+    pool = FakeBlockPool(64)
+    retention.bind(pool)
+    retention.start()  # registers; its own heartbeats come every 20 s, past any test here
+    assert retention.session.registered
+    yield DecodeKit(retention, pool, metrics)
+    retention.close()
+    rpc.close()
+
+
+def only_lease(client: RegistryClient, conversation: str) -> pb.Lease:
+    leases = list(client.list_leases(tenant=TENANT, conversation_id=conversation,
+                                     include_blocks=True).leases)
+    assert len(leases) == 1, leases
+    return leases[0]
+
+
+# ---- decode: retention ---------------------------------------------------------------------
+
+PROMPT1 = list(range(21))
+OUTPUT1 = [100 + i for i in range(7)]  # 28 tokens, 27 computed: 7 blocks, the last partial
+
+
+def test_decode_retains_and_grants_exact_lease(decode: DecodeKit, client: RegistryClient):
+    table = [5, 6, 7, 8, 9, 10, 11, 12]  # one block more than the computed tokens need
+    request = decode.finish("req-1", "c1", PROMPT1, OUTPUT1, table)
+    n = request.num_computed_tokens
+    assert n == 27
+    assert decode.last_extra == {"kvbridge_retained_tokens": 27}
+    held = table[: cdiv(n, BS)]
+    assert decode.pool.touched == [held]  # exactly cdiv(27, 4) == 7 blocks, touched once
+    assert decode.pool.refs(held) == [1] * 7 and decode.pool.refs([12]) == [0]
+    assert decode.retained() == 7
+
+    decode.wait_granted(1)
+    lease = only_lease(client, "c1")
+    assert lease.token_count == n
+    assert lease.block_hashes == blockhash.block_hashes(request.all_token_ids[:n], BS, FP,
+                                                        include_partial=True)
+    assert list(lease.block_ids) == held
+    assert lease.holder_id == HOLDER and lease.epoch == 1
+    assert lease.remote_request_id == "kvbridge-req-1"
+    assert lease.state == pb.LEASE_STATE_ACTIVE
+    assert decode.retention.drain() == 0  # nothing reclaimable: nothing freed
+    assert decode.pool.refs(held) == [1] * 7
+
+
+def test_decode_length_capped_finish_is_retained(decode: DecodeKit, client: RegistryClient):
+    decode.finish("req-cap", "c-cap", PROMPT1, OUTPUT1, [5, 6, 7, 8, 9, 10, 11],
+                  status="FINISHED_LENGTH_CAPPED")
+    decode.wait_granted(1)
+    assert only_lease(client, "c-cap").token_count == 27
+
+
+@pytest.mark.parametrize(("conversation", "status", "groups"), [
+    pytest.param(None, "FINISHED_STOPPED", 1, id="no-conversation-key"),
+    pytest.param("c1", "FINISHED_ABORTED", 1, id="aborted"),
+    pytest.param("c1", "FINISHED_STOPPED", 2, id="two-kv-cache-groups"),
+])
+def test_decode_retains_nothing(decode: DecodeKit, client: RegistryClient,
+                                conversation: str | None, status: str, groups: int):
+    decode.finish("req-x", conversation, PROMPT1, OUTPUT1, [5, 6, 7, 8, 9, 10, 11],
+                  status=status, groups=groups)
+    assert decode.last_extra is None
+    assert decode.pool.touched == []
+    assert all(b.ref_cnt == 0 for b in decode.pool.blocks)
+    assert decode.retained() == 0
+    # A well-formed turn after it is granted; had the first one been submitted, its grant
+    # (same single grant thread, submitted earlier) would be there too.
+    decode.finish("req-ok", "c-ok", PROMPT1, OUTPUT1, [20, 21, 22, 23, 24, 25, 26])
+    decode.wait_granted(1)
+    assert decode.granted() == 1
+    assert [x.conversation_id for x in client.list_leases(holder_id=HOLDER).leases] == ["c-ok"]
+
+
+def test_decode_conversation_key_needs_tenant_and_id(decode: DecodeKit):
+    request = FakeRequest("req-y", PROMPT1, OUTPUT1, status="FINISHED_STOPPED",
+                          params={"kvbridge": {"conversation_id": "c1"}})
+    assert decode.retention.on_finished(request, ([5, 6, 7, 8, 9, 10, 11],)) is None
+    assert decode.pool.touched == []
+
+
+def _two_turns(decode: DecodeKit, client: RegistryClient) -> tuple[pb.Lease, list[int]]:
+    """Turn 1 (blocks 5..11) then, once its lease exists, nothing else. Returns the lease."""
+    turn1 = [5, 6, 7, 8, 9, 10, 11]
+    decode.finish("req-1", "c1", PROMPT1, OUTPUT1, turn1)
+    decode.wait_granted(1)
+    return only_lease(client, "c1"), turn1
+
+
+def _turn2(decode: DecodeKit) -> tuple[FakeRequest, list[int]]:
+    # Turn 2 re-sends turn 1 and adds to it; vLLM's prefix cache shares the 6 full blocks of
+    # turn 1, the partial 7th is recomputed into a fresh block.
+    prompt2 = PROMPT1 + OUTPUT1 + [200 + i for i in range(10)]
+    turn2 = [5, 6, 7, 8, 9, 10, 20, 21, 22, 23, 24]  # 42 computed tokens: 11 blocks
+    request = decode.finish("req-2", "c1", prompt2, [300 + i for i in range(5)], turn2)
+    assert request.num_computed_tokens == 42
+    return request, turn2
+
+
+def test_decode_newer_turn_supersedes_and_heartbeat_frees(decode: DecodeKit,
+                                                         client: RegistryClient):
+    lease1, turn1 = _two_turns(decode, client)
+    _, turn2 = _turn2(decode)
+    decode.wait_granted(2)
+    lease2 = only_lease(client, "c1")
+    assert lease2.epoch == 2 and lease2.lease_id != lease1.lease_id
+    assert client.get_lease(lease1.lease_id).state == pb.LEASE_STATE_SUPERSEDED
+    assert decode.pool.refs(range(5, 11)) == [2] * 6  # shared by both turns
+    assert decode.pool.refs([11]) == [1] and decode.pool.refs(range(20, 25)) == [1] * 5
+
+    assert decode.retention.drain() == 0  # reclaimable, but not reported yet
+    decode.retention.session.heartbeat_once()
+    assert decode.retention.drain() == len(turn1)
+    assert decode.pool.refs(range(5, 11)) == [1] * 6  # turn 2 still holds them
+    assert decode.pool.refs([11]) == [0]
+    assert decode.pool.refs(turn2) == [1] * len(turn2)
+    assert decode.freed("reclaimed") == len(turn1)
+    assert decode.retained() == len(turn2)
+    assert decode.retention.drain() == 0  # freed once only
+
+    # The next heartbeat acknowledges the free: the registry forgets the old lease.
+    decode.retention.session.heartbeat_once()
+    with pytest.raises(errors.LeaseNotFound):
+        client.get_lease(lease1.lease_id)
+    assert decode.retention.drain() == 0
+    assert client.get_lease(lease2.lease_id).state == pb.LEASE_STATE_ACTIVE
+
+
+def test_decode_never_frees_under_a_live_pin(decode: DecodeKit, client: RegistryClient):
+    lease1, turn1 = _two_turns(decode, client)
+    # A prefill reader pins turn 1 before turn 2 supersedes it.
+    prompt2 = PROMPT1 + OUTPUT1 + [200 + i for i in range(10)]
+    read = client.acquire_read(TENANT, "c1", blockhash.block_hashes(prompt2, BS, FP),
+                               min_tokens=1, pin_ttl=10.0, reader_id=READER)
+    assert read.miss_reason == pb.MISS_REASON_UNSPECIFIED and read.pin.pin_id
+    _turn2(decode)
+    decode.wait_granted(2)
+    assert client.get_lease(lease1.lease_id).pin_count == 1
+
+    for _ in range(2):
+        decode.retention.session.heartbeat_once()
+        assert decode.retention.drain() == 0
+    assert decode.pool.refs(turn1) == [2] * 6 + [1]
+
+    assert client.release_read(read.pin.pin_id) is True
+    assert decode.retention.drain() == 0  # not before a heartbeat reports it
+    assert decode.pool.refs([11]) == [1]
+    decode.retention.session.heartbeat_once()
+    assert decode.retention.drain() == len(turn1)
+    assert decode.pool.refs(turn1) == [1] * 6 + [0]
+
+
+def test_decode_grant_failure_frees_at_next_drain(decode: DecodeKit,
+                                                  registry: ThreadedRegistry):
+    registry.stop()
+    table = [5, 6, 7, 8, 9, 10, 11]
+    decode.finish("req-1", "c1", PROMPT1, OUTPUT1, table)
+    assert decode.pool.refs(table) == [1] * 7  # retained until the grant's outcome is known
+    freed = [0]
+
+    def drained() -> bool:
+        freed[0] += decode.retention.drain()
+        return freed[0] > 0
+
+    wait_for(drained, "the failed grant's blocks to be freed")
+    assert freed[0] == 7
+    assert decode.pool.refs(table) == [0] * 7
+    assert decode.freed("grant_failed") == 7
+    assert decode.retained() == 0
+    assert decode.granted() == 0
+    assert decode.retention.drain() == 0
+
+
+def test_decode_watermark_revokes_oldest_leases(decode: DecodeKit, client: RegistryClient):
+    a, b, c = [1, 2, 3], [4, 5, 6], [7, 8]
+    decode.finish("req-a", "ca", list(range(10)), [50, 51], a)  # 11 computed: 3 blocks
+    decode.finish("req-b", "cb", list(range(10)), [60, 61], b)
+    decode.finish("req-c", "cc", list(range(6)), [70, 71], c)  # 7 computed: 2 blocks
+    decode.wait_granted(3)
+    ids = {conv: only_lease(client, conv).lease_id for conv in ("ca", "cb", "cc")}
+
+    decode.retention.check_watermark()  # 55 of 63 blocks free: above the 10 % watermark
+    # Memory pressure: the 10 % watermark of 63 blocks is 6; none are free, so the two oldest
+    # leases (3 + 3 blocks) go and the newest stays.
+    decode.pool.reported_free = 0
+    decode.retention.check_watermark()
+    freed = [0]
+
+    def drained() -> bool:
+        freed[0] += decode.retention.drain()
+        return freed[0] >= 6
+
+    wait_for(drained, "revoked leases to be freed")
+    assert freed[0] == 6
+    assert decode.pool.refs(a + b) == [0] * 6
+    assert decode.pool.refs(c) == [1, 1]
+    assert decode.freed("reclaimed") == 6
+    assert client.get_lease(ids["ca"]).state == pb.LEASE_STATE_REVOKED
+    assert client.get_lease(ids["cb"]).state == pb.LEASE_STATE_REVOKED
+    assert client.get_lease(ids["cc"]).state == pb.LEASE_STATE_ACTIVE
+
+
+def test_decode_watermark_waits_for_pinned_victim(decode: DecodeKit, client: RegistryClient):
+    table = [1, 2, 3]
+    prompt = list(range(10))
+    decode.finish("req-a", "ca", prompt, [50, 51], table)
+    decode.wait_granted(1)
+    lease_id = only_lease(client, "ca").lease_id
+    read = client.acquire_read(TENANT, "ca", blockhash.block_hashes(prompt + [50, 51], BS, FP),
+                               min_tokens=1, reader_id=READER)
+    assert read.pin.pin_id
+
+    decode.pool.reported_free = 0
+    decode.retention.check_watermark()
+    wait_for(lambda: client.get_lease(lease_id).state == pb.LEASE_STATE_REVOKED,
+             "the memory-pressure revocation")
+    decode.retention.session.heartbeat_once()
+    assert decode.retention.drain() == 0  # pinned: kept
+    assert decode.pool.refs(table) == [1, 1, 1]
+    assert client.release_read(read.pin.pin_id)
+    decode.retention.session.heartbeat_once()
+    assert decode.retention.drain() == 3
+    assert decode.pool.refs(table) == [0, 0, 0]
+
+
+def test_decode_reclaim_reported_before_grant_is_recorded(decode: DecodeKit,
+                                                          client: RegistryClient):
+    """The heartbeat thread may report a lease reclaimable between the session's grant
+    returning and the grant thread recording it; its blocks must still be freed."""
+    session = decode.retention.session
+    grant_rpc = session.grant
+
+    def grant_then_interleaved_heartbeat(*args: Any, **kwargs: Any) -> pb.Lease | None:
+        lease = grant_rpc(*args, **kwargs)
+        assert lease is not None
+        client.revoke_lease(lease.lease_id, "operator")  # dies at once...
+        session.heartbeat_once()  # ...and a heartbeat reports it, before _grant records it
+        return lease
+
+    session.grant = grant_then_interleaved_heartbeat  # type: ignore[method-assign]
+    table = [5, 6, 7, 8, 9, 10, 11]
+    decode.finish("req-1", "c1", PROMPT1, OUTPUT1, table)
+    decode.wait_granted(1)
+    assert session.held() == []  # the session handed it over and forgot it
+    assert decode.retention.drain() == len(table)
+    assert decode.pool.refs(table) == [0] * 7
+    assert decode.retained() == 0
+
+
+# ---- prefill: reuse ---------------------------------------------------------------------------
+
+LEASE_TOKENS = list(range(1000, 1038))  # 38 tokens: 9 full blocks and a partial one of 2
+LEASE_BLOCKS = list(range(101, 111))
+EXTRA = [500 + i for i in range(10)]
+
+
+@pytest.fixture
+def holder(client: RegistryClient) -> pb.Holder:
+    return client.register_holder(holder_id=HOLDER, nixl_host=NIXL_HOST, nixl_port=NIXL_PORT,
+                                  block_size=BS, engine_fingerprint=FP, ttl=60.0).holder
+
+
+def grant(client: RegistryClient, conversation: str, tokens: list[int],
+          first_block: int = 101) -> pb.Lease:
+    blocks = list(range(first_block, first_block + cdiv(len(tokens), BS)))
+    return client.grant_lease(
+        HOLDER, TENANT, conversation, f"kvbridge-dec-{conversation}", blocks, len(tokens),
+        blockhash.block_hashes(tokens, BS, FP, include_partial=True)).lease
+
+
+@dataclass
+class PrefillKit:
+    reuse: PrefillReuse
+    metrics: ConnectorMetrics
+    client: RegistryClient
+
+    def request(self, request_id: str, prompt: list[int], conversation: str = "c1",
+                **params: Any) -> FakeRequest:
+        kv = {"do_remote_decode": True, "kvbridge": conv_key(conversation), **params}
+        request = FakeRequest(request_id, prompt, params=kv, num_computed_tokens=0)
+        self.reuse.on_new_request(request)
+        return request
+
+    def resolve(self, request: FakeRequest, computed: int = 0) -> bool:
+        """Ask until decided (the AcquireRead runs on the connector's pool)."""
+        out: list[bool] = []
+
+        def decided() -> bool:
+            value = self.reuse.resolve(request, computed)
+            if value is not None:
+                out.append(value)
+            return bool(out)
+
+        wait_for(decided, "a prefill decision")
+        return out[0]
+
+    def decision(self, name: str) -> float:
+        return decisions(self.metrics, name)
+
+
+def make_prefill(target: str, threshold: int = 8, client: RegistryClient | None = None,
+                 **overrides: Any) -> PrefillKit:
+    overrides.setdefault("read_deadline_s", 5.0)  # generous: only the deadline tests shorten it
+    settings = ConnectorSettings(registry=target, **overrides)
+    rpc = client or RegistryClient(target, timeout=settings.rpc_timeout_s, retries=1)
+    metrics = ConnectorMetrics()
+    reuse = PrefillReuse(settings, rpc, reader_id=READER, block_size=BS, fingerprint=FP,
+                         threshold=threshold, metrics=metrics)
+    return PrefillKit(reuse, metrics, rpc)
+
+
+@pytest.fixture
+def prefill(registry: ThreadedRegistry, holder: pb.Holder) -> Iterator[PrefillKit]:
+    kit = make_prefill(registry.target)
+    yield kit
+    kit.reuse.close()
+    kit.client.close()
+
+
+def pins(client: RegistryClient, lease_id: str) -> int:
+    return client.get_lease(lease_id).pin_count
+
+
+def wait_unpinned(client: RegistryClient, lease_id: str) -> None:
+    wait_for(lambda: pins(client, lease_id) == 0, "the pin to be released")
+
+
+def no_remote_fields(params: dict[str, Any]) -> bool:
+    return not any(name in params for name in REMOTE_FIELDS)
+
+
+def test_prefill_miss_without_lease(prefill: PrefillKit):
+    prompt = LEASE_TOKENS + EXTRA
+    request = prefill.request("p-1", prompt)
+    assert prefill.resolve(request) is False
+    assert no_remote_fields(request.kv_transfer_params)
+    assert prefill.decision("miss_no_lease") == 1
+    assert sample(prefill.metrics, "kvbridge_connector_recomputed_tokens_total") == len(prompt)
+    assert prefill.reuse.resolve(request, 0) is False  # decided once; no decision again
+    assert prefill.decision("miss_no_lease") == 1
+
+
+@pytest.mark.parametrize(("prompt", "n_blocks", "usable"), [
+    pytest.param(LEASE_TOKENS + EXTRA, 10, 38, id="exact-with-partial-block"),
+    pytest.param(LEASE_TOKENS[:36] + [7, 7] + EXTRA, 9, 36, id="partial-block-differs"),
+    pytest.param(LEASE_TOKENS[:17] + [7] + LEASE_TOKENS[18:] + EXTRA, 4, 16,
+                 id="edited-inside-block-4"),
+])
+def test_prefill_hit_names_verified_blocks(prefill: PrefillKit, client: RegistryClient,
+                                           prompt: list[int], n_blocks: int, usable: int):
+    lease = grant(client, "c1", LEASE_TOKENS)
+    request = prefill.request("p-1", prompt)
+    assert prefill.resolve(request) is True
+    params = request.kv_transfer_params
+    assert params["remote_block_ids"] == [LEASE_BLOCKS[:n_blocks]]
+    assert n_blocks == cdiv(usable, BS)
+    assert params["remote_num_tokens"] == usable
+    assert params["remote_engine_id"] == HOLDER
+    assert params["remote_request_id"] == lease.remote_request_id
+    assert (params["remote_host"], params["remote_port"]) == (NIXL_HOST, NIXL_PORT)
+    assert params["tp_size"] == 1
+    assert params["do_remote_decode"] is True and params["kvbridge"] == conv_key("c1")
+    assert prefill.decision("hit") == 1
+    assert pins(client, lease.lease_id) == 1  # pinned until the read is done
+
+
+def test_prefill_cache_salt_is_part_of_the_hash(prefill: PrefillKit, client: RegistryClient):
+    grant(client, "c1", LEASE_TOKENS)
+    kv = {"do_remote_decode": True, "kvbridge": conv_key("c1")}
+    request = FakeRequest("p-salt", LEASE_TOKENS + EXTRA, params=kv, num_computed_tokens=0,
+                          cache_salt="other-tenant-salt")
+    prefill.reuse.on_new_request(request)
+    assert prefill.resolve(request) is False
+    assert prefill.decision("miss_hash_mismatch") == 1
+    assert no_remote_fields(request.kv_transfer_params)
+
+
+def test_prefill_read_done_ok_releases_and_counts(prefill: PrefillKit, client: RegistryClient):
+    lease = grant(client, "c1", LEASE_TOKENS)
+    prompt = LEASE_TOKENS + EXTRA
+    request = prefill.request("p-1", prompt)
+    assert prefill.resolve(request) is True
+    prefill.reuse.read_done("p-1", ok=True)
+    params = request.kv_transfer_params
+    assert "remote_block_ids" not in params and params["remote_num_tokens"] == 0
+    wait_unpinned(client, lease.lease_id)
+    m = prefill.metrics
+    assert sample(m, "kvbridge_connector_reused_tokens_total") == 38
+    assert sample(m, "kvbridge_connector_recomputed_tokens_total") == len(EXTRA)
+    assert sample(m, "kvbridge_connector_transfer_seconds_count") == 1
+    assert prefill.decision("transfer_failed") == 0
+    prefill.reuse.read_done("p-1", ok=True)  # a second notification changes nothing
+    assert sample(m, "kvbridge_connector_reused_tokens_total") == 38
+
+
+def test_prefill_read_done_failed_counts_recompute(prefill: PrefillKit, client: RegistryClient):
+    lease = grant(client, "c1", LEASE_TOKENS)
+    prompt = LEASE_TOKENS + EXTRA
+    request = prefill.request("p-1", prompt)
+    assert prefill.resolve(request) is True
+    prefill.reuse.read_done("p-1", ok=False)
+    assert "remote_block_ids" not in request.kv_transfer_params
+    assert request.kv_transfer_params["remote_num_tokens"] == 0
+    wait_unpinned(client, lease.lease_id)
+    m = prefill.metrics
+    assert sample(m, "kvbridge_connector_reused_tokens_total") == 0
+    # The 10 tokens past the lease, then the 38 the failed read should have brought.
+    assert sample(m, "kvbridge_connector_recomputed_tokens_total") == len(prompt)
+    assert prefill.decision("transfer_failed") == 1
+    assert sample(m, "kvbridge_connector_transfer_seconds_count") == 0
+
+
+def test_prefill_decline_undoes_the_hit(prefill: PrefillKit, client: RegistryClient):
+    lease = grant(client, "c1", LEASE_TOKENS)
+    request = prefill.request("p-1", LEASE_TOKENS + EXTRA)
+    assert prefill.resolve(request) is True
+    prefill.reuse.decline(request)
+    assert no_remote_fields(request.kv_transfer_params)
+    wait_unpinned(client, lease.lease_id)
+    assert prefill.decision("declined_by_engine") == 1
+
+
+def test_prefill_finished_after_hit_releases_pin(prefill: PrefillKit, client: RegistryClient):
+    lease = grant(client, "c1", LEASE_TOKENS)
+    request = prefill.request("p-1", LEASE_TOKENS + EXTRA)
+    assert prefill.resolve(request) is True
+    assert pins(client, lease.lease_id) == 1
+    prefill.reuse.finished("p-1")
+    wait_unpinned(client, lease.lease_id)
+
+
+@pytest.mark.parametrize(("lease_tokens", "prompt", "threshold", "computed", "decision"), [
+    # Decode holds 38 tokens, 32 are in prefill's own prefix cache: 6 to read, fewer than 8.
+    pytest.param(LEASE_TOKENS, LEASE_TOKENS + EXTRA, 8, 32, "below_threshold",
+                 id="local-cache-leaves-too-few"),
+    pytest.param(LEASE_TOKENS, LEASE_TOKENS + EXTRA, 8, 40, "local_cache",
+                 id="local-cache-covers-all"),
+    # The registry counts the partial block (9 tokens >= 9) and pins; the prompt differs in
+    # it, so only 8 tokens are usable.
+    pytest.param(LEASE_TOKENS[:9], LEASE_TOKENS[:8] + [7] + EXTRA, 9, 0, "below_threshold",
+                 id="partial-block-mismatch-drops-below"),
+])
+def test_prefill_below_threshold_releases_pin(registry: ThreadedRegistry, holder: pb.Holder,
+                                              client: RegistryClient, lease_tokens: list[int],
+                                              prompt: list[int], threshold: int,
+                                              computed: int, decision: str):
+    kit = make_prefill(registry.target, threshold=threshold, client=RecordingClient(
+        registry.target, timeout=1.0, retries=1))
+    try:
+        lease = grant(client, "c1", lease_tokens)
+        request = kit.request("p-1", prompt)
+        assert kit.resolve(request, computed) is False
+        assert no_remote_fields(request.kv_transfer_params)
+        assert kit.decision(decision) == 1
+        recording = kit.client
+        assert isinstance(recording, RecordingClient)
+        assert len(recording.pins) == 1  # a pin was granted...
+        wait_for(lambda: recording.released, "the release")
+        assert recording.released == [(recording.pins[0], True)]  # ...and handed back
+        assert pins(client, lease.lease_id) == 0
+        assert sample(kit.metrics, "kvbridge_connector_recomputed_tokens_total") == (
+            len(prompt) - computed)
+    finally:
+        kit.reuse.close()
+        kit.client.close()
+
+
+def test_prefill_registry_side_minimum_is_a_miss(prefill: PrefillKit, client: RegistryClient):
+    lease = grant(client, "c1", LEASE_TOKENS)
+    prompt = LEASE_TOKENS[:4] + [7] + LEASE_TOKENS[5:] + EXTRA  # only block 0 matches
+    request = prefill.request("p-1", prompt)
+    assert prefill.resolve(request) is False
+    assert prefill.decision("miss_below_minimum") == 1
+    assert pins(client, lease.lease_id) == 0
+
+
+def test_prefill_short_prompt_and_foreign_requests_skip_the_registry(prefill: PrefillKit):
+    short = prefill.request("p-short", list(range(7)))  # threshold 8
+    assert prefill.reuse.resolve(short, 0) is False
+    assert prefill.decision("short_prompt") == 1
+    for request_id, params in [("p-decode", {"kvbridge": conv_key("c1")}),
+                               ("p-nokey", {"do_remote_decode": True}),
+                               ("p-has-remote", {"do_remote_decode": True,
+                                                 "kvbridge": conv_key("c1"),
+                                                 "remote_block_ids": [[1]]})]:
+        request = FakeRequest(request_id, LEASE_TOKENS, params=params, num_computed_tokens=0)
+        prefill.reuse.on_new_request(request)
+        assert prefill.reuse.resolve(request, 0) is False
+    total = sum(s.value for metric in prefill.metrics.decisions.collect()
+                for s in metric.samples if s.name.endswith("_total"))
+    assert total == 1  # only the short prompt was a decision
+
+
+def test_prefill_declines_pin_within_margin(client: RegistryClient):
+    # A registry whose pins last at most 1 s: below the 2 s margin the reader asks for.
+    reg = ThreadedRegistry(max_pin_ttl_s=1.0, default_pin_ttl_s=1.0)
+    try:
+        with RegistryClient(reg.target, timeout=2.0) as direct:
+            direct.register_holder(holder_id=HOLDER, nixl_host=NIXL_HOST, nixl_port=NIXL_PORT,
+                                   block_size=BS, engine_fingerprint=FP, ttl=60.0)
+            lease = grant(direct, "c1", LEASE_TOKENS)
+            kit = make_prefill(reg.target, pin_ttl_s=10.0, pin_margin_s=2.0)
+            try:
+                request = kit.request("p-1", LEASE_TOKENS + EXTRA)
+                assert kit.resolve(request) is False
+                assert kit.decision("pin_margin") == 1
+                assert no_remote_fields(request.kv_transfer_params)
+                wait_unpinned(direct, lease.lease_id)
+            finally:
+                kit.reuse.close()
+                kit.client.close()
+    finally:
+        reg.close()
+
+
+def test_prefill_registry_unreachable_recomputes():
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    target = f"127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()  # nobody listens: connections are refused
+    kit = make_prefill(target, rpc_timeout_s=1.0)
+    try:
+        prompt = LEASE_TOKENS + EXTRA
+        request = kit.request("p-1", prompt)
+        assert kit.resolve(request) is False
+        assert kit.decision("registry_error") == 1
+        assert no_remote_fields(request.kv_transfer_params)
+        assert sample(kit.metrics, "kvbridge_connector_recomputed_tokens_total") == len(prompt)
+    finally:
+        kit.reuse.close()
+        kit.client.close()
+
+
+def test_prefill_silent_registry_hits_the_deadline():
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # accepts, never answers
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    target = f"127.0.0.1:{sock.getsockname()[1]}"
+    rpc = RecordingClient(target, timeout=1.0, retries=1, acquire_timeout=1.0)
+    kit = make_prefill(target, client=rpc, read_deadline_s=0.2)
+    try:
+        request = kit.request("p-1", LEASE_TOKENS + EXTRA)
+        started = time.monotonic()
+        assert kit.reuse.resolve(request, 0) is None  # pending, before the deadline
+        assert kit.resolve(request) is False
+        assert time.monotonic() - started >= 0.15
+        assert kit.decision("deadline") == 1
+        assert no_remote_fields(request.kv_transfer_params)
+        assert kit.reuse.resolve(request, 0) is False
+    finally:
+        kit.reuse.close()
+        rpc.close()
+        sock.close()
+
+
+def test_prefill_slow_registry_deadline_then_late_pin_is_released(
+        registry: ThreadedRegistry, holder: pb.Holder, client: RegistryClient):
+    lease = grant(client, "c1", LEASE_TOKENS)
+    recording = RecordingClient(registry.target, timeout=5.0, retries=1, acquire_timeout=5.0)
+    kit = make_prefill(registry.target, client=recording, read_deadline_s=0.3)
+    try:
+        with paused(registry):
+            request = kit.request("p-1", LEASE_TOKENS + EXTRA)
+            assert kit.reuse.resolve(request, 0) is None
+            assert kit.resolve(request) is False  # the deadline passed, the RPC is pending
+            assert kit.decision("deadline") == 1
+            assert no_remote_fields(request.kv_transfer_params)
+            assert recording.pins == []
+        wait_for(lambda: recording.released, "the late pin's release")
+        assert len(recording.pins) == 1
+        assert recording.released == [(recording.pins[0], True)]
+        assert pins(client, lease.lease_id) == 0
+        assert no_remote_fields(request.kv_transfer_params)
+    finally:
+        kit.reuse.close()
+        recording.close()
+
+
+def test_prefill_finished_while_pending_releases_pin_later(
+        registry: ThreadedRegistry, holder: pb.Holder, client: RegistryClient):
+    lease = grant(client, "c1", LEASE_TOKENS)
+    recording = RecordingClient(registry.target, timeout=5.0, retries=1)
+    kit = make_prefill(registry.target, client=recording)
+    try:
+        with paused(registry):
+            request = kit.request("p-1", LEASE_TOKENS + EXTRA)
+            assert kit.reuse.resolve(request, 0) is None
+            kit.reuse.finished("p-1")  # e.g. aborted while its AcquireRead is in flight
+            assert recording.pins == []
+        wait_for(lambda: recording.released, "the pin acquired after finish to be released")
+        assert len(recording.pins) == 1
+        assert recording.released == [(recording.pins[0], True)]
+        assert pins(client, lease.lease_id) == 0
+        assert kit.reuse.resolve(request, 0) is False
+        assert no_remote_fields(request.kv_transfer_params)
+    finally:
+        kit.reuse.close()
+        recording.close()
