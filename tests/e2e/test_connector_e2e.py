@@ -126,7 +126,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     decode = start_engine(EngineSpec(
         "decode", str(model), _free_port(), _free_port(), "e2e-decode", registry.address,
         cpu=1, kvbridge={"metrics_port": dm, "idle_ttl_s": DECODE_IDLE_TTL,
-                         "holder_ttl_s": 6.0}), work)
+                         "holder_ttl_s": 10.0}), work)
     try:
         wait_ready(prefill)
         wait_ready(decode)
@@ -195,10 +195,14 @@ def test_another_tenant_reuses_nothing(stack: Stack) -> None:
 def test_expired_lease_is_not_read_and_decode_memory_returns(stack: Stack) -> None:
     rng, history = _conversation(4)
     key = ("tenant-a", "conv-idle")
-    retained_before = stack.decode_counters()["kvbridge_connector_retained_blocks"]
+    granted = stack.decode_counters()["kvbridge_connector_leases_granted_total"]
     answer = stack.turn(history, key)
-    assert stack.decode_counters()["kvbridge_connector_retained_blocks"] > retained_before
-    time.sleep(DECODE_IDLE_TTL + 5)  # idle past the lease TTL and a heartbeat (every 2 s)
+    deadline = time.monotonic() + 10  # the grant runs in the background
+    while (stack.decode_counters()["kvbridge_connector_leases_granted_total"] == granted
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
+    assert stack.decode_counters()["kvbridge_connector_leases_granted_total"] == granted + 1
+    time.sleep(DECODE_IDLE_TTL + 5)  # idle past the lease TTL and a heartbeat (every 3.3 s)
     history = history + answer + _user_turn(rng)
     before = stack.reused()
     expired = stack.decisions("miss_expired") + stack.decisions("miss_no_lease")
@@ -256,7 +260,7 @@ def test_decode_killed_between_turns_fails_over_to_recompute(
     new_decode = start_engine(EngineSpec(
         "decode", stack.model, _free_port(), _free_port(), "e2e-decode-2", spec.registry,
         cpu=1, kvbridge={"metrics_port": dm, "idle_ttl_s": DECODE_IDLE_TTL,
-                         "holder_ttl_s": 6.0}), tmp_path)
+                         "holder_ttl_s": 10.0}), tmp_path)
     wait_ready(new_decode)
     stack.decode, stack.decode_metrics = new_decode, dm
     assert stack.turn(history, key) == stack.turn(history, None)
