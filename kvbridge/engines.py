@@ -146,10 +146,10 @@ def start_engine(spec: EngineSpec, work_dir: Path) -> Engine:
     """Start an engine in the background; `wait_ready` waits for it."""
     log_path = work_dir / f"{spec.engine_id}.log"
     log = log_path.open("wb")
-    nice = spec.nice
-    process = subprocess.Popen(spec.command(), env=spec.environment(work_dir), stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True,
-                               preexec_fn=(lambda: os.nice(nice)) if nice else None)
+    # `nice` execs the engine (same PID); a preexec_fn would not be safe in a threaded caller.
+    command = ["nice", "-n", str(spec.nice), *spec.command()] if spec.nice else spec.command()
+    process = subprocess.Popen(command, env=spec.environment(work_dir), stdout=log,
+                               stderr=subprocess.STDOUT, start_new_session=True)
     return Engine(spec, process, log_path)
 
 
