@@ -84,22 +84,3 @@ def build_config(cls: type[T], values: Mapping[str, Any]) -> T:
         return cls(**kwargs)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
-
-
-def from_env(cls: type[T], environ: Mapping[str, str] | None = None) -> T:
-    """Construct `cls` from `KVBRIDGE_*` environment variables alone (embedded use)."""
-    environ = os.environ if environ is None else environ
-    kwargs: dict[str, Any] = {}
-    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
-        raw = environ.get(env_name(field, cls))
-        if raw is None:
-            continue
-        kind: Any = type(field.default)
-        if kind is bool:
-            kwargs[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-        else:
-            try:
-                kwargs[field.name] = kind(raw)
-            except ValueError as exc:
-                raise ValueError(f"{env_name(field, cls)}={raw!r}: {exc}") from exc
-    return cls(**kwargs)

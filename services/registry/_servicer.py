@@ -298,7 +298,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             size = blockhash.HASH_SIZE
             out.partial_block_id = ids[k]
             out.partial_block_tokens = lease.token_count - k * h.block_size
-            out.partial_block_hash = lease.hashes[k * size:(k + 1) * size]
+            out.partial_block_hash = bytes(lease.hash_view(k + 1)[k * size:])
         left = read.pin.expire_at - self.clock.monotonic()
         out.pin.pin_id = read.pin.pin_id
         out.pin.expires_in.CopyFrom(_duration(left))
