@@ -99,6 +99,18 @@ class Stack:
         assert result.output_ids, "decode returned no tokens"
         return result.output_ids
 
+    def leased_turn(self, prompt: list[int], conversation: tuple[str, str]) -> list[int]:
+        """A turn, then a wait until decode's lease over it is granted: the grant runs in the
+        background, after the response, and a client's next turn comes after its think time."""
+        granted = self.decode_counters()["kvbridge_connector_leases_granted_total"]
+        output = self.turn(prompt, conversation)
+        deadline = time.monotonic() + 10
+        while (self.decode_counters()["kvbridge_connector_leases_granted_total"] == granted
+               and time.monotonic() < deadline):
+            time.sleep(0.1)
+        assert self.decode_counters()["kvbridge_connector_leases_granted_total"] == granted + 1
+        return output
+
     def prefill_counters(self) -> dict[str, float]:
         return _metrics(self.prefill_metrics)
 
@@ -168,7 +180,7 @@ def test_turns_reuse_decode_kv_and_match_recompute(stack: Stack) -> None:
 def test_edited_history_reuses_only_the_leading_matching_blocks(stack: Stack) -> None:
     rng, history = _conversation(2)
     key = ("tenant-a", "conv-edited")
-    answer = stack.turn(history, key)
+    answer = stack.leased_turn(history, key)
     history = history + answer + _user_turn(rng)
     # The client rewrites an earlier part of the history (as when reasoning is stripped):
     # only the blocks before the edit may be reused.
@@ -183,7 +195,7 @@ def test_edited_history_reuses_only_the_leading_matching_blocks(stack: Stack) ->
 
 def test_another_tenant_reuses_nothing(stack: Stack) -> None:
     rng, history = _conversation(3)
-    stack.turn(history, ("tenant-a", "conv-shared-id"))
+    stack.leased_turn(history, ("tenant-a", "conv-shared-id"))
     history = history + _user_turn(rng)
     before = stack.reused()
     misses = stack.decisions("miss_no_lease")
@@ -195,13 +207,7 @@ def test_another_tenant_reuses_nothing(stack: Stack) -> None:
 def test_expired_lease_is_not_read_and_decode_memory_returns(stack: Stack) -> None:
     rng, history = _conversation(4)
     key = ("tenant-a", "conv-idle")
-    granted = stack.decode_counters()["kvbridge_connector_leases_granted_total"]
-    answer = stack.turn(history, key)
-    deadline = time.monotonic() + 10  # the grant runs in the background
-    while (stack.decode_counters()["kvbridge_connector_leases_granted_total"] == granted
-           and time.monotonic() < deadline):
-        time.sleep(0.2)
-    assert stack.decode_counters()["kvbridge_connector_leases_granted_total"] == granted + 1
+    answer = stack.leased_turn(history, key)
     time.sleep(DECODE_IDLE_TTL + 5)  # idle past the lease TTL and a heartbeat (every 3.3 s)
     history = history + answer + _user_turn(rng)
     before = stack.reused()
@@ -225,7 +231,7 @@ def test_expired_lease_is_not_read_and_decode_memory_returns(stack: Stack) -> No
 def test_registry_down_means_recompute_not_failure(stack: Stack) -> None:
     rng, history = _conversation(5)
     key = ("tenant-a", "conv-outage")
-    answer = stack.turn(history, key)
+    answer = stack.leased_turn(history, key)
     history = history + answer + _user_turn(rng)
     stack.registry.stop()
     try:
@@ -243,7 +249,7 @@ def test_decode_killed_between_turns_fails_over_to_recompute(
     """Runs last: it replaces the decode engine."""
     rng, history = _conversation(6)
     key = ("tenant-a", "conv-killed")
-    answer = stack.turn(history, key)
+    answer = stack.leased_turn(history, key)
     history = history + answer + _user_turn(rng)
     stack.decode.kill()
     # Prefill right away, before the registry notices the holder is gone: whatever it decides
