@@ -34,10 +34,13 @@ from typing import Any
 import click
 import grpc
 
+from kvbridge import aio
 from kvbridge.clients._registry import AsyncRegistryClient, seconds
+from kvbridge.clients._registry import duration as duration_pb
 from kvbridge.registry.v1 import registry_pb2 as pb
 
 ECHO_METHOD = "/kvbridge.bench.Echo/Echo"
+ACQUIRE_METHOD = "/kvbridge.registry.v1.RegistryService/AcquireRead"
 _PORT_LINE = re.compile(r"^(?:PORT (\d+)|.*\"listen\": \"[^\"]*:(\d+)\")")
 
 
@@ -133,14 +136,15 @@ async def _open_loop(call: Callable[[int], Awaitable[Any]], rate: float, duratio
 
 
 async def _closed_loop(call: Callable[[int], Awaitable[Any]], concurrency: int,
-                       duration: float) -> float:
-    """Keep `concurrency` calls in flight for `duration`; return completed calls per second."""
+                       duration: float, first: int = 0) -> float:
+    """Keep `concurrency` calls in flight for `duration`; return completed calls per second.
+    Calls are numbered from `first`."""
     done = 0
     stop_at = time.perf_counter() + duration
 
     async def worker(w: int) -> None:
         nonlocal done
-        i = w
+        i = first + w
         while time.perf_counter() < stop_at:
             await call(i)
             done += 1
@@ -169,8 +173,8 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
                        "--log-level", "info", "--log-format", "json",
                        "--max-leases", str(leases * 2 + 100000)])
     echo = _spawn([sys.executable, "-c",
-                   "import asyncio; from kvbridge.benchmarks.registry_bench import _echo_main;"
-                   " asyncio.run(_echo_main())"])
+                   "from kvbridge import aio; from kvbridge.benchmarks.registry_bench import"
+                   " _echo_main; aio.run(_echo_main())"])
     # The registry logs nothing per RPC; drain its output so a burst of warnings cannot block.
     assert registry.popen.stdout is not None
     asyncio.get_running_loop().run_in_executor(None, registry.popen.stdout.read)
@@ -260,6 +264,28 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             if resp.miss_reason != pb.MISS_REASON_UNSPECIFIED:
                 raise RuntimeError(f"unexpected miss {resp.miss_reason}")
 
+        # The registry's capacity, driven as the echo is: requests serialized ahead of time
+        # (each with a request id of its own, so that no read is answered from the retry
+        # cache), replies left as bytes; every 16th is parsed and must be a hit. The client
+        # library's own cost is measured separately (client_max_rps).
+        raw_channel = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
+        raw_call = raw_channel.unary_unary(ACQUIRE_METHOD, request_serializer=_identity,
+                                           response_deserializer=_identity)
+        templates = [pb.AcquireReadRequest(
+            tenant="bench", conversation_id=f"conv-{k}", block_hashes=prompts[k % 256],
+            min_tokens=64, pin_ttl=duration_pb(1.0), reader_id="bench").SerializeToString()
+            for k in range(min(leases, 4096))]
+        run = uuid.uuid4().hex[:16]
+
+        async def acquire_raw(i: int) -> None:
+            request_id = f"{run}{i:016x}".encode()  # field 7 (request_id), 32 bytes
+            reply = await raw_call(templates[i % len(templates)] + b"\x3a\x20" + request_id,
+                                   timeout=30)
+            if i % 16 == 0:
+                resp = pb.AcquireReadResponse.FromString(reply)
+                if resp.miss_reason != pb.MISS_REASON_UNSPECIFIED or not resp.pin.pin_id:
+                    raise RuntimeError(f"unexpected miss {resp.miss_reason}")
+
         # The same measurements against the trivial echo service, interleaved round by round
         # with the registry's so that the machine's noise falls on both alike.
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{echo.port}")
@@ -270,29 +296,37 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         async def ping(i: int) -> None:
             await echo_call(payload, timeout=30)
 
-        targets = {"acquire": (acquire, registry), "echo": (ping, echo)}
+        # name: (call for latency, call for throughput, process)
+        targets = {"acquire": (acquire, acquire_raw, registry), "echo": (ping, ping, echo)}
         latencies: dict[str, list[float]] = {"acquire": [], "echo": []}
-        rates: dict[str, list[float]] = {"acquire": [], "echo": []}
+        rates: dict[str, list[float]] = {"acquire": [], "echo": [], "client": []}
         cpu: dict[str, list[float]] = {"acquire": [], "echo": []}
-        for call, _ in targets.values():
+        for _, call, _ in targets.values():
             await _closed_loop(call, concurrency, 1.0)  # warm-up
+        await _closed_loop(acquire, concurrency, 0.5)
         per_round = max(duration / rounds, 0.5)
+        run_offset = 10_000_000  # past the warm-up's request ids
         for r in range(rounds):
-            for name, (call, proc) in targets.items():
-                latencies[name] += await _open_loop(call, rate, per_round)
+            for name, (latency_call, call, proc) in targets.items():
+                latencies[name] += await _open_loop(latency_call, rate, per_round)
                 cpu0 = proc.cpu_seconds()
-                rps = await _closed_loop(call, concurrency, per_round)
+                rps = await _closed_loop(call, concurrency, per_round, first=run_offset)
+                run_offset += 10_000_000
                 rates[name].append(rps)
                 cpu[name].append((proc.cpu_seconds() - cpu0) / (rps * per_round) * 1e6)
-            log(f"  round {r + 1}/{rounds}: acquire {rates['acquire'][-1]:.0f} RPC/s, "
+            rates["client"].append(await _closed_loop(acquire, concurrency, per_round))
+            log(f"  round {r + 1}/{rounds}: acquire {rates['acquire'][-1]:.0f} RPC/s "
+                f"(through the client library {rates['client'][-1]:.0f}), "
                 f"echo {rates['echo'][-1]:.0f} RPC/s")
         await client.close()
         await channel.close()
+        await raw_channel.close()
         out["acquire_read_p50_ms"] = round(_pct(latencies["acquire"], 0.5), 3)
         out["acquire_read_p99_ms"] = round(_pct(latencies["acquire"], 0.99), 3)
         out["echo_p50_ms"] = round(_pct(latencies["echo"], 0.5), 3)
         out["echo_p99_ms"] = round(_pct(latencies["echo"], 0.99), 3)
         out["max_rps"] = round(statistics.median(rates["acquire"]))
+        out["client_max_rps"] = round(statistics.median(rates["client"]))
         out["echo_max_rps"] = round(statistics.median(rates["echo"]))
         out["server_cpu_us_per_rpc"] = round(statistics.median(cpu["acquire"]))
         out["echo_server_cpu_us_per_rpc"] = round(statistics.median(cpu["echo"]))
@@ -338,7 +372,7 @@ def registry_bench(leases: int, blocks: int, rate: float, duration: float, concu
     def log(msg: str) -> None:
         click.echo(msg, err=True)
 
-    result = asyncio.run(_run(leases, blocks, rate, duration, concurrency, rounds, log))
+    result = aio.run(_run(leases, blocks, rate, duration, concurrency, rounds, log))
     if as_json:
         click.echo(json.dumps(result, sort_keys=True))
         return

@@ -1,6 +1,6 @@
 """kvbridge client library: registry clients (sync and asyncio) and the holder session."""
 
-from kvbridge.clients._holder_session import HeldLease, HolderSession
+from kvbridge.clients._holder_session import HeldLease, HolderSession, Revoked
 from kvbridge.clients._registry import (
     AsyncRegistryClient,
     RegistryClient,
@@ -8,5 +8,5 @@ from kvbridge.clients._registry import (
     seconds,
 )
 
-__all__ = ["AsyncRegistryClient", "HeldLease", "HolderSession", "RegistryClient", "duration",
-           "seconds"]
+__all__ = ["AsyncRegistryClient", "HeldLease", "HolderSession", "RegistryClient", "Revoked",
+           "duration", "seconds"]

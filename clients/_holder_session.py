@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import structlog
 
@@ -56,6 +57,14 @@ class HeldLease:
             token_count=self.token_count, block_hashes=self.block_hashes, epoch=self.epoch,
             idle_ttl=duration(self.idle_ttl), max_lifetime=duration(self.max_lifetime),
             age=duration(max(now - self.granted_at, 0.0)))
+
+
+class Revoked(NamedTuple):
+    """What `HolderSession.revoke` did with each lease."""
+
+    freed: list[str]  # reclaimable at once: handed to on_reclaim
+    pinned: list[str]  # revoked, but a reader holds a pin: freed when a heartbeat says so
+    failed: list[str]  # the registry could not be reached or refused: still held
 
 
 class HolderSession:
@@ -229,21 +238,21 @@ class HolderSession:
                       by=lease.lease_id, conversation=conversation_id)
         return lease
 
-    def revoke(self, lease_ids: Iterable[str], reason: str = "memory_pressure") -> list[str]:
+    def revoke(self, lease_ids: Iterable[str], reason: str = "memory_pressure") -> Revoked:
         """Revoke leases (e.g. under memory pressure). Those reclaimable right away are freed
-        through `on_reclaim` now and returned; pinned ones are freed when a heartbeat reports
-        them."""
-        now_free: list[str] = []
+        through `on_reclaim` now; pinned ones are freed when a heartbeat reports them; those
+        the registry could not be asked about stay held."""
+        result = Revoked([], [], [])
         for lease_id in lease_ids:
             try:
                 resp = self.client.revoke_lease(lease_id, reason, self.holder_id)
             except KvbridgeError as err:
                 log.warning("lease_revoke_failed", lease_id=lease_id, error=str(err))
+                result.failed.append(lease_id)
                 continue
-            if resp.reclaimable:
-                now_free.append(lease_id)
-        self._reclaim(now_free, reason)
-        return now_free
+            (result.freed if resp.reclaimable else result.pinned).append(lease_id)
+        self._reclaim(result.freed, reason)
+        return result
 
     def held(self) -> list[HeldLease]:
         """Leases held now, oldest grant first."""

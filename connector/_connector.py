@@ -130,7 +130,7 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
     def on_new_request(self, request: Any) -> None:
         super().on_new_request(request)
         if self.decode is not None:
-            self.decode.drain()
+            self.decode.on_new_request(request)
         if self.prefill is not None:
             self.prefill.on_new_request(request)
 
@@ -146,6 +146,12 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             return count, load_async
         count, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         return count, load_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any,
+                                 num_external_tokens: int) -> None:
+        if self.decode is not None:
+            self.decode.allocated(request.request_id)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         if self.decode is not None:

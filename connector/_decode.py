@@ -58,18 +58,39 @@ class DecodeRetention:
         self._frees: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._reclaimed_early: set[str] = set()  # reported before _grant recorded the lease
         self._revoking = False
+        self._revoked: set[str] = set()  # revoked for memory, blocks not freed yet (pinned)
+        # Blocks that arrived requests still need before they can be scheduled: retention
+        # gives way to them at once instead of making them wait for leases to expire.
+        self._demand: dict[str, tuple[int, float]] = {}  # request id: (blocks, arrived at)
 
     def start(self) -> None:
         self.session.start()
 
     def bind(self, block_pool: Any) -> None:
         self._pool = block_pool
+        self.metrics.kv_blocks.set(block_pool.num_gpu_blocks - 1)
+        self.metrics.free_blocks.set_function(block_pool.get_num_free_blocks)
 
     # ---- scheduler thread -------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        """A request arrived: free what was reclaimed, and make room for it if retained turns
+        hold the blocks it needs."""
+        self.drain()
+        need = -(-request.num_tokens // self.block_size) + 1
+        self._demand[request.request_id] = (need, time.monotonic())
+        self.check_watermark()
+
+    def allocated(self, request_id: str) -> None:
+        """The scheduler gave the request its blocks: no demand left."""
+        demand = self._demand.pop(request_id, None)
+        if demand is not None:
+            self.metrics.admission_wait.observe(time.monotonic() - demand[1])
 
     def on_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> dict[str, Any] | None:
         """Retain a normally finished conversation turn's blocks and grant a lease over them in
         the background. Returns extra kv_transfer_params for the response, or None."""
+        self._demand.pop(request.request_id, None)
         key = conversation_of(request.kv_transfer_params)
         if key is None or self._pool is None or request.status.name not in _NORMAL_FINISH:
             return None
@@ -107,6 +128,7 @@ class DecodeRetention:
                 retained = self._by_key.pop(key, None)
                 if retained is not None and retained.lease_id:
                     self._by_lease.pop(retained.lease_id, None)
+                    self._revoked.discard(retained.lease_id)
             if retained is None or self._pool is None:
                 continue
             pool = self._pool
@@ -120,17 +142,21 @@ class DecodeRetention:
         return freed
 
     def check_watermark(self) -> None:
-        """Revoke the oldest idle leases while free blocks are below the watermark."""
-        if self._pool is None or self._revoking or not self.settings.free_watermark:
+        """Revoke the oldest idle leases while free blocks are below the watermark plus what
+        waiting requests need."""
+        if self._pool is None or self._revoking:
             return
         total = self._pool.num_gpu_blocks - 1
         free = self._pool.get_num_free_blocks()
-        deficit = int(total * self.settings.free_watermark) - free
+        deficit = (int(total * self.settings.free_watermark)
+                   + sum(need for need, _ in self._demand.values()) - free)
         if deficit <= 0:
             return
         victims: list[str] = []
         with self._lock:
-            leased = sorted((r for r in self._by_key.values() if r.lease_id),
+            # Revoked but pinned: a reader is copying them; freed when the pin ends.
+            leased = sorted((r for r in self._by_key.values()
+                             if r.lease_id and r.lease_id not in self._revoked),
                             key=lambda r: r.since)
         for retained in leased:
             if deficit <= 0:
@@ -139,7 +165,9 @@ class DecodeRetention:
             deficit -= len(retained.block_ids)
         if victims:
             self._revoking = True
-            self._grants.submit(self._revoke, victims)
+            with self._lock:
+                self._revoked.update(victims)
+            self._grants.submit(self._revoke, victims, time.monotonic())
 
     # ---- background threads -----------------------------------------------------------------
 
@@ -174,11 +202,20 @@ class DecodeRetention:
                 else:
                     self._frees.put((key, "reclaimed"))
 
-    def _revoke(self, lease_ids: list[str]) -> None:
+    def _revoke(self, lease_ids: list[str], submitted: float) -> None:
         try:
-            now_free = self.session.revoke(lease_ids, "memory_pressure")
+            started = time.monotonic()
+            result = self.session.revoke(lease_ids, "memory_pressure")
+            # Not revoked: they may be picked again on a later pass.
+            with self._lock:
+                self._revoked.difference_update(result.failed)
+            self.metrics.leases_revoked.labels("freed").inc(len(result.freed))
+            self.metrics.leases_revoked.labels("pinned").inc(len(result.pinned))
             log.info("leases_revoked_for_memory", count=len(lease_ids),
-                     freed_now=len(now_free))
+                     freed_now=len(result.freed), pinned=len(result.pinned),
+                     failed=len(result.failed),
+                     queued_ms=round((started - submitted) * 1000, 1),
+                     rpc_ms=round((time.monotonic() - started) * 1000, 1))
         finally:
             self._revoking = False
 

@@ -28,6 +28,20 @@ class ConnectorMetrics:
             ["why"], registry=r)
         self.retained_blocks = Gauge(
             "kvbridge_connector_retained_blocks", "Decode KV blocks held for leases", registry=r)
+        self.kv_blocks = Gauge(
+            "kvbridge_connector_kv_blocks", "KV blocks in this engine's pool", registry=r)
+        self.free_blocks = Gauge(
+            "kvbridge_connector_free_blocks",
+            "Free KV blocks in this engine's pool (cached ones included)", registry=r)
+        self.leases_revoked = Counter(
+            "kvbridge_connector_leases_revoked",
+            "Leases this decode engine revoked to make room, by whether they were freed at "
+            "once or pinned", ["outcome"], registry=r)
+        self.admission_wait = Histogram(
+            "kvbridge_connector_admission_wait_seconds",
+            "Decode: arrival to KV block allocation of a request",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0),
+            registry=r)
         self.port: int | None = None
 
     def serve(self, host: str, port: int) -> None:

@@ -90,7 +90,7 @@ class EngineSpec:
         cache.mkdir(parents=True, exist_ok=True)
         # vLLM puts IPC sockets under TMPDIR, whose paths must stay under 107 characters.
         tmp = Path(tempfile.mkdtemp(prefix="kvb-"))
-        return {
+        env = {
             **os.environ,
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
             "VLLM_CPU_OMP_THREADS_BIND": str(self.cpu),
@@ -104,6 +104,10 @@ class EngineSpec:
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
         }
+        if self.kv_cache_bytes:
+            # vLLM's CPU platform lets this variable override --kv-cache-memory-bytes.
+            del env["VLLM_CPU_KVCACHE_SPACE"]
+        return env
 
 
 @dataclass

@@ -62,6 +62,10 @@ class FakeRequest:
         self.status = FakeStatus(status)
         self.cache_salt = cache_salt
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
 
 @dataclass
 class FakeBlock:
@@ -453,6 +457,63 @@ def test_decode_watermark_waits_for_pinned_victim(decode: DecodeKit, client: Reg
     decode.retention.session.heartbeat_once()
     assert decode.retention.drain() == 3
     assert decode.pool.refs(table) == [0, 0, 0]
+
+
+def test_decode_arriving_request_makes_room_at_once(decode: DecodeKit, client: RegistryClient):
+    """A request that needs more blocks than are free does not wait for leases to expire: the
+    oldest idle ones are revoked as it arrives, just enough for it (plus the watermark)."""
+    a, b, c = list(range(1, 21)), list(range(21, 41)), list(range(41, 61))  # 20 blocks each
+    for rid, conv, table in (("req-a", "ca", a), ("req-b", "cb", b), ("req-c", "cc", c)):
+        decode.finish(rid, conv, list(range(78)), [1, 2], table)  # 79 computed: 20 blocks
+    decode.wait_granted(3)
+    ids = {conv: only_lease(client, conv).lease_id for conv in ("ca", "cb", "cc")}
+    decode.retention.check_watermark()  # 3 of 63 free, watermark 6: the oldest goes
+    wait_for(lambda: decode.retention.drain() == 20, "the watermark revocation")
+    assert decode.pool.get_num_free_blocks() == 23
+    # A request of 80 tokens needs 20 blocks (+1) on top of the 6-block watermark: 27 > 23.
+    decode.retention.on_new_request(FakeRequest("req-new", list(range(80))))
+    wait_for(lambda: decode.retention.drain() == 20, "room for the arriving request")
+    assert decode.pool.refs(b) == [0] * 20
+    assert decode.pool.refs(c) == [1] * 20  # the newest lease stays: 43 free is enough
+    assert client.get_lease(ids["cb"]).state == pb.LEASE_STATE_REVOKED
+    assert client.get_lease(ids["cc"]).state == pb.LEASE_STATE_ACTIVE
+    assert sample(decode.metrics, "kvbridge_connector_leases_revoked_total",
+                  outcome="freed") == 2
+    # Once the request has its blocks, its demand is gone: nothing more is revoked.
+    decode.retention.allocated("req-new")
+    decode.pool.reported_free = 10
+    decode.retention.check_watermark()
+    time.sleep(0.2)
+    assert decode.retention.drain() == 0
+    assert client.get_lease(ids["cc"]).state == pb.LEASE_STATE_ACTIVE
+
+
+def test_decode_pinned_victim_is_not_picked_twice(decode: DecodeKit, client: RegistryClient):
+    """A revoked lease under a pin stays until the pin ends; the next pass picks another."""
+    a, b = [1, 2, 3], [4, 5, 6]
+    prompt = list(range(10))
+    decode.finish("req-a", "ca", prompt, [50, 51], a)
+    decode.wait_granted(1)
+    decode.finish("req-b", "cb", prompt, [60, 61], b)
+    decode.wait_granted(2)
+    ids = {conv: only_lease(client, conv).lease_id for conv in ("ca", "cb")}
+    read = client.acquire_read(TENANT, "ca", blockhash.block_hashes(prompt + [50, 51], BS, FP),
+                               min_tokens=1, reader_id=READER)
+    decode.pool.reported_free = 4  # watermark 6: a deficit of 2, met by the oldest lease
+    decode.retention.check_watermark()
+    wait_for(lambda: client.get_lease(ids["ca"]).state == pb.LEASE_STATE_REVOKED,
+             "the pinned lease's revocation")
+    wait_for(lambda: not decode.retention._revoking, "the revocation to finish")
+    assert decode.retention.drain() == 0  # pinned: kept
+    decode.retention.check_watermark()  # still short: the next oldest goes, not "ca" again
+    wait_for(lambda: decode.retention.drain() == 3, "the second lease to be freed")
+    assert decode.pool.refs(b) == [0, 0, 0]
+    assert decode.pool.refs(a) == [1, 1, 1]
+    assert client.get_lease(ids["cb"]).state == pb.LEASE_STATE_REVOKED
+    client.release_read(read.pin.pin_id)
+    decode.retention.session.heartbeat_once()
+    assert decode.retention.drain() == 3
+    assert decode.pool.refs(a) == [0, 0, 0]
 
 
 def test_decode_reclaim_reported_before_grant_is_recorded(decode: DecodeKit,

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import click
 
+from kvbridge import aio
 from kvbridge.config import build_config, config_options
 from kvbridge.services.registry._config import RegistryConfig
 from kvbridge.services.registry._server import serve
@@ -28,7 +28,7 @@ def serve_command(**options: Any) -> None:
     """
     config = build_config(RegistryConfig, options)
     try:
-        asyncio.run(serve(config))
+        aio.run(serve(config))
     except OSError as exc:
         raise click.ClickException(f"cannot start the registry: {exc}") from exc
 

@@ -69,6 +69,7 @@ class RegistryServer:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("registry_started", listen=self.address, metrics_port=self.metrics_port,
+                 event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
                  recovery_grace_s=self.config.effective_recovery_grace_s)
 
     async def _run_expiry(self) -> None:

