@@ -256,6 +256,11 @@ class AsyncRegistryClient:
         self._channel = channel or grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.RegistryServiceStub(self._channel)
 
+    @property
+    def stub(self) -> pb_grpc.RegistryServiceStub:
+        """The raw stub, for forwarding requests as they are (the router does)."""
+        return self._stub
+
     async def close(self) -> None:
         await self._channel.close()
 

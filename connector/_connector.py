@@ -21,9 +21,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPull
 
 from kvbridge import blockhash
 from kvbridge.clients import RegistryClient
+from kvbridge.clients._router import RouterClient
 from kvbridge.connector._decode import DecodeRetention
 from kvbridge.connector._metrics import ConnectorMetrics
-from kvbridge.connector._prefill import PrefillReuse
+from kvbridge.connector._prefill import PrefillReuse, ReadClient
 from kvbridge.connector._settings import REMOTE_ID_PREFIX, ConnectorSettings
 from kvbridge.connector._version import check_vllm_version
 
@@ -81,8 +82,9 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             worker = self.connector_worker
             worker.nixl_wrapper = _NotificationFilter(worker.nixl_wrapper)
             return
-        if not self.settings.registry:
-            log.warning("kvbridge_disabled", why="kvbridge.registry is not set")
+        if not self.settings.registry and not self.settings.router:
+            log.warning("kvbridge_disabled", why="neither kvbridge.registry nor kvbridge.router "
+                        "is set")
             return
         scheduler = self.connector_scheduler
         block_size = vllm_config.cache_config.block_size
@@ -90,13 +92,17 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         self.metrics = ConnectorMetrics()
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
-        client = RegistryClient(self.settings.registry, timeout=self.settings.rpc_timeout_s,
-                                retries=1)
+        client = (RegistryClient(self.settings.registry, timeout=self.settings.rpc_timeout_s,
+                                 retries=1) if self.settings.registry else None)
+        if transfer.kv_role in ("kv_consumer", "kv_both") and not self.settings.registry:
+            raise ValueError("kvbridge on a decode engine (kv_consumer) needs kvbridge.registry: "
+                             "it registers as a holder and grants leases there")
         if transfer.kv_role in ("kv_consumer", "kv_both"):
             if scheduler.is_bidirectional_kv_xfer_enabled and transfer.kv_role == "kv_consumer":
                 raise ValueError(
                     "kvbridge retains decode KV under leases itself: set "
                     "bidirectional_kv_xfer to false on decode engines (kv_consumer)")
+            assert client is not None
             self.decode = DecodeRetention(
                 self.settings, client, holder_id=self.engine_id,
                 nixl_host=scheduler.side_channel_host, nixl_port=scheduler.side_channel_port,
@@ -110,12 +116,17 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             if transfer.kv_load_failure_policy != "recompute":
                 raise ValueError("kvbridge needs kv_load_failure_policy 'recompute' on prefill "
                                  "engines, so that a failed read recomputes")
+            reads: ReadClient | None = (
+                RouterClient(self.settings.router, timeout=self.settings.rpc_timeout_s,
+                             retries=1) if self.settings.router else client)
+            assert reads is not None
             self.prefill = PrefillReuse(
-                self.settings, client, reader_id=self.engine_id, block_size=block_size,
+                self.settings, reads, reader_id=self.engine_id, block_size=block_size,
                 fingerprint=fingerprint, threshold=scheduler.kv_recompute_threshold,
                 metrics=self.metrics)
         log.info("kvbridge_connector_started", role=transfer.kv_role, engine_id=self.engine_id,
-                 registry=self.settings.registry, block_size=block_size,
+                 registry=self.settings.registry or None,
+                 router=self.settings.router or None, block_size=block_size,
                  fingerprint=fingerprint[:12], metrics_port=self.metrics.port,
                  nixl=f"{scheduler.side_channel_host}:{scheduler.side_channel_port}",
                  pid=os.getpid())

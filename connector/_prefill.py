@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
 from kvbridge import blockhash
-from kvbridge.clients import RegistryClient, seconds
+from kvbridge.clients import seconds
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._settings import ConnectorSettings, conversation_of
 from kvbridge.errors import KvbridgeError
@@ -27,6 +27,19 @@ log = structlog.get_logger("kvbridge.connector")
 REMOTE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
                  "remote_port", "remote_num_tokens", "tp_size")
 
+
+
+class ReadClient(Protocol):
+    """Where reads are resolved: the registry (RegistryClient) or a router (RouterClient)."""
+
+    def acquire_read(self, tenant: str, conversation_id: str, block_hashes: bytes,
+                     min_tokens: int = 0, pin_ttl: float = 0.0, reader_id: str = "",
+                     request_id: str | None = None, *, timeout: float | None = None
+                     ) -> pb.AcquireReadResponse: ...
+
+    def release_read(self, pin_id: str, *, timeout: float | None = None) -> bool: ...
+
+    def close(self) -> None: ...
 
 @dataclass
 class _Pending:
@@ -47,7 +60,7 @@ class _Active:
 
 
 class PrefillReuse:
-    def __init__(self, settings: ConnectorSettings, client: RegistryClient, *, reader_id: str,
+    def __init__(self, settings: ConnectorSettings, client: ReadClient, *, reader_id: str,
                  block_size: int, fingerprint: str, threshold: int,
                  metrics: ConnectorMetrics) -> None:
         self.settings = settings

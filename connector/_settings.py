@@ -27,6 +27,9 @@ class ConnectorSettings:
 
     registry: str = ""
     """Registry address HOST:PORT. Empty: no control plane (the engine behaves as NIXL)."""
+    router: str = ""
+    """Prefill: ask this routing service (HOST:PORT) for reads instead of the registry; it
+    also refuses KV held by engines it knows are dead. Decode always talks to the registry."""
     read_deadline_s: float = 0.05
     """Prefill: how long a request may wait for its AcquireRead before recomputing."""
     rpc_timeout_s: float = 1.0

@@ -87,6 +87,18 @@ class DeadlineExceeded(KvbridgeError):
     reason = "DEADLINE_EXCEEDED"
 
 
+class InstanceNotFound(KvbridgeError):
+    """The router knows no such instance (never registered, or dropped): register again."""
+
+    reason = "INSTANCE_NOT_FOUND"
+
+
+class NoInstance(KvbridgeError):
+    """No live instance can take the request (none registered for the role and model)."""
+
+    reason = "NO_INSTANCE"
+
+
 class PermissionDenied(KvbridgeError):
     """The caller may not do this."""
 
@@ -104,6 +116,8 @@ STATUS_CODES: dict[type[KvbridgeError], grpc.StatusCode] = {
     IdempotencyConflict: grpc.StatusCode.ALREADY_EXISTS,
     CapacityExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
+    InstanceNotFound: grpc.StatusCode.NOT_FOUND,
+    NoInstance: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     KvbridgeError: grpc.StatusCode.INTERNAL,

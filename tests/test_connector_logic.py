@@ -889,3 +889,48 @@ def test_prefill_finished_while_pending_releases_pin_later(
     finally:
         kit.reuse.close()
         recording.close()
+
+
+# ---- prefill reading through the routing service -------------------------------------------------
+
+
+def test_prefill_reads_through_a_router(registry: ThreadedRegistry, holder: pb.Holder,
+                                        client: RegistryClient):
+    """kvbridge.router points reads at the routing service: same decisions, same blocks, and
+    the pin is released through it."""
+    import asyncio as _asyncio
+
+    from kvbridge.clients._router import RouterClient
+    from kvbridge.clock import FakeClock
+    from kvbridge.services.router import RouterConfig, create_server
+
+    loop = _asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start() -> Any:
+        server = await create_server(RouterConfig(listen="127.0.0.1:0", metrics_listen="",
+                                                  registry=registry.target), clock=FakeClock())
+        await server.start()
+        return server
+
+    router = _asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    target = f"127.0.0.1:{router.port}"
+    kit = make_prefill(registry.target, client=RouterClient(target, timeout=1.0, retries=1),
+                       router=target)  # type: ignore[arg-type]
+    try:
+        lease = grant(client, "c1", LEASE_TOKENS)
+        request = kit.request("p-1", LEASE_TOKENS + EXTRA)
+        assert kit.resolve(request) is True
+        assert request.kv_transfer_params["remote_block_ids"] == [LEASE_BLOCKS]
+        assert pins(client, lease.lease_id) == 1
+        kit.reuse.read_done("p-1", True)
+        wait_unpinned(client, lease.lease_id)
+        assert kit.decision("hit") == 1
+    finally:
+        kit.reuse.close()
+        kit.client.close()
+        _asyncio.run_coroutine_threadsafe(router.stop(0), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

@@ -167,7 +167,9 @@ class RegistryServiceServicer:
 
     def AcquireRead(self, request, context):
         """Matches a prompt's block hashes against a conversation's lease and, on a hit, pins the
-        matching blocks: one round trip.
+        matching blocks: one round trip. (kvbridge.router.v1.RouterService serves the same call, so
+        that a prefill connector can point at either service.)
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -175,6 +177,7 @@ class RegistryServiceServicer:
 
     def ReleaseRead(self, request, context):
         """Releases a read's pin. Idempotent.
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

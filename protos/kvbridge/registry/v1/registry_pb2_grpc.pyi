@@ -68,10 +68,14 @@ class RegistryServiceStub:
     """Lists leases, filtered and paginated."""
     AcquireRead: _grpc.UnaryUnaryMultiCallable[_registry_pb2.AcquireReadRequest, _registry_pb2.AcquireReadResponse]
     """Matches a prompt's block hashes against a conversation's lease and, on a hit, pins the
-    matching blocks: one round trip.
+    matching blocks: one round trip. (kvbridge.router.v1.RouterService serves the same call, so
+    that a prefill connector can point at either service.)
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
     ReleaseRead: _grpc.UnaryUnaryMultiCallable[_registry_pb2.ReleaseReadRequest, _registry_pb2.ReleaseReadResponse]
-    """Releases a read's pin. Idempotent."""
+    """Releases a read's pin. Idempotent.
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+    """
     WatchLeases: _grpc.UnaryStreamMultiCallable[_registry_pb2.WatchLeasesRequest, _registry_pb2.WatchLeasesResponse]
     """Streams lease events, optionally filtered by holder or tenant."""
 
@@ -102,10 +106,14 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     """Lists leases, filtered and paginated."""
     AcquireRead: _aio.UnaryUnaryMultiCallable[_registry_pb2.AcquireReadRequest, _registry_pb2.AcquireReadResponse]  # type: ignore[assignment]
     """Matches a prompt's block hashes against a conversation's lease and, on a hit, pins the
-    matching blocks: one round trip.
+    matching blocks: one round trip. (kvbridge.router.v1.RouterService serves the same call, so
+    that a prefill connector can point at either service.)
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
     ReleaseRead: _aio.UnaryUnaryMultiCallable[_registry_pb2.ReleaseReadRequest, _registry_pb2.ReleaseReadResponse]  # type: ignore[assignment]
-    """Releases a read's pin. Idempotent."""
+    """Releases a read's pin. Idempotent.
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+    """
     WatchLeases: _aio.UnaryStreamMultiCallable[_registry_pb2.WatchLeasesRequest, _registry_pb2.WatchLeasesResponse]  # type: ignore[assignment]
     """Streams lease events, optionally filtered by holder or tenant."""
 
@@ -193,7 +201,9 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_registry_pb2.AcquireReadResponse, _abc.Awaitable[_registry_pb2.AcquireReadResponse]]:
         """Matches a prompt's block hashes against a conversation's lease and, on a hit, pins the
-        matching blocks: one round trip.
+        matching blocks: one round trip. (kvbridge.router.v1.RouterService serves the same call, so
+        that a prefill connector can point at either service.)
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
 
     @_abc_1.abstractmethod
@@ -202,7 +212,9 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _registry_pb2.ReleaseReadRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_registry_pb2.ReleaseReadResponse, _abc.Awaitable[_registry_pb2.ReleaseReadResponse]]:
-        """Releases a read's pin. Idempotent."""
+        """Releases a read's pin. Idempotent.
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
 
     @_abc_1.abstractmethod
     def WatchLeases(

@@ -1,0 +1,113 @@
+"""Routing service client (blocking): instance membership, routes, listing."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+
+from kvbridge._grpc_status import from_rpc_error
+from kvbridge.clients._registry import (
+    _CHANNEL_OPTIONS,
+    _RETRYABLE,
+    DEFAULT_TIMEOUT,
+    _backoff,
+    _Requests,
+)
+from kvbridge.clients._registry import duration as duration_pb
+from kvbridge.errors import DeadlineExceeded
+from kvbridge.registry.v1 import registry_pb2 as reg_pb
+from kvbridge.router.v1 import router_pb2 as pb
+from kvbridge.router.v1 import router_pb2_grpc as pb_grpc
+
+ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}
+
+
+class RouterClient:
+    """Blocking router client. Thread-safe; one channel per client. Every call is idempotent
+    and retried on UNAVAILABLE within its deadline."""
+
+    def __init__(self, target: str, *, timeout: float = DEFAULT_TIMEOUT, retries: int = 3,
+                 channel: grpc.Channel | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retries = retries
+        self._channel = channel or grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.RouterServiceStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> RouterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, request: Any, timeout: float | None) -> Any:
+        budget = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + budget
+        attempt = 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceeded(f"{method} to {self.target}: no reply within {budget:g}s")
+            try:
+                return getattr(self._stub, method)(request, timeout=left)
+            except grpc.RpcError as err:
+                if (attempt < self.retries and err.code() in _RETRYABLE
+                        and deadline - time.monotonic() > _backoff(attempt)):
+                    time.sleep(_backoff(attempt))
+                    attempt += 1
+                    continue
+                raise from_rpc_error(err) from None
+
+    def register_instance(self, instance_id: str, role: str, http_url: str, engine_id: str,
+                          model: str, nixl_host: str = "", nixl_port: int = 0,
+                          ttl: float = 0.0, *, timeout: float | None = None
+                          ) -> pb.RegisterInstanceResponse:
+        req = pb.RegisterInstanceRequest(
+            instance_id=instance_id, role=ROLES.get(role, pb.ROLE_UNSPECIFIED),
+            http_url=http_url, engine_id=engine_id, model=model, nixl_host=nixl_host,
+            nixl_port=nixl_port, ttl=duration_pb(ttl))
+        return self._call("RegisterInstance", req, timeout)
+
+    def heartbeat(self, instance_id: str, running: int = 0, waiting: int = 0,
+                  kv_usage: float = 0.0, tokens_in_flight: int = 0, *,
+                  timeout: float | None = None) -> pb.HeartbeatInstanceResponse:
+        req = pb.HeartbeatInstanceRequest(instance_id=instance_id, load=pb.Load(
+            running_requests=running, waiting_requests=waiting, kv_usage=kv_usage,
+            tokens_in_flight=tokens_in_flight))
+        return self._call("HeartbeatInstance", req, timeout)
+
+    def deregister_instance(self, instance_id: str, *, timeout: float | None = None) -> bool:
+        req = pb.DeregisterInstanceRequest(instance_id=instance_id)
+        return bool(self._call("DeregisterInstance", req, timeout).removed)
+
+    def list_instances(self, role: str = "", model: str = "", *,
+                       timeout: float | None = None) -> list[pb.Instance]:
+        req = pb.ListInstancesRequest(role=ROLES.get(role, pb.ROLE_UNSPECIFIED), model=model)
+        return list(self._call("ListInstances", req, timeout).instances)
+
+    def route(self, tenant: str, conversation_id: str, prompt_tokens: int, model: str = "", *,
+              timeout: float | None = None) -> pb.RouteResponse:
+        req = pb.RouteRequest(tenant=tenant, conversation_id=conversation_id,
+                              prompt_tokens=prompt_tokens, model=model)
+        resp: pb.RouteResponse = self._call("Route", req, timeout)
+        return resp
+
+    # The registry's read API, as the router serves it (same signatures as RegistryClient's),
+    # so that a prefill connector can be pointed at either.
+
+    def acquire_read(self, tenant: str, conversation_id: str, block_hashes: bytes,
+                     min_tokens: int = 0, pin_ttl: float = 0.0, reader_id: str = "",
+                     request_id: str | None = None, *, timeout: float | None = None
+                     ) -> reg_pb.AcquireReadResponse:
+        req = _Requests.acquire_read(tenant, conversation_id, block_hashes, min_tokens,
+                                     pin_ttl, reader_id, request_id)
+        return self._call("AcquireRead", req, timeout)
+
+    def release_read(self, pin_id: str, *, timeout: float | None = None) -> bool:
+        req = reg_pb.ReleaseReadRequest(pin_id=pin_id)
+        return bool(self._call("ReleaseRead", req, timeout).released)

@@ -1,0 +1,228 @@
+"""The routing policy: live instances, their load, and where each turn goes. Transport-free,
+with an injected clock, so that it is tested over many instances without servers.
+
+Load is what an instance last reported (running and waiting requests, KV usage, tokens in
+flight) plus the turns routed to it since that report, so that a burst between two heartbeats
+does not all land on the instance that looked idlest.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import structlog
+
+from kvbridge.clock import Clock
+from kvbridge.errors import InstanceNotFound, InvalidArgument, NoInstance
+from kvbridge.services.registry import _validate as check
+from kvbridge.services.router._config import RouterConfig
+
+log = structlog.get_logger("kvbridge.router")
+
+
+class Role(enum.IntEnum):  # the values of kvbridge.router.v1.Role
+    PREFILL = 1
+    DECODE = 2
+
+
+class DecodeReason(enum.IntEnum):  # the values of kvbridge.router.v1.DecodeReason
+    HOLDS_LEASE = 1
+    NO_LEASE = 2
+    HOLDER_OVERLOADED = 3
+    HOLDER_UNAVAILABLE = 4
+    REGISTRY_UNAVAILABLE = 5
+
+
+@dataclass(slots=True)
+class Load:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    tokens_in_flight: int = 0
+
+
+@dataclass(slots=True)
+class InstanceSpec:
+    instance_id: str
+    role: Role
+    http_url: str
+    engine_id: str
+    model: str
+    nixl_host: str = ""
+    nixl_port: int = 0
+    ttl: float = 0.0  # 0: the router's default
+
+
+@dataclass(slots=True)
+class Instance:
+    spec: InstanceSpec
+    ttl: float
+    expire_at: float
+    load: Load = field(default_factory=Load)
+    routed: int = 0  # turns routed here since the last heartbeat
+    routed_tokens: int = 0
+
+    @property
+    def instance_id(self) -> str:
+        return self.spec.instance_id
+
+    @property
+    def queue(self) -> int:
+        """Requests it has or is about to get."""
+        return self.load.running + self.load.waiting + self.routed
+
+    @property
+    def tokens(self) -> int:
+        return self.load.tokens_in_flight + self.routed_tokens
+
+
+@dataclass(slots=True)
+class Decision:
+    prefill: Instance
+    decode: Instance
+    decode_reason: DecodeReason
+    lease_holder: str  # "" when the conversation has no lease (or it is unknown)
+    explanation: str
+
+
+class InstanceTable:
+    """Registered instances of one router."""
+
+    def __init__(self, config: RouterConfig, clock: Clock) -> None:
+        self.config = config
+        self.clock = clock
+        self._instances: dict[str, Instance] = {}
+        self._dead_engines: dict[str, float] = {}  # engine id -> when it stopped heartbeating
+
+    # ---- membership -------------------------------------------------------------------------
+
+    def register(self, spec: InstanceSpec) -> Instance:
+        cfg = self.config
+        check.identifier("instance_id", spec.instance_id, cfg.max_id_length)
+        check.identifier("engine_id", spec.engine_id, cfg.max_id_length)
+        check.identifier("model", spec.model, cfg.max_id_length)
+        if spec.role not in (Role.PREFILL, Role.DECODE):
+            raise InvalidArgument("role", "must be ROLE_PREFILL or ROLE_DECODE")
+        if not spec.http_url.startswith(("http://", "https://")) or " " in spec.http_url:
+            raise InvalidArgument("http_url", "must be an http:// or https:// URL")
+        if len(spec.http_url) > 2048:
+            raise InvalidArgument("http_url", "longer than 2048 characters")
+        if spec.nixl_host and len(spec.nixl_host) > cfg.max_id_length:
+            raise InvalidArgument("nixl_host", f"longer than {cfg.max_id_length} characters")
+        check.in_range("nixl_port", spec.nixl_port, 0, 65535)
+        ttl = spec.ttl or cfg.default_instance_ttl_s
+        check.duration("ttl", ttl, cfg.min_instance_ttl_s, cfg.max_instance_ttl_s)
+        self.expire()
+        for other in self._instances.values():
+            if (other.spec.engine_id == spec.engine_id
+                    and other.instance_id != spec.instance_id):
+                raise InvalidArgument("engine_id", f"already registered by instance "
+                                      f"{other.instance_id!r}", engine_id=spec.engine_id)
+        now = self.clock.monotonic()
+        previous = self._instances.get(spec.instance_id)
+        instance = Instance(spec, ttl, now + ttl)
+        if previous is not None and previous.spec.engine_id != spec.engine_id:
+            self._dead_engines[previous.spec.engine_id] = now  # replaced: the old engine is gone
+        self._instances[spec.instance_id] = instance
+        self._dead_engines.pop(spec.engine_id, None)
+        log.info("instance_registered", instance=spec.instance_id, role=spec.role.name.lower(),
+                 url=spec.http_url, engine_id=spec.engine_id, model=spec.model, ttl_s=ttl,
+                 again=previous is not None)
+        return instance
+
+    def heartbeat(self, instance_id: str, load: Load) -> Instance:
+        check.identifier("instance_id", instance_id, self.config.max_id_length)
+        if load.running < 0 or load.waiting < 0 or load.tokens_in_flight < 0:
+            raise InvalidArgument("load", "counts must not be negative")
+        if not 0.0 <= load.kv_usage <= 1.0:  # also rejects NaN
+            raise InvalidArgument("load.kv_usage", "must be between 0 and 1")
+        self.expire()
+        instance = self._instances.get(instance_id)
+        if instance is None:
+            raise InstanceNotFound(f"no instance {instance_id!r}: register again",
+                                   instance_id=instance_id)
+        instance.load = load
+        instance.routed = instance.routed_tokens = 0
+        instance.expire_at = self.clock.monotonic() + instance.ttl
+        return instance
+
+    def deregister(self, instance_id: str) -> bool:
+        check.identifier("instance_id", instance_id, self.config.max_id_length)
+        instance = self._instances.pop(instance_id, None)
+        if instance is None:
+            return False
+        self._dead_engines[instance.spec.engine_id] = self.clock.monotonic()
+        log.info("instance_deregistered", instance=instance_id)
+        return True
+
+    def expire(self) -> list[Instance]:
+        """Drop instances past their TTL (and forget long-dead engines). Returns those dropped."""
+        now = self.clock.monotonic()
+        dropped = [i for i in self._instances.values() if i.expire_at <= now]
+        for instance in dropped:
+            del self._instances[instance.instance_id]
+            self._dead_engines[instance.spec.engine_id] = now
+            log.warning("instance_lost", instance=instance.instance_id,
+                        role=instance.spec.role.name.lower(),
+                        late_ms=round((now - instance.expire_at) * 1000, 1))
+        memory = self.config.dead_engine_memory_s
+        for engine_id in [e for e, at in self._dead_engines.items() if now - at > memory]:
+            del self._dead_engines[engine_id]
+        return dropped
+
+    def instances(self, role: Role | None = None, model: str = "") -> list[Instance]:
+        self.expire()
+        return sorted((i for i in self._instances.values()
+                       if (role is None or i.spec.role == role)
+                       and (not model or i.spec.model == model)),
+                      key=lambda i: (i.spec.role, i.instance_id))
+
+    def engine_is_dead(self, engine_id: str) -> bool:
+        """True when this engine was an instance here and stopped heartbeating or left."""
+        self.expire()
+        return engine_id in self._dead_engines
+
+    def time_left(self, instance: Instance) -> float:
+        return max(instance.expire_at - self.clock.monotonic(), 0.0)
+
+    # ---- routing ----------------------------------------------------------------------------
+
+    def route(self, prompt_tokens: int, model: str, lease_holder: str | None) -> Decision:
+        """Pick prefill and decode for one turn. `lease_holder` is the engine id holding the
+        conversation's lease ("" when it has none), or None when the registry could not say."""
+        check.in_range("prompt_tokens", prompt_tokens, 0, 2**31)
+        if model:
+            check.identifier("model", model, self.config.max_id_length)
+        prefills = self.instances(Role.PREFILL, model)
+        decodes = self.instances(Role.DECODE, model)
+        if not prefills or not decodes:
+            missing = "prefill" if not prefills else "decode"
+            raise NoInstance(f"no live {missing} instance" + (f" serves {model!r}" if model
+                                                                else ""),
+                             role=missing, model=model)
+        prefill = min(prefills, key=lambda i: (i.queue, i.tokens, i.instance_id))
+        least = min(decodes, key=lambda i: (i.queue, i.load.kv_usage, i.instance_id))
+        decode, reason, why = least, DecodeReason.NO_LEASE, "no lease: least loaded"
+        if lease_holder is None:
+            reason, why = DecodeReason.REGISTRY_UNAVAILABLE, "registry unavailable: least loaded"
+        elif lease_holder:
+            holder = next((i for i in decodes if i.spec.engine_id == lease_holder), None)
+            if holder is None:
+                reason = DecodeReason.HOLDER_UNAVAILABLE
+                why = f"lease holder {lease_holder} is not a live instance: least loaded"
+            elif (holder.queue - least.queue > self.config.decode_load_margin
+                  or holder.load.kv_usage >= self.config.decode_max_kv_usage):
+                reason = DecodeReason.HOLDER_OVERLOADED
+                why = (f"lease holder {holder.instance_id} is overloaded (queue {holder.queue}, "
+                       f"KV {holder.load.kv_usage:.0%}; least {least.queue}): least loaded")
+            else:
+                decode, reason = holder, DecodeReason.HOLDS_LEASE
+                why = (f"{holder.instance_id} holds the lease (queue {holder.queue}, least "
+                       f"{least.queue})")
+        prefill.routed += 1
+        prefill.routed_tokens += prompt_tokens
+        decode.routed += 1
+        return Decision(prefill, decode, reason, lease_holder or "",
+                        f"decode {decode.instance_id}: {why}; prefill {prefill.instance_id}: "
+                        f"least loaded (queue {prefill.queue - 1})")

@@ -1,0 +1,121 @@
+"""The router's gRPC server: RouterService, health, reflection, metrics, SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from kvbridge import logs
+from kvbridge.clients._registry import AsyncRegistryClient
+from kvbridge.clock import Clock, SystemClock
+from kvbridge.router.v1 import router_pb2 as pb
+from kvbridge.router.v1 import router_pb2_grpc as pb_grpc
+from kvbridge.services.registry._server import split_hostport
+from kvbridge.services.router._config import RouterConfig
+from kvbridge.services.router._policy import InstanceTable
+from kvbridge.services.router._servicer import RouterMetrics, RouterServicer
+
+log = structlog.get_logger("kvbridge.router")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RouterService"].full_name
+_EXPIRY_INTERVAL = 0.5
+
+
+@dataclass
+class RouterServer:
+    config: RouterConfig
+    table: InstanceTable
+    metrics: RouterMetrics
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    registry: AsyncRegistryClient | None
+    metrics_port: int | None = None
+    _expiry: asyncio.Task[None] | None = None
+    _http: object | None = field(default=None, repr=False)
+
+    @property
+    def address(self) -> str:
+        host, _ = split_hostport(self.config.listen)
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        if self.config.metrics_listen:
+            host, port = split_hostport(self.config.metrics_listen)
+            httpd, _thread = start_http_server(port, host, registry=self.metrics.registry)
+            self._http = httpd
+            self.metrics_port = httpd.server_port
+        await self.server.start()
+        self._expiry = asyncio.create_task(self._run_expiry(), name="router-expiry")
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+        log.info("router_started", listen=self.address, registry=self.config.registry or None,
+                 metrics_port=self.metrics_port)
+
+    async def _run_expiry(self) -> None:
+        while True:  # instances are also expired lazily on every call; this logs losses soon
+            self.table.expire()
+            await asyncio.sleep(_EXPIRY_INTERVAL)
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.config.shutdown_grace_s if grace is None else grace)
+        if self._expiry is not None:
+            self._expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry
+        if self.registry is not None:
+            await self.registry.close()
+        if self._http is not None:
+            self._http.shutdown()  # type: ignore[attr-defined]
+            self._http.server_close()  # type: ignore[attr-defined]
+        log.info("router_stopped")
+
+
+async def create_server(config: RouterConfig, *, clock: Clock | None = None) -> RouterServer:
+    """Build a router bound to `config.listen` (not started). Port 0 picks a free port."""
+    table = InstanceTable(config, clock or SystemClock())
+    metrics = RouterMetrics(table)
+    registry = (AsyncRegistryClient(config.registry, timeout=config.read_timeout_s, retries=1)
+                if config.registry else None)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_RouterServiceServicer_to_server(RouterServicer(table, metrics, registry),
+                                                server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    host, port = split_hostport(config.listen)
+    try:
+        bound = server.add_insecure_port(
+            f"{host}:{port}" if ":" not in host else f"[{host}]:{port}")
+    except RuntimeError as exc:
+        raise OSError(f"cannot bind the router to {config.listen}: {exc}") from exc
+    if bound == 0:
+        raise OSError(f"cannot bind the router to {config.listen}")
+    return RouterServer(config, table, metrics, server, bound, health_servicer, registry)
+
+
+async def serve(config: RouterConfig, *, ready: asyncio.Event | None = None) -> None:
+    """Run a router until SIGTERM or SIGINT."""
+    logs.configure(config.log_level, config.log_format)
+    router = await create_server(config)
+    await router.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("router_shutting_down", grace_s=config.shutdown_grace_s)
+    await router.stop()

@@ -1,0 +1,240 @@
+"""The gRPC adapter over `InstanceTable`, plus the registry calls a route and a read need."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, cast
+
+import grpc
+import structlog
+from google.protobuf import duration_pb2
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvbridge._grpc_status import to_status
+from kvbridge.clients._registry import AsyncRegistryClient
+from kvbridge.errors import KvbridgeError, Unavailable
+from kvbridge.registry.v1 import registry_pb2 as reg_pb
+from kvbridge.registry.v1 import registry_pb2_grpc as reg_grpc
+from kvbridge.router.v1 import router_pb2 as pb
+from kvbridge.router.v1 import router_pb2_grpc as pb_grpc
+from kvbridge.services.registry import _validate as check
+from kvbridge.services.router._policy import (
+    Instance,
+    InstanceSpec,
+    InstanceTable,
+    Load,
+    Role,
+)
+
+log = structlog.get_logger("kvbridge.router")
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+Ctx = grpc.aio.ServicerContext[Any, Any]
+Handler = Callable[[Any, Req, Ctx], Awaitable[Resp]]
+
+
+class RouterMetrics:
+    def __init__(self, table: InstanceTable) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.routes = Counter("kvbridge_router_routes", "Turns routed, by decode reason",
+                              ["decode_reason"], registry=r)
+        self.reads = Counter("kvbridge_router_reads",
+                             "AcquireRead forwarded, by outcome (hit, miss, refused_dead_holder, "
+                             "error)", ["outcome"], registry=r)
+        self.rpc_duration = Histogram(
+            "kvbridge_router_rpc_duration_seconds", "RPC handling time", ["method"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=r)
+        self.rpc_errors = Counter("kvbridge_router_rpc_errors", "RPCs failed, by reason",
+                                  ["method", "reason"], registry=r)
+        instances = Gauge("kvbridge_router_instances", "Live instances, by role", ["role"],
+                          registry=r)
+        for role in Role:
+            instances.labels(role.name.lower()).set_function(
+                functools.partial(lambda role: len(table.instances(role)), role))
+
+
+def _rpc(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    async def wrapper(self: RouterServicer, request: Req, context: Ctx) -> Resp:
+        start = time.perf_counter()
+        try:
+            return await fn(self, request, context)
+        except KvbridgeError as err:
+            self.metrics.rpc_errors.labels(name, err.reason).inc()
+            log.debug("rpc_rejected", method=name, reason=err.reason, error=err.message)
+            await context.abort_with_status(to_status(err))
+            raise  # unreachable: abort_with_status raises
+        finally:
+            self.metrics.rpc_duration.labels(name).observe(time.perf_counter() - start)
+
+    return wrapper
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    seconds = max(seconds, 0.0)
+    whole = int(seconds)
+    return duration_pb2.Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
+
+
+def _seconds(d: duration_pb2.Duration, field: str) -> float:
+    if d.seconds < 0 or d.nanos < 0:
+        raise check.InvalidArgument(field, "must not be negative")
+    return d.seconds + d.nanos * 1e-9
+
+
+class RouterServicer(pb_grpc.RouterServiceServicer):
+    def __init__(self, table: InstanceTable, metrics: RouterMetrics,
+                 registry: AsyncRegistryClient | None) -> None:
+        self.table = table
+        self.metrics = metrics
+        self.registry = registry
+        self.config = table.config
+
+    def _instance(self, i: Instance) -> pb.Instance:
+        s = i.spec
+        return pb.Instance(
+            instance_id=s.instance_id, role=cast(pb.Role.ValueType, int(s.role)),
+            http_url=s.http_url, engine_id=s.engine_id, nixl_host=s.nixl_host,
+            nixl_port=s.nixl_port, model=s.model,
+            load=pb.Load(running_requests=i.load.running, waiting_requests=i.load.waiting,
+                         kv_usage=i.load.kv_usage, tokens_in_flight=i.load.tokens_in_flight),
+            routed_since_heartbeat=i.routed, expires_in=_duration(self.table.time_left(i)))
+
+    # ---- membership -------------------------------------------------------------------------
+
+    @_rpc
+    async def RegisterInstance(self, request: pb.RegisterInstanceRequest,
+                               context: Ctx) -> pb.RegisterInstanceResponse:
+        if request.role not in (pb.ROLE_PREFILL, pb.ROLE_DECODE):
+            raise check.InvalidArgument("role", "must be ROLE_PREFILL or ROLE_DECODE")
+        instance = self.table.register(InstanceSpec(
+            request.instance_id, Role(request.role), request.http_url, request.engine_id,
+            request.model, request.nixl_host, request.nixl_port,
+            _seconds(request.ttl, "ttl")))
+        return pb.RegisterInstanceResponse(instance=self._instance(instance),
+                                           heartbeat_interval=_duration(instance.ttl / 3))
+
+    @_rpc
+    async def HeartbeatInstance(self, request: pb.HeartbeatInstanceRequest,
+                                context: Ctx) -> pb.HeartbeatInstanceResponse:
+        load = request.load
+        instance = self.table.heartbeat(request.instance_id, Load(
+            load.running_requests, load.waiting_requests, load.kv_usage, load.tokens_in_flight))
+        return pb.HeartbeatInstanceResponse(expires_in=_duration(self.table.time_left(instance)))
+
+    @_rpc
+    async def DeregisterInstance(self, request: pb.DeregisterInstanceRequest,
+                                 context: Ctx) -> pb.DeregisterInstanceResponse:
+        return pb.DeregisterInstanceResponse(removed=self.table.deregister(request.instance_id))
+
+    @_rpc
+    async def ListInstances(self, request: pb.ListInstancesRequest,
+                            context: Ctx) -> pb.ListInstancesResponse:
+        if request.role not in (pb.ROLE_UNSPECIFIED, pb.ROLE_PREFILL, pb.ROLE_DECODE):
+            raise check.InvalidArgument("role", f"unknown role {request.role}")
+        role = Role(request.role) if request.role else None
+        return pb.ListInstancesResponse(instances=[
+            self._instance(i) for i in self.table.instances(role, request.model)])
+
+    # ---- routing ----------------------------------------------------------------------------
+
+    async def _lease_holder(self, tenant: str, conversation_id: str) -> str | None:
+        """The engine id holding the conversation's active lease, "" for none, None when the
+        registry cannot say in time."""
+        if self.registry is None:
+            return ""
+        try:
+            page = await self.registry.list_leases(tenant=tenant, conversation_id=conversation_id,
+                                                   page_size=1,
+                                                   timeout=self.config.registry_timeout_s)
+        except KvbridgeError as err:
+            log.warning("lease_lookup_failed", tenant=tenant, conversation=conversation_id,
+                        error=str(err))
+            return None
+        for lease in page.leases:
+            if lease.state == reg_pb.LEASE_STATE_ACTIVE:
+                return lease.holder_id
+        return ""
+
+    @_rpc
+    async def Route(self, request: pb.RouteRequest, context: Ctx) -> pb.RouteResponse:
+        cfg = self.config
+        holder: str | None = ""
+        if request.conversation_id:
+            check.identifier("tenant", request.tenant, cfg.max_id_length)
+            check.identifier("conversation_id", request.conversation_id, cfg.max_id_length)
+            holder = await self._lease_holder(request.tenant, request.conversation_id)
+        elif request.tenant:
+            check.identifier("tenant", request.tenant, cfg.max_id_length)
+        decision = self.table.route(request.prompt_tokens, request.model, holder)
+        self.metrics.routes.labels(decision.decode_reason.name.lower()).inc()
+        log.info("routed", tenant=request.tenant or None,
+                 conversation=request.conversation_id or None,
+                 prompt_tokens=request.prompt_tokens, prefill=decision.prefill.instance_id,
+                 decode=decision.decode.instance_id,
+                 decode_reason=decision.decode_reason.name.lower(),
+                 lease_holder=decision.lease_holder or None)
+        return pb.RouteResponse(
+            prefill=self._instance(decision.prefill), decode=self._instance(decision.decode),
+            prefill_reason=pb.PREFILL_REASON_LEAST_LOADED,
+            decode_reason=cast(pb.DecodeReason.ValueType, int(decision.decode_reason)),
+            lease_holder_id=decision.lease_holder, explanation=decision.explanation)
+
+    # ---- reads, for prefill connectors ------------------------------------------------------
+
+    def _registry_stub(self) -> reg_grpc.RegistryServiceStub:
+        if self.registry is None:
+            raise Unavailable("this router has no registry (--registry is empty)")
+        return self.registry.stub
+
+    async def _forward(self, method: str, request: Any, context: Ctx) -> Any:
+        stub = self._registry_stub()
+        try:
+            return await getattr(stub, method)(request, timeout=self.config.read_timeout_s)
+        except grpc.aio.AioRpcError as err:
+            # The registry's own status (code, message, ErrorInfo) goes back as it came.
+            await context.abort(err.code(), err.details() or "",
+                                tuple(err.trailing_metadata() or ()))
+            raise  # unreachable
+
+    @_rpc
+    async def AcquireRead(self, request: reg_pb.AcquireReadRequest,
+                          context: Ctx) -> reg_pb.AcquireReadResponse:
+        try:
+            resp: reg_pb.AcquireReadResponse = await self._forward("AcquireRead", request,
+                                                                   context)
+        except BaseException:
+            self.metrics.reads.labels("error").inc()
+            raise
+        if not resp.pin.pin_id:
+            self.metrics.reads.labels("miss").inc()
+            return resp
+        holder = resp.holder.holder_id
+        if self.table.engine_is_dead(holder):
+            # The registry has not noticed yet; the router has. Never offer that KV.
+            self.metrics.reads.labels("refused_dead_holder").inc()
+            log.warning("read_refused_dead_holder", holder=holder,
+                        conversation=request.conversation_id)
+            try:
+                release = self._registry_stub().ReleaseRead
+                await release(reg_pb.ReleaseReadRequest(pin_id=resp.pin.pin_id),  # type: ignore[misc]
+                              timeout=self.config.read_timeout_s)
+            except grpc.aio.AioRpcError as err:  # the pin runs out on its own
+                log.warning("release_failed", pin_id=resp.pin.pin_id, error=err.details())
+            return reg_pb.AcquireReadResponse(miss_reason=reg_pb.MISS_REASON_HOLDER_GONE,
+                                              lease=resp.lease)
+        self.metrics.reads.labels("hit").inc()
+        return resp
+
+    @_rpc
+    async def ReleaseRead(self, request: reg_pb.ReleaseReadRequest,
+                          context: Ctx) -> reg_pb.ReleaseReadResponse:
+        resp: reg_pb.ReleaseReadResponse = await self._forward("ReleaseRead", request, context)
+        return resp

@@ -1,0 +1,444 @@
+"""The routing service: the transport-free policy over many instances (fake clock), then the
+gRPC service on 127.0.0.1 with a real registry behind it, and `kvbridge instances list`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from click.testing import CliRunner
+
+from kvbridge._grpc_status import error_info
+from kvbridge.cli import main
+from kvbridge.clients import AsyncRegistryClient, duration
+from kvbridge.clients._router import RouterClient
+from kvbridge.clock import FakeClock
+from kvbridge.errors import InstanceNotFound, InvalidArgument, NoInstance
+from kvbridge.registry.v1 import registry_pb2 as reg_pb
+from kvbridge.router.v1 import router_pb2 as pb
+from kvbridge.router.v1 import router_pb2_grpc as pb_grpc
+from kvbridge.services.registry import RegistryServer
+from kvbridge.services.router import (
+    DecodeReason,
+    InstanceSpec,
+    InstanceTable,
+    Load,
+    Role,
+    RouterConfig,
+    RouterServer,
+    create_server,
+)
+
+MODEL = "tiny"
+
+
+def spec(instance_id: str, role: Role, *, engine_id: str | None = None, model: str = MODEL,
+         ttl: float = 0.0) -> InstanceSpec:
+    return InstanceSpec(instance_id, role, f"http://127.0.0.1:8{len(instance_id)}00",
+                        engine_id or f"engine-{instance_id}", model, "127.0.0.1", 5600, ttl)
+
+
+@pytest.fixture
+def rtable(clock: FakeClock) -> InstanceTable:
+    return InstanceTable(RouterConfig(decode_load_margin=4), clock)
+
+
+def fleet(table: InstanceTable, prefills: int, decodes: int) -> None:
+    for i in range(prefills):
+        table.register(spec(f"p{i}", Role.PREFILL))
+    for i in range(decodes):
+        table.register(spec(f"d{i}", Role.DECODE))
+
+
+# ==== policy =====================================================================================
+
+
+def test_least_loaded_prefill_and_decode_when_no_lease(rtable: InstanceTable) -> None:
+    fleet(rtable, 3, 3)
+    rtable.heartbeat("p0", Load(running=2, waiting=3))
+    rtable.heartbeat("p1", Load(running=1, waiting=0, tokens_in_flight=900))
+    rtable.heartbeat("p2", Load(running=1, waiting=0, tokens_in_flight=100))
+    rtable.heartbeat("d0", Load(running=5))
+    rtable.heartbeat("d1", Load(running=1, kv_usage=0.5))
+    rtable.heartbeat("d2", Load(running=1, kv_usage=0.2))
+    decision = rtable.route(300, MODEL, "")
+    assert decision.prefill.instance_id == "p2"  # equal queues: fewer tokens in flight
+    assert decision.decode.instance_id == "d2"  # equal queues: less KV in use
+    assert decision.decode_reason is DecodeReason.NO_LEASE
+    assert "least loaded" in decision.explanation
+
+
+def test_burst_between_heartbeats_spreads_over_equal_instances(rtable: InstanceTable) -> None:
+    fleet(rtable, 2, 4)
+    picks = [rtable.route(100, MODEL, "") for _ in range(8)]
+    decodes = [d.decode.instance_id for d in picks]
+    assert sorted(decodes) == ["d0", "d0", "d1", "d1", "d2", "d2", "d3", "d3"]
+    assert sorted(d.prefill.instance_id for d in picks) == ["p0"] * 4 + ["p1"] * 4
+    # A heartbeat replaces the routed estimate by the engine's own figures.
+    rtable.heartbeat("d3", Load())
+    assert rtable.instances(Role.DECODE)[3].routed == 0
+
+
+def test_lease_holder_wins_within_the_margin(rtable: InstanceTable) -> None:
+    fleet(rtable, 1, 3)
+    rtable.heartbeat("d1", Load(running=4))  # queue 4 vs least 0: within the margin of 4
+    decision = rtable.route(200, MODEL, "engine-d1")
+    assert decision.decode.instance_id == "d1"
+    assert decision.decode_reason is DecodeReason.HOLDS_LEASE
+    assert decision.lease_holder == "engine-d1"
+
+
+def test_overloaded_lease_holder_loses_the_turn(rtable: InstanceTable) -> None:
+    fleet(rtable, 1, 3)
+    rtable.heartbeat("d1", Load(running=3, waiting=2))  # queue 5 > 0 + 4
+    decision = rtable.route(200, MODEL, "engine-d1")
+    assert decision.decode.instance_id == "d0"
+    assert decision.decode_reason is DecodeReason.HOLDER_OVERLOADED
+    rtable.heartbeat("d1", Load(running=0, kv_usage=0.97))  # idle, but its KV is full
+    decision = rtable.route(200, MODEL, "engine-d1")
+    assert decision.decode_reason is DecodeReason.HOLDER_OVERLOADED
+    assert decision.decode.instance_id != "d1"
+
+
+def test_holder_not_live_or_unknown_registry(rtable: InstanceTable) -> None:
+    fleet(rtable, 1, 2)
+    decision = rtable.route(10, MODEL, "engine-elsewhere")
+    assert decision.decode_reason is DecodeReason.HOLDER_UNAVAILABLE
+    decision = rtable.route(10, MODEL, None)
+    assert decision.decode_reason is DecodeReason.REGISTRY_UNAVAILABLE
+    assert decision.lease_holder == ""
+
+
+def test_instances_expire_and_their_engines_are_remembered_dead(
+        rtable: InstanceTable, clock: FakeClock) -> None:
+    rtable.register(spec("p0", Role.PREFILL, ttl=30))
+    rtable.register(spec("d0", Role.DECODE, ttl=3))
+    rtable.register(spec("d1", Role.DECODE, ttl=30))
+    clock.advance(2.9)
+    rtable.heartbeat("d1", Load())
+    assert not rtable.engine_is_dead("engine-d0")
+    clock.advance(0.2)
+    assert [i.instance_id for i in rtable.instances(Role.DECODE)] == ["d1"]
+    assert rtable.engine_is_dead("engine-d0")
+    assert not rtable.engine_is_dead("engine-never-seen")
+    with pytest.raises(InstanceNotFound):
+        rtable.heartbeat("d0", Load())
+    # The lease holder d0 is gone: its conversations go elsewhere.
+    assert rtable.route(10, MODEL, "engine-d0").decode_reason is DecodeReason.HOLDER_UNAVAILABLE
+    rtable.register(spec("d0", Role.DECODE))  # back (a restart re-registers)
+    assert not rtable.engine_is_dead("engine-d0")
+    assert rtable.deregister("d1") and not rtable.deregister("d1")
+    assert rtable.engine_is_dead("engine-d1")
+    clock.advance(RouterConfig().dead_engine_memory_s + 1)
+    assert not rtable.engine_is_dead("engine-d1")  # forgotten after an hour
+
+
+def test_model_filter_and_no_instance(rtable: InstanceTable) -> None:
+    rtable.register(spec("p0", Role.PREFILL))
+    rtable.register(spec("d0", Role.DECODE))
+    rtable.register(spec("d-big", Role.DECODE, model="big"))
+    assert rtable.route(10, MODEL, "").decode.instance_id == "d0"
+    with pytest.raises(NoInstance, match="no live prefill instance serves 'big'"):
+        rtable.route(10, "big", "")
+    assert rtable.route(10, "", "").prefill.instance_id == "p0"
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    (dict(role=0), "role"),
+    (dict(http_url="ftp://x"), "http_url"),
+    (dict(http_url="http://a b"), "http_url"),
+    (dict(instance_id=""), "instance_id"),
+    (dict(engine_id="has space"), "engine_id"),
+    (dict(model=""), "model"),
+    (dict(ttl=0.5), "ttl"),
+    (dict(ttl=1000.0), "ttl"),
+    (dict(nixl_port=70000), "nixl_port"),
+    (dict(engine_id="engine-d0", instance_id="d9"), "engine_id"),  # taken by d0
+])
+def test_bad_registration_is_refused_and_changes_nothing(
+        rtable: InstanceTable, change: dict[str, Any], field: str) -> None:
+    rtable.register(spec("d0", Role.DECODE))
+    before = [(i.instance_id, i.spec, i.expire_at) for i in rtable.instances()]
+    fields = dict(instance_id="d1", role=Role.DECODE, http_url="http://127.0.0.1:8000",
+                  engine_id="engine-d1", model=MODEL, nixl_host="127.0.0.1", nixl_port=5600,
+                  ttl=0.0)
+    fields.update(change)
+    with pytest.raises(InvalidArgument) as raised:
+        rtable.register(InstanceSpec(**fields))
+    assert raised.value.field == field
+    assert [(i.instance_id, i.spec, i.expire_at) for i in rtable.instances()] == before
+
+
+@pytest.mark.parametrize("load", [Load(running=-1), Load(kv_usage=1.5), Load(kv_usage=math.nan),
+                                  Load(tokens_in_flight=-5)])
+def test_bad_load_is_refused(rtable: InstanceTable, load: Load) -> None:
+    rtable.register(spec("d0", Role.DECODE))
+    rtable.heartbeat("d0", Load(running=2))
+    with pytest.raises(InvalidArgument):
+        rtable.heartbeat("d0", load)
+    assert rtable.instances()[0].load == Load(running=2)
+
+
+def test_many_instances_route_matches_brute_force(rtable: InstanceTable) -> None:
+    rng = random.Random(7)
+    fleet(rtable, 20, 100)
+    for round_ in range(50):
+        for instance in rtable.instances():
+            rtable.heartbeat(instance.instance_id, Load(
+                running=rng.randrange(8), waiting=rng.randrange(4),
+                kv_usage=rng.random() * 0.99, tokens_in_flight=rng.randrange(5000)))
+        decodes = rtable.instances(Role.DECODE)
+        prefills = rtable.instances(Role.PREFILL)
+        holder = rng.choice(decodes)
+        least = min(decodes, key=lambda i: (i.queue, i.load.kv_usage, i.instance_id))
+        best_prefill = min(prefills, key=lambda i: (i.queue, i.tokens, i.instance_id))
+        expect_holder = (holder.queue - least.queue <= 4 and holder.load.kv_usage < 0.95)
+        decision = rtable.route(rng.randrange(4000), MODEL, holder.spec.engine_id)
+        assert decision.prefill is best_prefill, round_
+        assert decision.decode is (holder if expect_holder else least), round_
+        assert decision.decode_reason is (DecodeReason.HOLDS_LEASE if expect_holder
+                                          else DecodeReason.HOLDER_OVERLOADED)
+
+
+# ==== the service, over gRPC with a real registry ==============================================
+
+
+@pytest.fixture
+def router_clock() -> FakeClock:
+    return FakeClock()
+
+
+async def start_router(clock: FakeClock, **overrides: Any) -> RouterServer:
+    overrides.setdefault("metrics_listen", "")
+    overrides.setdefault("listen", "127.0.0.1:0")
+    server = await create_server(RouterConfig(**overrides), clock=clock)
+    await server.start()
+    return server
+
+
+@pytest.fixture
+async def router(registry_server: RegistryServer, router_clock: FakeClock
+                 ) -> AsyncIterator[RouterServer]:
+    server = await start_router(router_clock, registry=f"127.0.0.1:{registry_server.port}")
+    yield server
+    await server.stop(0)
+
+
+@pytest.fixture
+async def stub(router: RouterServer) -> AsyncIterator[pb_grpc.RouterServiceStub]:
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
+    yield pb_grpc.RouterServiceStub(channel)
+    await channel.close()
+
+
+async def register(stub: pb_grpc.RouterServiceStub, instance_id: str, role: int,
+                   engine_id: str = "", ttl: float = 0.0) -> pb.RegisterInstanceResponse:
+    return await stub.RegisterInstance(pb.RegisterInstanceRequest(
+        instance_id=instance_id, role=role, http_url=f"http://127.0.0.1:90{len(instance_id)}0",
+        engine_id=engine_id or f"engine-{instance_id}", model=MODEL, nixl_host="127.0.0.1",
+        nixl_port=5600, ttl=duration(ttl)))
+
+
+async def test_membership_over_grpc(stub: pb_grpc.RouterServiceStub) -> None:
+    resp = await register(stub, "d0", pb.ROLE_DECODE, ttl=6)
+    assert resp.instance.instance_id == "d0"
+    assert resp.heartbeat_interval.seconds == 2
+    await register(stub, "p0", pb.ROLE_PREFILL)
+    await stub.HeartbeatInstance(pb.HeartbeatInstanceRequest(
+        instance_id="d0", load=pb.Load(running_requests=3, kv_usage=0.25)))
+    listed = (await stub.ListInstances(pb.ListInstancesRequest())).instances
+    assert [(i.instance_id, i.role) for i in listed] == [("p0", pb.ROLE_PREFILL),
+                                                        ("d0", pb.ROLE_DECODE)]
+    assert listed[1].load.running_requests == 3 and listed[1].load.kv_usage == 0.25
+    only = (await stub.ListInstances(pb.ListInstancesRequest(role=pb.ROLE_PREFILL))).instances
+    assert [i.instance_id for i in only] == ["p0"]
+    assert (await stub.DeregisterInstance(pb.DeregisterInstanceRequest(instance_id="d0"))).removed
+    with pytest.raises(grpc.RpcError) as raised:
+        await stub.HeartbeatInstance(pb.HeartbeatInstanceRequest(instance_id="d0"))
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    assert error_info(raised.value).reason == "INSTANCE_NOT_FOUND"
+
+
+@pytest.mark.parametrize(("request_", "field"), [
+    (pb.RegisterInstanceRequest(instance_id="x", role=pb.ROLE_UNSPECIFIED,
+                                http_url="http://h:1", engine_id="e", model="m"), "role"),
+    (pb.RegisterInstanceRequest(instance_id="x", role=pb.ROLE_DECODE, http_url="h:1",
+                                engine_id="e", model="m"), "http_url"),
+    (pb.RegisterInstanceRequest(instance_id="x", role=pb.ROLE_DECODE, http_url="http://h:1",
+                                engine_id="e", model="m", ttl=duration(0.1)), "ttl"),
+])
+async def test_bad_registration_over_grpc(stub: pb_grpc.RouterServiceStub,
+                                          request_: pb.RegisterInstanceRequest,
+                                          field: str) -> None:
+    with pytest.raises(grpc.RpcError) as raised:
+        await stub.RegisterInstance(request_)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    info = error_info(raised.value)
+    assert info.reason == "INVALID_ARGUMENT" and info.metadata["field"] == field
+    assert not (await stub.ListInstances(pb.ListInstancesRequest())).instances
+
+
+async def grant(registry: AsyncRegistryClient, kv: Any, holder: str, tenant: str,
+                conversation: str, tokens: list[int]) -> reg_pb.Lease:
+    await registry.register_holder(holder, "127.0.0.1", 5600, kv.block_size, kv.fingerprint,
+                                   ttl=60)
+    n = -(-len(tokens) // kv.block_size)
+    resp = await registry.grant_lease(holder, tenant, conversation, f"req-{conversation}",
+                                      list(range(1, n + 1)), len(tokens),
+                                      kv.lease_hashes(tokens))
+    return resp.lease
+
+
+async def test_route_follows_the_lease_and_tenants_stay_apart(
+        stub: pb_grpc.RouterServiceStub, registry_client: AsyncRegistryClient, kv: Any) -> None:
+    await register(stub, "p0", pb.ROLE_PREFILL)
+    for name in ("d0", "d1", "d2"):
+        await register(stub, name, pb.ROLE_DECODE)
+    await grant(registry_client, kv, "engine-d2", "t1", "c1", kv.tokens(10))
+    for _ in range(3):  # sticky, turn after turn, while d2 is not overloaded
+        resp = await stub.Route(pb.RouteRequest(tenant="t1", conversation_id="c1",
+                                                prompt_tokens=40, model=MODEL))
+        assert resp.decode.instance_id == "d2"
+        assert resp.decode_reason == pb.DECODE_REASON_HOLDS_LEASE
+        assert resp.lease_holder_id == "engine-d2"
+        assert resp.prefill.instance_id == "p0"
+        assert resp.prefill_reason == pb.PREFILL_REASON_LEAST_LOADED
+    other = await stub.Route(pb.RouteRequest(tenant="t2", conversation_id="c1",
+                                             prompt_tokens=40))
+    assert other.decode_reason == pb.DECODE_REASON_NO_LEASE
+    assert other.lease_holder_id == ""
+    # d2 gets busy: the next turn goes to the least loaded instance, and says why.
+    await stub.HeartbeatInstance(pb.HeartbeatInstanceRequest(
+        instance_id="d2", load=pb.Load(running_requests=9)))
+    resp = await stub.Route(pb.RouteRequest(tenant="t1", conversation_id="c1",
+                                            prompt_tokens=40))
+    assert resp.decode_reason == pb.DECODE_REASON_HOLDER_OVERLOADED
+    assert resp.decode.instance_id in ("d0", "d1")
+    assert "overloaded" in resp.explanation
+
+
+async def test_route_without_registry_or_instances(
+        router_clock: FakeClock, unused_tcp_port: int) -> None:
+    server = await start_router(router_clock, registry=f"127.0.0.1:{unused_tcp_port}",
+                                registry_timeout_s=0.2)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = pb_grpc.RouterServiceStub(channel)
+    try:
+        with pytest.raises(grpc.RpcError) as raised:
+            await stub.Route(pb.RouteRequest(tenant="t", conversation_id="c", prompt_tokens=1))
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert error_info(raised.value).reason == "NO_INSTANCE"
+        await register(stub, "p0", pb.ROLE_PREFILL)
+        await register(stub, "d0", pb.ROLE_DECODE)
+        resp = await stub.Route(pb.RouteRequest(tenant="t", conversation_id="c",
+                                                prompt_tokens=1))
+        assert resp.decode_reason == pb.DECODE_REASON_REGISTRY_UNAVAILABLE
+        assert resp.decode.instance_id == "d0"
+        with pytest.raises(grpc.RpcError) as raised:
+            await stub.Route(pb.RouteRequest(tenant="bad tenant", conversation_id="c"))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+async def test_reads_through_the_router_never_offer_a_dead_holder(
+        stub: pb_grpc.RouterServiceStub, registry_client: AsyncRegistryClient,
+        registry_server: RegistryServer, router_clock: FakeClock, kv: Any) -> None:
+    await register(stub, "d0", pb.ROLE_DECODE, ttl=5)
+    tokens = kv.tokens(10)
+    lease = await grant(registry_client, kv, "engine-d0", "t1", "c1", tokens)
+    request = reg_pb.AcquireReadRequest(tenant="t1", conversation_id="c1",
+                                        block_hashes=kv.prompt_hashes(tokens + [99, 98]),
+                                        min_tokens=1, reader_id="p0")
+    hit = await stub.AcquireRead(request)
+    assert hit.miss_reason == reg_pb.MISS_REASON_UNSPECIFIED
+    assert hit.lease.lease_id == lease.lease_id
+    assert list(hit.remote_block_ids) == [1, 2]
+    assert hit.partial_block_id == 3 and hit.partial_block_tokens == 2
+    assert (await stub.ReleaseRead(reg_pb.ReleaseReadRequest(pin_id=hit.pin.pin_id))).released
+    # The engine stops heartbeating the router; the registry has not noticed (its holder TTL
+    # is longer): the router refuses the read and leaves no pin behind.
+    router_clock.advance(5.1)
+    miss = await stub.AcquireRead(request)
+    assert miss.miss_reason == reg_pb.MISS_REASON_HOLDER_GONE
+    assert not miss.pin.pin_id and not miss.remote_block_ids
+    assert registry_server.table.counts()["pins"] == 0
+    # The registry's own errors come back as they are.
+    with pytest.raises(grpc.RpcError) as raised:
+        await stub.AcquireRead(reg_pb.AcquireReadRequest(tenant="t1", conversation_id="c1",
+                                                         block_hashes=b"short"))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    info = error_info(raised.value)
+    assert info.reason == "INVALID_ARGUMENT" and info.metadata["field"] == "block_hashes"
+
+
+# ==== CLI ========================================================================================
+
+
+class ThreadedRouter:
+    """A router on its own thread and loop, for the blocking client and the CLI."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = asyncio.run_coroutine_threadsafe(
+            start_router(FakeClock(), registry=""), self.loop).result(10)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.server.port}"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def threaded_router() -> Iterator[ThreadedRouter]:
+    router = ThreadedRouter()
+    yield router
+    router.close()
+
+
+def test_instances_list_cli_and_blocking_client(threaded_router: ThreadedRouter) -> None:
+    with RouterClient(threaded_router.target) as client:
+        client.register_instance("d0", "decode", "http://127.0.0.1:8200", "engine-d0", MODEL,
+                                 "127.0.0.1", 5601)
+        client.register_instance("p0", "prefill", "http://127.0.0.1:8100", "engine-p0", MODEL)
+        client.heartbeat("d0", running=2, waiting=1, kv_usage=0.5)
+        route = client.route("t", "c", 100, MODEL)
+        assert route.decode.instance_id == "d0"  # no registry: routed by load alone
+        assert route.decode_reason == pb.DECODE_REASON_NO_LEASE
+    runner = CliRunner()
+    result = runner.invoke(main, ["instances", "list", "--router", threaded_router.target])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0].split()[:4] == ["INSTANCE", "ROLE", "MODEL", "URL"]
+    assert lines[1].split()[:2] == ["p0", "prefill"] and lines[2].split()[:2] == ["d0", "decode"]
+    assert lines[2].split()[5:8] == ["2", "1", "50%"]
+    assert lines[-1] == "2 instance(s)"
+    result = runner.invoke(main, ["instances", "list", "--router", threaded_router.target,
+                                  "--role", "decode", "--json"])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in result.output.splitlines()]
+    assert [r["instance_id"] for r in records] == ["d0"]
+    assert records[0]["load"]["running_requests"] == 2
+
+
+def test_instances_list_cli_explains_an_unreachable_router(unused_tcp_port: int) -> None:
+    result = CliRunner().invoke(main, ["instances", "list", "--router",
+                                       f"127.0.0.1:{unused_tcp_port}", "--timeout", "0.5"])
+    assert result.exit_code == 1
+    assert "cannot reach the router" in result.output
+    assert "kvbridge router serve" in result.output
