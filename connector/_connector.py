@@ -181,7 +181,9 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super().request_finished_all_groups(request, block_ids)
         if self.prefill is not None:
-            self.prefill.finished(request.request_id)
+            outcome = self.prefill.finished(request.request_id)
+            if outcome and params is not None:
+                params = {**params, **outcome}
         if self.decode is not None and not delay:
             extra = self.decode.on_finished(request, block_ids)
             if extra:

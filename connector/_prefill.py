@@ -73,6 +73,9 @@ class PrefillReuse:
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvbridge-read")
         self._pending: dict[str, _Pending] = {}
         self._active: dict[str, _Active] = {}
+        # What was decided for each conversation request, until it finishes: the gateway
+        # reads it back from the prefill response's kv_transfer_params.
+        self._outcomes: dict[str, dict[str, Any]] = {}
 
     # ---- hooks (scheduler thread) -----------------------------------------------------------
 
@@ -176,6 +179,7 @@ class PrefillReuse:
         self._release(active.pin_id)
         self.metrics.recomputed_tokens.inc(active.tokens)
         self.metrics.decisions.labels("declined_by_engine").inc()
+        self._undo_reuse(request.request_id, "declined_by_engine", active.tokens)
 
     def read_done(self, request_id: str, ok: bool) -> None:
         active = self._active.pop(request_id, None)
@@ -186,23 +190,31 @@ class PrefillReuse:
         active.params.pop("remote_block_ids", None)
         active.params["remote_num_tokens"] = 0
         self._release(active.pin_id)
+        elapsed = time.monotonic() - active.started
         if ok:
             self.metrics.reused_tokens.inc(active.tokens)
-            self.metrics.transfer_seconds.observe(time.monotonic() - active.started)
+            self.metrics.transfer_seconds.observe(elapsed)
+            outcome = self._outcomes.get(request_id)
+            if outcome is not None:
+                outcome["kvbridge_transfer_ms"] = round(elapsed * 1000, 2)
         else:
             self.metrics.recomputed_tokens.inc(active.tokens)
             self.metrics.decisions.labels("transfer_failed").inc()
+            self._undo_reuse(request_id, "transfer_failed", active.tokens)
             log.warning("kv_read_failed", request_id=request_id,
                         conversation=active.conversation, tokens=active.tokens)
 
-    def finished(self, request_id: str) -> None:
-        """The request ended (possibly aborted): let go of whatever it still holds."""
+    def finished(self, request_id: str) -> dict[str, Any] | None:
+        """The request ended (possibly aborted): let go of whatever it still holds. Returns
+        what was decided for it (kvbridge_decision, kvbridge_reused_tokens, ...), for the
+        response's kv_transfer_params; None for a request outside any conversation."""
         pending = self._pending.pop(request_id, None)
         if pending is not None:
             pending.future.add_done_callback(self._release_late)
         active = self._active.pop(request_id, None)
         if active is not None:
             self._release(active.pin_id)
+        return self._outcomes.pop(request_id, None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -211,12 +223,22 @@ class PrefillReuse:
 
     def _decide(self, request: Any, decision: str, reused: int, recomputed: int,
                 **fields: Any) -> None:
+        self._outcomes[request.request_id] = {
+            "kvbridge_decision": decision, "kvbridge_reused_tokens": reused,
+            "kvbridge_recomputed_tokens": max(recomputed, 0)}
         self.metrics.decisions.labels(decision).inc()
         if recomputed > 0:
             self.metrics.recomputed_tokens.inc(recomputed)
         log.info("prefill_decision", request_id=request.request_id, decision=decision,
                  reused_tokens=reused, recomputed_tokens=max(recomputed, 0),
                  prompt_tokens=len(request.prompt_token_ids or []), **fields)
+
+    def _undo_reuse(self, request_id: str, decision: str, tokens: int) -> None:
+        outcome = self._outcomes.get(request_id)
+        if outcome is not None:
+            outcome["kvbridge_decision"] = decision
+            outcome["kvbridge_reused_tokens"] = 0
+            outcome["kvbridge_recomputed_tokens"] += tokens
 
     def _release(self, pin_id: str) -> None:
         self._pool.submit(self._release_quietly, pin_id)

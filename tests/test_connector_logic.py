@@ -684,6 +684,13 @@ def test_prefill_read_done_ok_releases_and_counts(prefill: PrefillKit, client: R
     assert prefill.decision("transfer_failed") == 0
     prefill.reuse.read_done("p-1", ok=True)  # a second notification changes nothing
     assert sample(m, "kvbridge_connector_reused_tokens_total") == 38
+    # The outcome goes back in the prefill response's kv_transfer_params, once.
+    outcome = prefill.reuse.finished("p-1")
+    assert outcome is not None and outcome["kvbridge_transfer_ms"] >= 0
+    assert {k: v for k, v in outcome.items() if k != "kvbridge_transfer_ms"} == {
+        "kvbridge_decision": "hit", "kvbridge_reused_tokens": 38,
+        "kvbridge_recomputed_tokens": len(EXTRA)}
+    assert prefill.reuse.finished("p-1") is None
 
 
 def test_prefill_read_done_failed_counts_recompute(prefill: PrefillKit, client: RegistryClient):
@@ -697,6 +704,9 @@ def test_prefill_read_done_failed_counts_recompute(prefill: PrefillKit, client: 
     wait_unpinned(client, lease.lease_id)
     m = prefill.metrics
     assert sample(m, "kvbridge_connector_reused_tokens_total") == 0
+    assert prefill.reuse.finished("p-1") == {
+        "kvbridge_decision": "transfer_failed", "kvbridge_reused_tokens": 0,
+        "kvbridge_recomputed_tokens": len(prompt)}
     # The 10 tokens past the lease, then the 38 the failed read should have brought.
     assert sample(m, "kvbridge_connector_recomputed_tokens_total") == len(prompt)
     assert prefill.decision("transfer_failed") == 1
