@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -90,10 +91,11 @@ class RouterClient:
         req = pb.ListInstancesRequest(role=ROLES.get(role, pb.ROLE_UNSPECIFIED), model=model)
         return list(self._call("ListInstances", req, timeout).instances)
 
-    def route(self, tenant: str, conversation_id: str, prompt_tokens: int, model: str = "", *,
-              timeout: float | None = None) -> pb.RouteResponse:
+    def route(self, tenant: str, conversation_id: str, prompt_tokens: int, model: str = "",
+              exclude: Sequence[str] = (), *, timeout: float | None = None) -> pb.RouteResponse:
         req = pb.RouteRequest(tenant=tenant, conversation_id=conversation_id,
-                              prompt_tokens=prompt_tokens, model=model)
+                              prompt_tokens=prompt_tokens, model=model,
+                              exclude_instance_ids=list(exclude))
         resp: pb.RouteResponse = self._call("Route", req, timeout)
         return resp
 

@@ -107,6 +107,15 @@ def test_overloaded_lease_holder_loses_the_turn(rtable: InstanceTable) -> None:
     assert decision.decode.instance_id != "d1"
 
 
+def test_excluded_instances_are_not_picked(rtable: InstanceTable) -> None:
+    fleet(rtable, 2, 2)
+    decision = rtable.route(10, MODEL, "engine-d0", exclude={"d0", "p0"})
+    assert decision.decode.instance_id == "d1" and decision.prefill.instance_id == "p1"
+    assert decision.decode_reason is DecodeReason.HOLDER_UNAVAILABLE
+    with pytest.raises(NoInstance):
+        rtable.route(10, MODEL, "", exclude={"d0", "d1"})
+
+
 def test_holder_not_live_or_unknown_registry(rtable: InstanceTable) -> None:
     fleet(rtable, 1, 2)
     decision = rtable.route(10, MODEL, "engine-elsewhere")

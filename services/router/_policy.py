@@ -9,6 +9,7 @@ does not all land on the instance that looked idlest.
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import structlog
@@ -188,14 +189,19 @@ class InstanceTable:
 
     # ---- routing ----------------------------------------------------------------------------
 
-    def route(self, prompt_tokens: int, model: str, lease_holder: str | None) -> Decision:
+    def route(self, prompt_tokens: int, model: str, lease_holder: str | None,
+              exclude: Collection[str] = ()) -> Decision:
         """Pick prefill and decode for one turn. `lease_holder` is the engine id holding the
-        conversation's lease ("" when it has none), or None when the registry could not say."""
+        conversation's lease ("" when it has none), or None when the registry could not say.
+        Instances in `exclude` are not picked."""
         check.in_range("prompt_tokens", prompt_tokens, 0, 2**31)
         if model:
             check.identifier("model", model, self.config.max_id_length)
-        prefills = self.instances(Role.PREFILL, model)
-        decodes = self.instances(Role.DECODE, model)
+        if len(exclude) > 64:
+            raise InvalidArgument("exclude_instance_ids", "at most 64")
+        prefills = [i for i in self.instances(Role.PREFILL, model)
+                    if i.instance_id not in exclude]
+        decodes = [i for i in self.instances(Role.DECODE, model) if i.instance_id not in exclude]
         if not prefills or not decodes:
             missing = "prefill" if not prefills else "decode"
             raise NoInstance(f"no live {missing} instance" + (f" serves {model!r}" if model

@@ -173,7 +173,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             holder = await self._lease_holder(request.tenant, request.conversation_id)
         elif request.tenant:
             check.identifier("tenant", request.tenant, cfg.max_id_length)
-        decision = self.table.route(request.prompt_tokens, request.model, holder)
+        decision = self.table.route(request.prompt_tokens, request.model, holder,
+                                    frozenset(request.exclude_instance_ids))
         self.metrics.routes.labels(decision.decode_reason.name.lower()).inc()
         log.info("routed", tenant=request.tenant or None,
                  conversation=request.conversation_id or None,

@@ -399,6 +399,7 @@ class RouteRequest(_message.Message):
     CONVERSATION_ID_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    EXCLUDE_INSTANCE_IDS_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     conversation_id: _builtins.str
     """Empty for a request outside any conversation."""
@@ -406,6 +407,10 @@ class RouteRequest(_message.Message):
     """The turn's prompt length, in tokens (an estimate is fine)."""
     model: _builtins.str
     """The model requested; empty means any."""
+    @_builtins.property
+    def exclude_instance_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Instances not to pick (e.g. one that just failed this turn)."""
+
     def __init__(
         self,
         *,
@@ -413,10 +418,11 @@ class RouteRequest(_message.Message):
         conversation_id: _builtins.str = ...,
         prompt_tokens: _builtins.int = ...,
         model: _builtins.str = ...,
+        exclude_instance_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "model", b"model", "prompt_tokens", b"prompt_tokens", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "exclude_instance_ids", b"exclude_instance_ids", "model", b"model", "prompt_tokens", b"prompt_tokens", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
