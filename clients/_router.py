@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -113,3 +114,50 @@ class RouterClient:
     def release_read(self, pin_id: str, *, timeout: float | None = None) -> bool:
         req = reg_pb.ReleaseReadRequest(pin_id=pin_id)
         return bool(self._call("ReleaseRead", req, timeout).released)
+
+
+class AsyncRouterClient:
+    """asyncio router client for the gateway: routes and instance listing."""
+
+    def __init__(self, target: str, *, timeout: float = DEFAULT_TIMEOUT, retries: int = 1,
+                 channel: grpc.aio.Channel | None = None) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retries = retries
+        self._channel = channel or grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.RouterServiceStub(self._channel)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def _call(self, method: str, request: Any, timeout: float | None) -> Any:
+        budget = self.timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget
+        attempt = 0
+        while True:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise DeadlineExceeded(f"{method} to {self.target}: no reply within {budget:g}s")
+            try:
+                return await getattr(self._stub, method)(request, timeout=left)
+            except grpc.aio.AioRpcError as err:
+                if (attempt < self.retries and err.code() in _RETRYABLE
+                        and deadline - loop.time() > _backoff(attempt)):
+                    await asyncio.sleep(_backoff(attempt))
+                    attempt += 1
+                    continue
+                raise from_rpc_error(err) from None
+
+    async def route(self, tenant: str, conversation_id: str, prompt_tokens: int,
+                    model: str = "", exclude: Sequence[str] = (), *,
+                    timeout: float | None = None) -> pb.RouteResponse:
+        req = pb.RouteRequest(tenant=tenant, conversation_id=conversation_id,
+                              prompt_tokens=prompt_tokens, model=model,
+                              exclude_instance_ids=list(exclude))
+        return await self._call("Route", req, timeout)
+
+    async def list_instances(self, role: str = "", model: str = "", *,
+                             timeout: float | None = None) -> list[pb.Instance]:
+        req = pb.ListInstancesRequest(role=ROLES.get(role, pb.ROLE_UNSPECIFIED), model=model)
+        return list((await self._call("ListInstances", req, timeout)).instances)

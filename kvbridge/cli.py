@@ -6,6 +6,7 @@ import click
 
 from kvbridge import __version__, logs
 from kvbridge.clients._cli import holders_group, leases_group
+from kvbridge.services.gateway._cli import gateway_group
 from kvbridge.services.registry._cli import registry_group
 from kvbridge.services.router._cli import instances_group, router_group
 from kvbridge.tiny_model import model_group
@@ -20,7 +21,7 @@ def main(log_level: str) -> None:
     """kvbridge: leases that let prefill engines reuse the KV cache decode engines hold.
 
     \b
-    Services:   kvbridge registry serve, kvbridge router serve
+    Services:   kvbridge registry serve, kvbridge router serve, kvbridge gateway serve
     Operations: kvbridge leases list|show|renew|revoke|watch, kvbridge holders list,
                 kvbridge instances list
     Benchmarks: kvbridge bench registry
@@ -42,8 +43,8 @@ def _register_benchmarks() -> None:
 
 
 _register_benchmarks()
-for group in (registry_group, router_group, instances_group, leases_group, holders_group,
-              bench_group, model_group):
+for group in (registry_group, router_group, gateway_group, instances_group, leases_group,
+              holders_group, bench_group, model_group):
     main.add_command(group)
 
 if __name__ == "__main__":

@@ -1,0 +1,494 @@
+"""The OpenAI-compatible gateway: one conversation turn = route, prefill, then decode.
+
+Per turn the gateway asks the router for a prefill and a decode instance, sends the prefill
+request (`max_tokens` 1, the conversation key in `kv_transfer_params`), then sends the decode
+request with prefill's `kv_transfer_params` and streams its response back unchanged. The
+tenant comes from the API key, never from the request, so one tenant cannot name another's
+conversation. What happened (instances, reuse, timings) is in the `X-Kvbridge-*` response
+headers and in one log line per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import structlog
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvbridge.clients._registry import AsyncRegistryClient
+from kvbridge.clients._router import AsyncRouterClient
+from kvbridge.connector._settings import CONVERSATION_KEY
+from kvbridge.errors import InvalidArgument, KvbridgeError, NoInstance
+from kvbridge.registry.v1 import registry_pb2 as reg_pb
+from kvbridge.router.v1 import router_pb2 as router_pb
+from kvbridge.services.gateway._config import GatewayConfig
+
+log = structlog.get_logger("kvbridge.gateway")
+
+_ID = re.compile(r"[\x21-\x7e]{1,256}")
+CONVERSATION_HEADER = "X-Conversation-Id"
+_OUTCOME_FIELDS = ("kvbridge_decision", "kvbridge_reused_tokens", "kvbridge_recomputed_tokens",
+                   "kvbridge_transfer_ms")
+
+
+class HttpError(Exception):
+    """An OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code = status, message, kind, code
+
+    def response(self) -> web.Response:
+        return web.json_response({"error": {"message": self.message, "type": self.kind,
+                                            "param": None, "code": self.code}},
+                                 status=self.status)
+
+
+class Tenants:
+    """API key -> tenant. With a keys file only its keys are accepted; without one (open mode)
+    a key names its own tenant (a hash of it, so keys never reach logs), no key is
+    'anonymous'."""
+
+    def __init__(self, keys_file: str = "") -> None:
+        self.keys: dict[str, str] | None = None
+        if keys_file:
+            self.keys = {}
+            for n, line in enumerate(Path(keys_file).read_text().splitlines(), 1):
+                line = line.strip()
+                if not line or line.startswith("#"):
+                    continue
+                parts = line.split()
+                if len(parts) != 2 or not _ID.fullmatch(parts[1]):
+                    raise ValueError(f"{keys_file}:{n}: expected 'API_KEY TENANT'")
+                self.keys[parts[0]] = parts[1]
+            if not self.keys:
+                raise ValueError(f"{keys_file}: no API keys")
+
+    @property
+    def open_mode(self) -> bool:
+        return self.keys is None
+
+    def tenant_of(self, authorization: str | None) -> str:
+        key = ""
+        if authorization:
+            scheme, _, key = authorization.partition(" ")
+            if scheme.lower() != "bearer" or not key.strip():
+                raise HttpError(401, "Authorization must be 'Bearer API_KEY'",
+                                "authentication_error", "invalid_api_key")
+            key = key.strip()
+        if self.keys is None:
+            if not key:
+                return "anonymous"
+            return "key-" + hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+        tenant = self.keys.get(key) if key else None
+        if tenant is None:
+            raise HttpError(401, "invalid or missing API key", "authentication_error",
+                            "invalid_api_key")
+        return tenant
+
+
+def estimate_prompt_tokens(body: dict[str, Any], chat: bool) -> int:
+    """A cheap estimate for routing (token ids are counted; text is ~4 characters a token)."""
+    if chat:
+        chars = 0
+        for message in body.get("messages") or []:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+        return chars // 4 + 1
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt) // 4 + 1
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return len(prompt)
+    return 1
+
+
+@dataclass
+class Metrics:
+    registry: CollectorRegistry = field(default_factory=lambda: CollectorRegistry())
+
+    def __post_init__(self) -> None:
+        r = self.registry
+        self.requests = Counter("kvbridge_gateway_requests", "Requests, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("kvbridge_gateway_ttft_seconds", "Time to first token",
+                              buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120),
+                              registry=r)
+        self.prefill = Histogram("kvbridge_gateway_prefill_seconds", "Prefill request time",
+                                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60),
+                                 registry=r)
+        self.reused = Counter("kvbridge_gateway_reused_tokens",
+                              "Prompt tokens prefill read back from decode", registry=r)
+        self.recomputed = Counter("kvbridge_gateway_recomputed_tokens",
+                                  "Prompt tokens prefill computed", registry=r)
+        self.retries = Counter("kvbridge_gateway_retries",
+                               "Turns sent again to another instance after a failed engine",
+                               ["role"], registry=r)
+
+
+@dataclass
+class _Turn:
+    """What one request did, for the log line and the response headers."""
+
+    tenant: str
+    conversation: str
+    model: str
+    started: float = field(default_factory=time.perf_counter)
+    prefill: str = ""
+    decode: str = ""
+    decode_reason: str = ""
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+    outcome: dict[str, Any] = field(default_factory=dict)
+    attempts: int = 0
+
+    def headers(self) -> dict[str, str]:
+        out = {"X-Kvbridge-Prefill-Instance": self.prefill,
+               "X-Kvbridge-Decode-Instance": self.decode,
+               "X-Kvbridge-Decode-Reason": self.decode_reason,
+               "X-Kvbridge-Prefill-Ms": f"{self.prefill_ms:.1f}"}
+        if self.outcome:
+            out["X-Kvbridge-Decision"] = str(self.outcome.get("kvbridge_decision", ""))
+            out["X-Kvbridge-Reused-Tokens"] = str(self.outcome.get("kvbridge_reused_tokens", 0))
+            out["X-Kvbridge-Recomputed-Tokens"] = str(
+                self.outcome.get("kvbridge_recomputed_tokens", 0))
+        return out
+
+
+class _EngineDown(Exception):
+    def __init__(self, role: str, instance_id: str, error: str) -> None:
+        super().__init__(f"{role} instance {instance_id} unreachable: {error}")
+        self.role, self.instance_id = role, instance_id
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig, router: AsyncRouterClient,
+                 registry: AsyncRegistryClient | None, tenants: Tenants) -> None:
+        self.config = config
+        self.router = router
+        self.registry = registry
+        self.tenants = tenants
+        self.metrics = Metrics()
+        self.session: aiohttp.ClientSession | None = None
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # ---- the application --------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes)
+        app.router.add_post("/v1/completions", self._endpoint("completions", self.completions))
+        app.router.add_post("/v1/chat/completions",
+                            self._endpoint("chat_completions", self.chat_completions))
+        app.router.add_get("/v1/models", self._endpoint("models", self.models))
+        app.router.add_post("/v1/conversations/{conversation_id}/keepalive",
+                            self._endpoint("keepalive", self.keepalive))
+        app.router.add_delete("/v1/conversations/{conversation_id}",
+                              self._endpoint("release", self.release))
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s, connect=5))
+
+    async def _stop(self, app: web.Application) -> None:
+        if self.session is not None:
+            await self.session.close()
+        await self.router.close()
+        if self.registry is not None:
+            await self.registry.close()
+
+    def _endpoint(self, name: str, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                  ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            try:
+                response = await handler(request)
+            except HttpError as err:
+                log.info("request_refused", endpoint=name, status=err.status, error=err.message)
+                response = err.response()
+            except web.HTTPException as err:  # aiohttp's own (e.g. body too large)
+                response = HttpError(err.status, err.reason or "bad request").response()
+            self.metrics.requests.labels(name, str(response.status)).inc()
+            return response
+
+        return wrapped
+
+    async def _json_body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge as err:
+            raise HttpError(413, f"request body larger than {self.config.max_body_bytes} "
+                                 "bytes") from err
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise HttpError(400, f"request body is not valid JSON: {err}") from None
+        if not isinstance(body, dict):
+            raise HttpError(400, "request body must be a JSON object")
+        return body
+
+    def _conversation(self, request: web.Request, body: dict[str, Any]) -> str:
+        value = body.pop("conversation_id", None)
+        if value is None:
+            value = request.headers.get(CONVERSATION_HEADER)
+        if value is None or value == "":
+            return ""
+        if not isinstance(value, str) or not _ID.fullmatch(value):
+            raise HttpError(400, "conversation_id must be 1-256 printable ASCII characters "
+                                 "without spaces", code="invalid_conversation_id")
+        return value
+
+    # ---- turns ------------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._turn(request, "/v1/completions", chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._turn(request, "/v1/chat/completions", chat=True)
+
+    async def _turn(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        tenant = self.tenants.tenant_of(request.headers.get("Authorization"))
+        body = await self._json_body(request)
+        conversation = self._conversation(request, body)
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise HttpError(400, "model is required", code="missing_model")
+        if "kv_transfer_params" in body:
+            raise HttpError(400, "kv_transfer_params is set by the gateway, not by clients")
+        turn = _Turn(tenant, conversation, model)
+        if conversation and self.registry is not None:
+            self._in_background(self._renew(tenant, conversation))
+        excluded: list[str] = []
+        try:
+            while True:
+                turn.attempts += 1
+                try:
+                    return await self._attempt(request, path, chat, body, turn, excluded)
+                except _EngineDown as down:
+                    if turn.attempts > self.config.retries:
+                        raise HttpError(502, str(down), "engine_error",
+                                        "engine_unreachable") from None
+                    self.metrics.retries.labels(down.role).inc()
+                    log.warning("engine_unreachable_retrying", role=down.role,
+                                instance=down.instance_id, tenant=tenant,
+                                conversation=conversation or None)
+                    excluded.append(down.instance_id)
+        finally:
+            self._log_turn(turn, path)
+
+    async def _attempt(self, request: web.Request, path: str, chat: bool, body: dict[str, Any],
+                       turn: _Turn, excluded: list[str]) -> web.StreamResponse:
+        try:
+            route = await self.router.route(
+                turn.tenant, turn.conversation, estimate_prompt_tokens(body, chat), turn.model,
+                excluded, timeout=self.config.route_timeout_s)
+        except NoInstance as err:
+            raise HttpError(503, f"no engine available: {err.message}", "service_unavailable",
+                            "no_instance") from None
+        except InvalidArgument as err:
+            raise HttpError(400, err.message) from None
+        except KvbridgeError as err:
+            raise HttpError(503, f"router unavailable: {err.message}", "service_unavailable",
+                            "router_unavailable") from None
+        turn.prefill, turn.decode = route.prefill.instance_id, route.decode.instance_id
+        turn.decode_reason = (router_pb.DecodeReason.Name(route.decode_reason)
+                              .removeprefix("DECODE_REASON_").lower())
+        key = ({CONVERSATION_KEY: {"tenant": turn.tenant,
+                                   "conversation_id": turn.conversation}}
+               if turn.conversation else {})
+
+        # Prefill: compute (or read back) the prompt's KV, one token, no streaming.
+        prefill_body = {k: v for k, v in body.items()
+                        if k not in ("stream", "stream_options", "max_completion_tokens", "n")}
+        prefill_body.update(max_tokens=1, stream=False, kv_transfer_params={
+            "do_remote_decode": True, "do_remote_prefill": False, **key})
+        start = time.perf_counter()
+        status, prefill = await self._post_json(route.prefill.http_url + path, prefill_body,
+                                                "prefill", turn.prefill)
+        turn.prefill_ms = (time.perf_counter() - start) * 1000
+        self.metrics.prefill.observe(turn.prefill_ms / 1000)
+        if status >= 400:
+            return web.json_response(prefill, status=status)
+        params = prefill.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            raise HttpError(502, f"prefill instance {turn.prefill} returned no "
+                                 "kv_transfer_params: is it a kvbridge/NIXL kv_producer?",
+                            "engine_error", "bad_prefill_response")
+        turn.outcome = {k: params.pop(k) for k in _OUTCOME_FIELDS if k in params}
+
+        # Decode: read prefill's KV and generate, streamed back as it comes.
+        decode_body = dict(body, kv_transfer_params={**params, **key})
+        assert self.session is not None
+        try:
+            upstream = await self.session.post(route.decode.http_url + path, json=decode_body)
+        except (TimeoutError, aiohttp.ClientConnectionError) as err:
+            raise _EngineDown("decode", turn.decode, str(err) or type(err).__name__) from None
+        async with upstream:
+            headers = {"Content-Type": upstream.headers.get("Content-Type",
+                                                            "application/json"),
+                       **turn.headers()}
+            if not body.get("stream") or upstream.status >= 400:
+                data = await upstream.read()
+                turn.ttft_ms = (time.perf_counter() - turn.started) * 1000
+                return web.Response(body=data, status=upstream.status, headers=headers)
+            response = web.StreamResponse(status=upstream.status, headers=headers)
+            await response.prepare(request)
+            first = True
+            async for chunk in upstream.content.iter_any():
+                if first:
+                    turn.ttft_ms = (time.perf_counter() - turn.started) * 1000
+                    first = False
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    async def _post_json(self, url: str, body: dict[str, Any], role: str, instance: str
+                         ) -> tuple[int, dict[str, Any]]:
+        assert self.session is not None
+        try:
+            async with self.session.post(url, json=body) as resp:
+                text = await resp.text()
+        except (TimeoutError, aiohttp.ClientConnectionError) as err:
+            raise _EngineDown(role, instance, str(err) or type(err).__name__) from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = None
+        if not isinstance(data, dict):
+            raise HttpError(502, f"{role} instance {instance} answered HTTP {resp.status} "
+                                 f"without a JSON object: {text[:200]!r}", "engine_error",
+                            "bad_engine_response")
+        return resp.status, data
+
+    def _log_turn(self, turn: _Turn, path: str) -> None:
+        total_ms = (time.perf_counter() - turn.started) * 1000
+        reused = int(turn.outcome.get("kvbridge_reused_tokens", 0))
+        recomputed = int(turn.outcome.get("kvbridge_recomputed_tokens", 0))
+        if turn.ttft_ms:
+            self.metrics.ttft.observe(turn.ttft_ms / 1000)
+            self.metrics.reused.inc(reused)
+            self.metrics.recomputed.inc(recomputed)
+        log.info("turn", path=path, tenant=turn.tenant, conversation=turn.conversation or None,
+                 model=turn.model, prefill=turn.prefill or None, decode=turn.decode or None,
+                 decode_reason=turn.decode_reason or None,
+                 decision=turn.outcome.get("kvbridge_decision"),
+                 prefill_ms=round(turn.prefill_ms, 1), ttft_ms=round(turn.ttft_ms, 1),
+                 total_ms=round(total_ms, 1), reused_tokens=reused,
+                 recomputed_tokens=recomputed,
+                 transfer_ms=turn.outcome.get("kvbridge_transfer_ms"),
+                 attempts=turn.attempts)
+
+    # ---- conversations ----------------------------------------------------------------------
+
+    def _in_background(self, coro: Awaitable[Any]) -> None:
+        task: asyncio.Task[Any] = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _renew(self, tenant: str, conversation: str) -> int:
+        assert self.registry is not None
+        try:
+            resp = await self.registry.renew_leases(conversations=[(tenant, conversation)],
+                                                    timeout=1.0)
+        except KvbridgeError as err:
+            log.debug("renew_failed", tenant=tenant, conversation=conversation, error=str(err))
+            return 0
+        return int(resp.renewed_count)
+
+    def _conversation_path(self, request: web.Request) -> tuple[str, str]:
+        tenant = self.tenants.tenant_of(request.headers.get("Authorization"))
+        conversation = request.match_info["conversation_id"]
+        if not _ID.fullmatch(conversation):
+            raise HttpError(400, "conversation id must be 1-256 printable ASCII characters "
+                                 "without spaces", code="invalid_conversation_id")
+        if self.registry is None:
+            raise HttpError(501, "this gateway has no registry (--registry is empty)",
+                            "not_implemented")
+        return tenant, conversation
+
+    async def keepalive(self, request: web.Request) -> web.StreamResponse:
+        """Keep a paused conversation's KV (e.g. during a long tool call): renews its lease."""
+        tenant, conversation = self._conversation_path(request)
+        try:
+            resp = await self.registry.renew_leases(  # type: ignore[union-attr]
+                conversations=[(tenant, conversation)], timeout=2.0)
+        except KvbridgeError as err:
+            raise HttpError(503, f"registry unavailable: {err.message}", "service_unavailable",
+                            "registry_unavailable") from None
+        if not resp.renewed_count:
+            raise HttpError(404, f"conversation {conversation!r} holds no KV (no live lease)",
+                            "not_found_error", "no_lease")
+        left = [r.expires_in.seconds + r.expires_in.nanos / 1e9
+                for r in resp.results if r.renewed]
+        return web.json_response({"conversation_id": conversation,
+                                  "renewed": int(resp.renewed_count),
+                                  "expires_in_s": round(max(left), 3) if left else None})
+
+    async def release(self, request: web.Request) -> web.StreamResponse:
+        """The conversation ended: revoke its lease so decode frees the KV now."""
+        tenant, conversation = self._conversation_path(request)
+        assert self.registry is not None
+        released = 0
+        try:
+            page = await self.registry.list_leases(tenant=tenant, conversation_id=conversation,
+                                                   timeout=2.0)
+            for lease in page.leases:
+                if lease.state == reg_pb.LEASE_STATE_ACTIVE:
+                    await self.registry.revoke_lease(lease.lease_id, "conversation_ended",
+                                                     timeout=2.0)
+                    released += 1
+        except KvbridgeError as err:
+            raise HttpError(503, f"registry unavailable: {err.message}", "service_unavailable",
+                            "registry_unavailable") from None
+        log.info("conversation_released", tenant=tenant, conversation=conversation,
+                 leases=released)
+        return web.json_response({"conversation_id": conversation, "released": released})
+
+    # ---- the rest ---------------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        self.tenants.tenant_of(request.headers.get("Authorization"))
+        try:
+            instances = await self.router.list_instances(timeout=self.config.route_timeout_s)
+        except KvbridgeError as err:
+            raise HttpError(503, f"router unavailable: {err.message}", "service_unavailable",
+                            "router_unavailable") from None
+        names = sorted({i.model for i in instances})
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "kvbridge"}
+            for name in names]})
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        try:
+            instances = await self.router.list_instances(timeout=self.config.route_timeout_s)
+        except KvbridgeError as err:
+            return web.json_response({"status": "unavailable",
+                                      "error": f"router: {err.message}"}, status=503)
+        roles = {"prefill": 0, "decode": 0}
+        for i in instances:
+            roles["prefill" if i.role == router_pb.ROLE_PREFILL else "decode"] += 1
+        ok = roles["prefill"] > 0 and roles["decode"] > 0
+        return web.json_response({"status": "ok" if ok else "no_engines", **roles},
+                                 status=200 if ok else 503)
+
+    async def prometheus(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})

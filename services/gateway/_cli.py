@@ -1,0 +1,38 @@
+"""`kvbridge gateway serve`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from kvbridge import aio
+from kvbridge.config import build_config, config_options
+from kvbridge.services.gateway._config import GatewayConfig
+from kvbridge.services.gateway._server import serve
+
+
+@click.group("gateway")
+def gateway_group() -> None:
+    """The OpenAI-compatible HTTP gateway in front of prefill and decode engines."""
+
+
+@gateway_group.command("serve")
+@config_options(GatewayConfig)
+def serve_command(**options: Any) -> None:
+    """Serve /v1/chat/completions, /v1/completions (streaming or not), /v1/models, /health and
+    /metrics until SIGTERM/SIGINT.
+
+    \b
+    Each turn: the router picks a prefill and a decode instance; prefill runs with the
+    conversation key; decode reads prefill's KV and streams the answer back.
+    Conversation id: body field "conversation_id" or header X-Conversation-Id.
+    Tenant: from "Authorization: Bearer API_KEY" (see --api-keys-file).
+    Conversations: POST /v1/conversations/ID/keepalive keeps a paused conversation's KV;
+    DELETE /v1/conversations/ID frees it.
+    """
+    config = build_config(GatewayConfig, options)
+    try:
+        aio.run(serve(config))
+    except (OSError, ValueError) as exc:
+        raise click.ClickException(f"cannot start the gateway: {exc}") from exc

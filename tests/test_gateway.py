@@ -1,0 +1,396 @@
+"""The gateway over HTTP on 127.0.0.1, with a real router and registry behind it and small fake
+engines (aiohttp servers that speak vLLM's prefill/decode protocol and record what they got).
+The real engines are in tests/e2e/test_gateway_e2e.py."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from aiohttp import web
+
+from kvbridge.clients import AsyncRegistryClient
+from kvbridge.clock import FakeClock
+from kvbridge.registry.v1 import registry_pb2 as reg_pb
+from kvbridge.services.gateway import GatewayConfig, GatewayServer, start_gateway
+from kvbridge.services.registry import RegistryServer
+from kvbridge.services.router import RouterConfig, RouterServer, create_server
+from kvbridge.services.router._policy import InstanceSpec, Role
+
+MODEL = "tiny"
+
+
+@dataclass
+class FakeEngine:
+    """A prefill or decode engine as the gateway sees it."""
+
+    role: str
+    name: str
+    reused: int = 0
+    received: list[dict[str, Any]] = field(default_factory=list)
+    runner: web.AppRunner | None = None
+    port: int = 0
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_post("/v1/chat/completions", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+
+    async def stop(self) -> None:
+        assert self.runner is not None
+        await self.runner.cleanup()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.received.append(body)
+        chat = request.path.endswith("chat/completions")
+        params = body.get("kv_transfer_params") or {}
+        if self.role == "prefill":
+            return web.json_response({
+                "id": "cmpl-p", "object": "text_completion", "model": body["model"],
+                "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                "kv_transfer_params": {
+                    "do_remote_prefill": True, "do_remote_decode": False,
+                    "remote_engine_id": f"engine-{self.name}", "remote_block_ids": [1, 2],
+                    "remote_request_id": "r1", "remote_host": "127.0.0.1", "remote_port": 1,
+                    "kvbridge_decision": "hit" if self.reused else "miss_no_lease",
+                    "kvbridge_reused_tokens": self.reused,
+                    "kvbridge_recomputed_tokens": 7}})
+        if not params.get("do_remote_prefill"):
+            return web.json_response({"error": {"message": "no prefill params"}}, status=400)
+        words = ["Hello", " from", f" {self.name}"]
+        if body.get("stream"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for i, word in enumerate(words):
+                delta = ({"choices": [{"index": 0, "delta": {"content": word},
+                                       "finish_reason": None}]}
+                         if chat else {"choices": [{"index": 0, "text": word}]})
+                chunk = {"id": "c1", "object": "chat.completion.chunk" if chat
+                         else "text_completion", "created": 0, "model": body["model"], **delta}
+                if i == 0 and chat:
+                    chunk["choices"][0]["delta"]["role"] = "assistant"
+                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        text = "".join(words)
+        if chat:
+            return web.json_response({
+                "id": "c1", "object": "chat.completion", "created": 0, "model": body["model"],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}})
+        return web.json_response({
+            "id": "c1", "object": "text_completion", "created": 0, "model": body["model"],
+            "choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}})
+
+
+@dataclass
+class Stack:
+    registry: RegistryServer
+    router: RouterServer
+    gateway: GatewayServer
+    engines: dict[str, FakeEngine]
+    registry_client: AsyncRegistryClient
+
+    @property
+    def url(self) -> str:
+        return self.gateway.url
+
+    def register(self, engine: FakeEngine) -> None:
+        self.router.table.register(InstanceSpec(
+            engine.name, Role.PREFILL if engine.role == "prefill" else Role.DECODE, engine.url,
+            f"engine-{engine.name}", MODEL, "127.0.0.1", 5600))
+
+
+async def make_stack(registry_server: RegistryServer, tmp_path: Path, *,
+                     engines: tuple[tuple[str, str], ...] = (("prefill", "p0"),
+                                                             ("decode", "d0")),
+                     **gateway: Any) -> Stack:
+    router = await create_server(RouterConfig(
+        listen="127.0.0.1:0", metrics_listen="",
+        registry=f"127.0.0.1:{registry_server.port}"), clock=FakeClock())
+    await router.start()
+    server = await start_gateway(GatewayConfig(
+        listen="127.0.0.1:0", router=f"127.0.0.1:{router.port}",
+        registry=f"127.0.0.1:{registry_server.port}", log_level="debug", **gateway))
+    stack = Stack(registry_server, router, server, {},
+                  AsyncRegistryClient(f"127.0.0.1:{registry_server.port}"))
+    for role, name in engines:
+        engine = FakeEngine(role, name)
+        await engine.start()
+        stack.engines[name] = engine
+        stack.register(engine)
+    return stack
+
+
+@pytest.fixture
+async def stack(registry_server: RegistryServer, tmp_path: Path) -> AsyncIterator[Stack]:
+    s = await make_stack(registry_server, tmp_path)
+    yield s
+    await close(s)
+
+
+async def close(s: Stack) -> None:
+    await s.gateway.stop()
+    await s.router.stop(0)
+    await s.registry_client.close()
+    for engine in s.engines.values():
+        await engine.stop()
+
+
+def client(stack: Stack, key: str = "sk-alice") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{stack.url}/v1", api_key=key, max_retries=0)
+
+
+async def post(stack: Stack, path: str, body: Any, headers: dict[str, str] | None = None,
+               raw: bytes | None = None) -> tuple[int, dict[str, Any], Any]:
+    async with aiohttp.ClientSession() as session, session.post(
+            f"{stack.url}{path}", headers=headers or {},
+            data=raw if raw is not None else json.dumps(body)) as resp:
+        return resp.status, dict(resp.headers), await resp.json(content_type=None)
+
+
+# ==== turns ======================================================================================
+
+
+async def test_completion_turn_runs_prefill_then_decode(stack: Stack) -> None:
+    stack.engines["p0"].reused = 96
+    raw = await client(stack).completions.with_raw_response.create(
+        model=MODEL, prompt=[5] * 40, max_tokens=8, extra_body={"conversation_id": "conv-1"})
+    completion = raw.parse()
+    assert completion.choices[0].text == "Hello from d0"
+    prefill = stack.engines["p0"].received[0]
+    decode = stack.engines["d0"].received[0]
+    tenant = prefill["kv_transfer_params"]["kvbridge"]["tenant"]
+    assert tenant.startswith("key-") and "sk-alice" not in json.dumps(prefill)
+    assert prefill["max_tokens"] == 1 and prefill["stream"] is False
+    assert prefill["kv_transfer_params"] == {
+        "do_remote_decode": True, "do_remote_prefill": False,
+        "kvbridge": {"tenant": tenant, "conversation_id": "conv-1"}}
+    assert "conversation_id" not in prefill and "conversation_id" not in decode
+    assert decode["max_tokens"] == 8
+    assert decode["kv_transfer_params"]["do_remote_prefill"] is True
+    assert decode["kv_transfer_params"]["remote_engine_id"] == "engine-p0"
+    assert decode["kv_transfer_params"]["kvbridge"] == {"tenant": tenant,
+                                                        "conversation_id": "conv-1"}
+    assert not any(k.startswith("kvbridge_") for k in decode["kv_transfer_params"])
+    headers = raw.headers
+    assert headers["x-kvbridge-reused-tokens"] == "96"
+    assert headers["x-kvbridge-recomputed-tokens"] == "7"
+    assert headers["x-kvbridge-decision"] == "hit"
+    assert headers["x-kvbridge-prefill-instance"] == "p0"
+    assert headers["x-kvbridge-decode-instance"] == "d0"
+    assert headers["x-kvbridge-decode-reason"] == "no_lease"
+
+
+async def test_streamed_chat_turn_passes_chunks_through(stack: Stack) -> None:
+    stream = await client(stack).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True,
+        extra_headers={"X-Conversation-Id": "conv-2"})
+    pieces = [chunk.choices[0].delta.content async for chunk in stream]
+    assert "".join(p for p in pieces if p) == "Hello from d0"
+    prefill = stack.engines["p0"].received[0]
+    assert prefill["stream"] is False and "stream_options" not in prefill
+    assert prefill["kv_transfer_params"]["kvbridge"]["conversation_id"] == "conv-2"
+    assert stack.engines["d0"].received[0]["stream"] is True
+
+
+async def test_request_without_conversation_carries_no_key(stack: Stack) -> None:
+    await client(stack).completions.create(model=MODEL, prompt="hello", max_tokens=2)
+    assert "kvbridge" not in stack.engines["p0"].received[0]["kv_transfer_params"]
+    assert "kvbridge" not in stack.engines["d0"].received[0]["kv_transfer_params"]
+
+
+async def test_tenants_come_from_api_keys(stack: Stack) -> None:
+    for key in ("sk-alice", "sk-bob"):
+        await client(stack, key).completions.create(
+            model=MODEL, prompt="hi", max_tokens=2, extra_body={"conversation_id": "same"})
+    a, b = (r["kv_transfer_params"]["kvbridge"]["tenant"]
+            for r in stack.engines["p0"].received)
+    assert a != b
+
+
+async def test_keys_file_maps_keys_and_refuses_others(registry_server: RegistryServer,
+                                                      tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# key tenant\nsk-1 acme\nsk-2 globex\n")
+    s = await make_stack(registry_server, tmp_path, api_keys_file=str(keys))
+    try:
+        await client(s, "sk-2").completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                                   extra_body={"conversation_id": "c"})
+        assert s.engines["p0"].received[0]["kv_transfer_params"]["kvbridge"]["tenant"] == "globex"
+        with pytest.raises(openai.AuthenticationError):
+            await client(s, "sk-unknown").completions.create(model=MODEL, prompt="hi")
+        status, _, body = await post(s, "/v1/completions", {"model": MODEL, "prompt": "x"})
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        assert len(s.engines["p0"].received) == 1
+    finally:
+        await close(s)
+
+
+async def test_route_follows_the_conversations_lease(registry_server: RegistryServer,
+                                                     tmp_path: Path, kv: Any) -> None:
+    s = await make_stack(registry_server, tmp_path, engines=(
+        ("prefill", "p0"), ("decode", "d0"), ("decode", "d1")))
+    try:
+        # Learn alice's tenant, then give her conversation a lease held by d1.
+        await client(s).completions.create(model=MODEL, prompt="hi", max_tokens=1)
+        tenant = "key-" + __import__("hashlib").blake2b(b"sk-alice", digest_size=8).hexdigest()
+        reg = s.registry_client
+        await reg.register_holder("engine-d1", "127.0.0.1", 5600, kv.block_size,
+                                  kv.fingerprint, ttl=60)
+        tokens = kv.tokens(8)
+        await reg.grant_lease("engine-d1", tenant, "conv-l", "req-1", [1, 2], 8,
+                              kv.lease_hashes(tokens))
+        for _ in range(2):
+            raw = await client(s).completions.with_raw_response.create(
+                model=MODEL, prompt="hi", max_tokens=1, extra_body={"conversation_id": "conv-l"})
+            assert raw.headers["x-kvbridge-decode-instance"] == "d1"
+            assert raw.headers["x-kvbridge-decode-reason"] == "holds_lease"
+    finally:
+        await close(s)
+
+
+async def test_unreachable_engine_is_retried_on_another(registry_server: RegistryServer,
+                                                        tmp_path: Path) -> None:
+    s = await make_stack(registry_server, tmp_path, engines=(("prefill", "p0"),
+                                                            ("decode", "d1")))
+    try:
+        with socket.socket() as sock:  # a port nothing listens on
+            sock.bind(("127.0.0.1", 0))
+            dead = sock.getsockname()[1]
+        s.router.table.register(InstanceSpec("d0", Role.DECODE, f"http://127.0.0.1:{dead}",
+                                             "engine-d0", MODEL))
+        raw = await client(s).completions.with_raw_response.create(
+            model=MODEL, prompt="hi", max_tokens=2)
+        assert raw.parse().choices[0].text == "Hello from d1"
+        assert raw.headers["x-kvbridge-decode-instance"] == "d1"
+        async with aiohttp.ClientSession() as session, session.get(f"{s.url}/metrics") as resp:
+            text = await resp.text()
+        assert 'kvbridge_gateway_retries_total{role="decode"} 1.0' in text
+    finally:
+        await close(s)
+
+
+# ==== bad input ==================================================================================
+
+
+@pytest.mark.parametrize(("raw", "status", "needle"), [
+    (b"{not json", 400, "not valid JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b'{"prompt": "x"}', 400, "model is required"),
+    (b'{"model": "tiny", "prompt": "x", "conversation_id": "has space"}', 400,
+     "conversation_id"),
+    (b'{"model": "tiny", "prompt": "x", "conversation_id": 12}', 400, "conversation_id"),
+    (b'{"model": "tiny", "prompt": "x", "kv_transfer_params": {}}', 400, "kv_transfer_params"),
+    (b"\xff\xfe", 400, "not valid JSON"),
+])
+async def test_bad_requests_get_openai_style_errors(stack: Stack, raw: bytes, status: int,
+                                                    needle: str) -> None:
+    got, _, body = await post(stack, "/v1/completions", None, raw=raw)
+    assert got == status
+    assert needle in body["error"]["message"]
+    assert body["error"]["type"] == "invalid_request_error"
+    assert not stack.engines["p0"].received  # nothing reached an engine
+
+
+async def test_huge_body_is_refused(registry_server: RegistryServer, tmp_path: Path) -> None:
+    s = await make_stack(registry_server, tmp_path, max_body_bytes=1024)
+    try:
+        status, _, body = await post(s, "/v1/completions",
+                                     {"model": MODEL, "prompt": "x" * 5000})
+        assert status == 413 and "larger than 1024 bytes" in body["error"]["message"]
+        assert not s.engines["p0"].received
+    finally:
+        await close(s)
+
+
+async def test_no_engine_for_the_model(stack: Stack) -> None:
+    with pytest.raises(openai.InternalServerError) as raised:
+        await client(stack).completions.create(model="unknown-model", prompt="hi")
+    assert raised.value.status_code == 503
+    assert "no live prefill instance serves 'unknown-model'" in str(raised.value)
+
+
+# ==== conversations, models, health ==============================================================
+
+
+async def test_keepalive_and_delete(stack: Stack, kv: Any) -> None:
+    await client(stack).completions.create(model=MODEL, prompt="hi", max_tokens=1,
+                                           extra_body={"conversation_id": "c9"})
+    tenant = stack.engines["p0"].received[0]["kv_transfer_params"]["kvbridge"]["tenant"]
+    reg = stack.registry_client
+    await reg.register_holder("engine-d0", "127.0.0.1", 5600, kv.block_size, kv.fingerprint,
+                              ttl=60)
+    lease = (await reg.grant_lease("engine-d0", tenant, "c9", "req-9", [1, 2], 8,
+                                   kv.lease_hashes(kv.tokens(8)), idle_ttl=5)).lease
+    auth = {"Authorization": "Bearer sk-alice"}
+    status, _, body = await post(stack, "/v1/conversations/c9/keepalive", {}, auth)
+    assert status == 200 and body["renewed"] == 1 and 0 < body["expires_in_s"] <= 5
+    # Another tenant cannot keep it alive, nor release it.
+    status, _, body = await post(stack, "/v1/conversations/c9/keepalive", {},
+                                 {"Authorization": "Bearer sk-bob"})
+    assert status == 404 and body["error"]["code"] == "no_lease"
+    async with aiohttp.ClientSession() as session:
+        async with session.delete(f"{stack.url}/v1/conversations/c9",
+                                  headers={"Authorization": "Bearer sk-bob"}) as resp:
+            assert (await resp.json())["released"] == 0
+        assert (await reg.get_lease(lease.lease_id)).state == reg_pb.LEASE_STATE_ACTIVE
+        async with session.delete(f"{stack.url}/v1/conversations/c9", headers=auth) as resp:
+            assert resp.status == 200 and (await resp.json())["released"] == 1
+    assert (await reg.get_lease(lease.lease_id)).state == reg_pb.LEASE_STATE_REVOKED
+    status, _, body = await post(stack, "/v1/conversations/bad%20id/keepalive", {}, auth)
+    assert status == 400
+
+
+async def test_models_health_and_metrics(stack: Stack) -> None:
+    models = await client(stack).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{stack.url}/health") as resp:
+            assert resp.status == 200
+            assert await resp.json() == {"status": "ok", "prefill": 1, "decode": 1}
+        stack.router.table.deregister("d0")
+        async with session.get(f"{stack.url}/health") as resp:
+            assert resp.status == 503 and (await resp.json())["status"] == "no_engines"
+        async with session.get(f"{stack.url}/metrics") as resp:
+            text = await resp.text()
+    assert 'kvbridge_gateway_requests_total{endpoint="models",status="200"} 1.0' in text
+
+
+async def test_health_without_router(unused_tcp_port: int) -> None:
+    server = await start_gateway(GatewayConfig(listen="127.0.0.1:0",
+                                               router=f"127.0.0.1:{unused_tcp_port}",
+                                               registry="", route_timeout_s=0.3))
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(f"{server.url}/health") as resp:
+                assert resp.status == 503
+                assert "router" in (await resp.json())["error"]
+            async with session.post(f"{server.url}/v1/completions",
+                                    json={"model": MODEL, "prompt": "x"}) as resp:
+                body = await resp.json()
+                assert resp.status == 503 and body["error"]["code"] == "router_unavailable"
+            async with session.post(f"{server.url}/v1/conversations/c/keepalive") as resp:
+                assert resp.status == 501
+    finally:
+        await server.stop()
