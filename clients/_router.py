@@ -161,3 +161,26 @@ class AsyncRouterClient:
                              timeout: float | None = None) -> list[pb.Instance]:
         req = pb.ListInstancesRequest(role=ROLES.get(role, pb.ROLE_UNSPECIFIED), model=model)
         return list((await self._call("ListInstances", req, timeout)).instances)
+
+    async def register_instance(self, instance_id: str, role: str, http_url: str,
+                                engine_id: str, model: str, nixl_host: str = "",
+                                nixl_port: int = 0, ttl: float = 0.0, *,
+                                timeout: float | None = None) -> pb.RegisterInstanceResponse:
+        req = pb.RegisterInstanceRequest(
+            instance_id=instance_id, role=ROLES.get(role, pb.ROLE_UNSPECIFIED),
+            http_url=http_url, engine_id=engine_id, model=model, nixl_host=nixl_host,
+            nixl_port=nixl_port, ttl=duration_pb(ttl))
+        return await self._call("RegisterInstance", req, timeout)
+
+    async def heartbeat(self, instance_id: str, running: int = 0, waiting: int = 0,
+                        kv_usage: float = 0.0, tokens_in_flight: int = 0, *,
+                        timeout: float | None = None) -> pb.HeartbeatInstanceResponse:
+        req = pb.HeartbeatInstanceRequest(instance_id=instance_id, load=pb.Load(
+            running_requests=running, waiting_requests=waiting, kv_usage=kv_usage,
+            tokens_in_flight=tokens_in_flight))
+        return await self._call("HeartbeatInstance", req, timeout)
+
+    async def deregister_instance(self, instance_id: str, *,
+                                  timeout: float | None = None) -> bool:
+        req = pb.DeregisterInstanceRequest(instance_id=instance_id)
+        return bool((await self._call("DeregisterInstance", req, timeout)).removed)

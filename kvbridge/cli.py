@@ -21,11 +21,12 @@ def main(log_level: str) -> None:
     """kvbridge: leases that let prefill engines reuse the KV cache decode engines hold.
 
     \b
+    Everything: kvbridge up [--cpu-engines] [--demo N], kvbridge demo
     Services:   kvbridge registry serve, kvbridge router serve, kvbridge gateway serve
     Operations: kvbridge leases list|show|renew|revoke|watch, kvbridge holders list,
                 kvbridge instances list
     Benchmarks: kvbridge bench registry
-    Demo:       kvbridge registry demo
+    Demo:       kvbridge demo (through a gateway), kvbridge registry demo (leases only)
     Models:     kvbridge model make-tiny PATH
     """
     logs.configure(log_level, "auto")
@@ -43,6 +44,15 @@ def _register_benchmarks() -> None:
 
 
 _register_benchmarks()
+def _register_stack() -> None:
+    from kvbridge.demo import demo_command
+    from kvbridge.stack import up_command
+
+    main.add_command(up_command)
+    main.add_command(demo_command)
+
+
+_register_stack()
 for group in (registry_group, router_group, gateway_group, instances_group, leases_group,
               holders_group, bench_group, model_group):
     main.add_command(group)

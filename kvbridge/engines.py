@@ -40,6 +40,8 @@ class EngineSpec:
     dtype: str = "float32"
     kv_cache_bytes: int | None = None
     recompute_threshold: int = 64
+    served_name: str = ""  # the model name clients send (default: the model path)
+    log_stats: bool = False  # vLLM's periodic stats (and its /metrics gauges)
     kvbridge: dict[str, Any] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     # CPU engines busy-poll (OpenMP spin-waits, NIXL's UCX progress thread): on a machine they
@@ -76,8 +78,12 @@ class EngineSpec:
                "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                "--block-size", str(self.block_size), "--max-num-seqs", "8",
-               "--seed", "0", "--disable-log-stats",
+               "--seed", "0",
                "--kv-transfer-config", json.dumps(self.kv_transfer_config())]
+        if not self.log_stats:
+            cmd.append("--disable-log-stats")
+        if self.served_name:
+            cmd += ["--served-model-name", self.served_name]
         if self.role == "prefill":
             # As in a cache-evicted prefill: reuse can only come from decode.
             cmd.append("--no-enable-prefix-caching")

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# The main job: sets up .venv on a fresh machine, then runs a multi-turn conversation through
-# the lease protocol against a real registry (kvbridge registry demo).
+# The main job: sets up .venv on a fresh machine, then starts the embedded stack on this CPU
+# (registry, router, gateway, and a prefill and a decode vLLM engine with the connector, on
+# the tiny test model), runs a 5-turn conversation through the gateway, prints per turn TTFT,
+# reused and recomputed tokens and the lease, and stops everything.
+# Extra arguments go to `kvbridge up` (e.g. --json).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091
 . "$root/scripts/setup.sh"
-exec kvbridge registry demo "$@"
+cd "$root"
+exec kvbridge up --cpu-engines --demo 5 --registry-listen 127.0.0.1:0 \
+  --router-listen 127.0.0.1:0 --gateway-listen 127.0.0.1:0 "$@"

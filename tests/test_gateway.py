@@ -344,6 +344,15 @@ async def test_keepalive_and_delete(stack: Stack, kv: Any) -> None:
     lease = (await reg.grant_lease("engine-d0", tenant, "c9", "req-9", [1, 2], 8,
                                    kv.lease_hashes(kv.tokens(8)), idle_ttl=5)).lease
     auth = {"Authorization": "Bearer sk-alice"}
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{stack.url}/v1/conversations/c9", headers=auth) as resp:
+            assert resp.status == 200
+            info = await resp.json()
+        assert {k: info[k] for k in ("state", "holder", "epoch", "tokens", "pins")} == {
+            "state": "active", "holder": "engine-d0", "epoch": 1, "tokens": 8, "pins": 0}
+        async with session.get(f"{stack.url}/v1/conversations/c9",
+                               headers={"Authorization": "Bearer sk-bob"}) as resp:
+            assert resp.status == 404
     status, _, body = await post(stack, "/v1/conversations/c9/keepalive", {}, auth)
     assert status == 200 and body["renewed"] == 1 and 0 < body["expires_in_s"] <= 5
     # Another tenant cannot keep it alive, nor release it.

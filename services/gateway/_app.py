@@ -197,6 +197,8 @@ class Gateway:
         app.router.add_get("/v1/models", self._endpoint("models", self.models))
         app.router.add_post("/v1/conversations/{conversation_id}/keepalive",
                             self._endpoint("keepalive", self.keepalive))
+        app.router.add_get("/v1/conversations/{conversation_id}",
+                           self._endpoint("conversation", self.conversation))
         app.router.add_delete("/v1/conversations/{conversation_id}",
                               self._endpoint("release", self.release))
         app.router.add_get("/health", self.health)
@@ -441,6 +443,28 @@ class Gateway:
         return web.json_response({"conversation_id": conversation,
                                   "renewed": int(resp.renewed_count),
                                   "expires_in_s": round(max(left), 3) if left else None})
+
+    async def conversation(self, request: web.Request) -> web.StreamResponse:
+        """The conversation's KV: its lease (state, holder, tokens, time left), if any."""
+        tenant, conversation = self._conversation_path(request)
+        assert self.registry is not None
+        try:
+            page = await self.registry.list_leases(tenant=tenant, conversation_id=conversation,
+                                                   include_inactive=True, timeout=2.0)
+        except KvbridgeError as err:
+            raise HttpError(503, f"registry unavailable: {err.message}", "service_unavailable",
+                            "registry_unavailable") from None
+        leases = sorted(page.leases, key=lambda lease: lease.epoch)
+        if not leases:
+            raise HttpError(404, f"conversation {conversation!r} holds no KV (no lease)",
+                            "not_found_error", "no_lease")
+        lease = leases[-1]
+        return web.json_response({
+            "conversation_id": conversation,
+            "state": reg_pb.LeaseState.Name(lease.state).removeprefix("LEASE_STATE_").lower(),
+            "holder": lease.holder_id, "epoch": lease.epoch, "tokens": lease.token_count,
+            "pins": lease.pin_count,
+            "expires_in_s": round(lease.expires_in.seconds + lease.expires_in.nanos / 1e9, 3)})
 
     async def release(self, request: web.Request) -> web.StreamResponse:
         """The conversation ended: revoke its lease so decode frees the KV now."""

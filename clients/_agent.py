@@ -1,0 +1,109 @@
+"""The instance agent: registers a vLLM engine with the router and heartbeats its load.
+
+Load comes from the engine's own Prometheus endpoint (`/metrics`: running and waiting
+requests, KV cache usage). An engine that does not answer is reported with its last load until
+its heartbeat TTL runs out: the agent then stops heartbeating, so the router drops it, and
+registers it again once it answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from dataclasses import dataclass
+
+import aiohttp
+import structlog
+
+from kvbridge.clients._router import AsyncRouterClient
+from kvbridge.errors import InstanceNotFound, KvbridgeError
+
+log = structlog.get_logger("kvbridge.agent")
+
+_METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+|NaN)$", re.MULTILINE)
+
+
+@dataclass
+class EngineLoad:
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+
+
+def parse_vllm_metrics(text: str) -> EngineLoad:
+    """Sum vLLM's gauges over their label sets (one per engine/model)."""
+    values: dict[str, float] = {}
+    for name, value in _METRIC.findall(text):
+        if value != "NaN":
+            values[name] = values.get(name, 0.0) + float(value)
+    return EngineLoad(int(values.get("vllm:num_requests_running", 0)),
+                      int(values.get("vllm:num_requests_waiting", 0)),
+                      min(max(values.get("vllm:kv_cache_usage_perc", 0.0), 0.0), 1.0))
+
+
+@dataclass
+class InstanceAgent:
+    router: AsyncRouterClient
+    instance_id: str
+    role: str  # "prefill" or "decode"
+    http_url: str
+    engine_id: str
+    model: str
+    nixl_host: str = ""
+    nixl_port: int = 0
+    ttl: float = 10.0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Register and heartbeat until `stop` is set; deregister on the way out."""
+        registered = False
+        load = EngineLoad()
+        last_seen = 0.0
+        loop = asyncio.get_running_loop()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+            while not stop.is_set():
+                try:
+                    async with http.get(f"{self.http_url}/metrics") as resp:
+                        load = parse_vllm_metrics(await resp.text())
+                    last_seen = loop.time()
+                except (aiohttp.ClientError, TimeoutError) as err:
+                    if loop.time() - last_seen > self.ttl:
+                        if registered:
+                            log.warning("engine_unreachable", instance=self.instance_id,
+                                        url=self.http_url, error=str(err))
+                        registered = False
+                        await self._sleep(stop, self.ttl / 3)
+                        continue
+                try:
+                    if not registered:
+                        await self._register()
+                        registered = True
+                    await self.router.heartbeat(
+                        self.instance_id, load.running, load.waiting, load.kv_usage)
+                except InstanceNotFound:
+                    registered = False
+                    continue
+                except KvbridgeError as err:
+                    log.warning("router_heartbeat_failed", instance=self.instance_id,
+                                error=str(err))
+                await self._sleep(stop, self.ttl / 3)
+        if registered:
+            try:
+                await self.router.deregister_instance(self.instance_id, timeout=2.0)
+            except KvbridgeError as err:
+                log.warning("deregister_failed", instance=self.instance_id, error=str(err))
+
+    async def _register(self) -> None:
+        await self.router.register_instance(self.instance_id, self.role, self.http_url,
+                                            self.engine_id, self.model, self.nixl_host,
+                                            self.nixl_port, self.ttl)
+        log.info("instance_attached", instance=self.instance_id, role=self.role,
+                 url=self.http_url, engine_id=self.engine_id)
+
+    @staticmethod
+    async def _sleep(stop: asyncio.Event, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), seconds)
+
+
+__all__ = ["EngineLoad", "InstanceAgent", "parse_vllm_metrics"]

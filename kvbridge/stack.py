@@ -1,0 +1,241 @@
+"""`kvbridge up`: the embedded stack. Registry, router and gateway in this process; with
+`--cpu-engines`, also a prefill and a decode vLLM engine on the CPU with the connector, each
+registered with the router by an instance agent. Ctrl-C (or SIGTERM) stops everything it
+started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+import structlog
+
+from kvbridge import aio, logs
+
+log = structlog.get_logger("kvbridge.up")
+
+TINY_MODEL_NAME = "kvbridge-tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class UpOptions:
+    registry_listen: str = "127.0.0.1:50051"
+    router_listen: str = "127.0.0.1:50061"
+    gateway_listen: str = "127.0.0.1:8080"
+    cpu_engines: bool = False
+    model: Path | None = None
+    work_dir: Path = field(default_factory=lambda: Path(".kvbridge"))
+    idle_ttl_s: float = 120.0
+    read_deadline_s: float = 2.0
+    api_keys_file: str = ""
+    engine_timeout_s: float = 600.0
+
+
+@dataclass
+class Urls:
+    gateway: str
+    registry: str
+    router: str
+    engines: dict[str, str] = field(default_factory=dict)
+    model: str = ""
+
+
+async def run_stack(opts: UpOptions, stop: asyncio.Event,
+                    on_ready: Callable[[Urls], Awaitable[None]] | None = None) -> None:
+    """Start everything, call `on_ready` (or wait for `stop`), then stop everything."""
+    from kvbridge.clients._agent import InstanceAgent
+    from kvbridge.clients._router import AsyncRouterClient
+    from kvbridge.services.gateway import GatewayConfig, start_gateway
+    from kvbridge.services.registry import RegistryConfig
+    from kvbridge.services.registry import create_server as create_registry
+    from kvbridge.services.router import RouterConfig
+    from kvbridge.services.router import create_server as create_router
+
+    cleanups: list[Callable[[], Awaitable[None]]] = []
+    try:
+        registry = await create_registry(RegistryConfig(listen=opts.registry_listen,
+                                                        metrics_listen=""))
+        await registry.start()
+        cleanups.append(lambda: registry.stop(1.0))
+        router = await create_router(RouterConfig(listen=opts.router_listen,
+                                                  registry=registry.address, metrics_listen=""))
+        await router.start()
+        cleanups.append(lambda: router.stop(1.0))
+        gateway = await start_gateway(GatewayConfig(
+            listen=opts.gateway_listen, router=router.address, registry=registry.address,
+            api_keys_file=opts.api_keys_file))
+        cleanups.append(gateway.stop)
+        urls = Urls(gateway.url, registry.address, router.address)
+        if opts.cpu_engines:
+            await _start_cpu_engines(opts, registry.address, router.address, urls, cleanups,
+                                     stop, InstanceAgent, AsyncRouterClient)
+        if stop.is_set():
+            return
+        if on_ready is not None:
+            await on_ready(urls)
+        else:
+            _print_ready(urls)
+            await stop.wait()
+    finally:
+        for cleanup in reversed(cleanups):
+            try:
+                await cleanup()
+            except Exception:  # keep stopping the rest
+                log.exception("stop_failed")
+        log.info("stack_stopped")
+
+
+async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: Urls,
+                             cleanups: list[Callable[[], Awaitable[None]]], stop: asyncio.Event,
+                             agent_cls: Any, router_client_cls: Any) -> None:
+    from kvbridge.engines import EngineSpec, start_engine, wait_ready
+    from kvbridge.tiny_model import TinyModelSpec, make_tiny
+
+    loop = asyncio.get_running_loop()
+    work = opts.work_dir.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    model = opts.model or work / "tiny-model"
+    if not (model / "config.json").exists():
+        if opts.model is not None:
+            raise click.ClickException(f"no model at {model} (config.json missing)")
+        log.info("making_tiny_model", path=str(model))
+        await loop.run_in_executor(None, make_tiny, model, TinyModelSpec())
+    name = TINY_MODEL_NAME if opts.model is None else model.name
+    urls.model = name
+    cpus = os.cpu_count() or 1
+    engines = []
+    for role, cpu in (("prefill", 0), ("decode", 1 % cpus)):
+        settings: dict[str, Any] = {"read_deadline_s": opts.read_deadline_s, "router": router}
+        if role == "decode":
+            settings = {"idle_ttl_s": opts.idle_ttl_s}
+        spec = EngineSpec(role, str(model), _free_port(), _free_port(), f"kvbridge-{role}-0",
+                          registry, cpu=cpu, kvbridge=settings, served_name=name,
+                          log_stats=True)
+        engine = start_engine(spec, work)
+        engines.append(engine)
+
+        async def stop_engine(e: Any = engine) -> None:
+            await loop.run_in_executor(None, e.stop)
+
+        cleanups.append(stop_engine)
+        log.info("engine_starting", role=role, url=spec.url, log=str(engine.log_path),
+                 cpu=cpu)
+    for engine in engines:
+        waiter: asyncio.Future[Any] = loop.run_in_executor(None, wait_ready, engine,
+                                                           opts.engine_timeout_s)
+        stopper: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
+        done, _ = await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+        if waiter not in done:
+            return  # stopping while engines start: cleanups stop them
+        waiter.result()
+        urls.engines[engine.spec.role] = engine.spec.url
+        log.info("engine_ready", role=engine.spec.role, url=engine.spec.url)
+    client = router_client_cls(router, timeout=2.0)
+    agents_stop = asyncio.Event()
+    tasks = [asyncio.ensure_future(agent_cls(
+        client, f"{e.spec.role}-0", e.spec.role, e.spec.url, e.spec.engine_id, name,
+        "127.0.0.1", e.spec.nixl_port, ttl=10.0).run(agents_stop)) for e in engines]
+
+    async def stop_agents() -> None:
+        agents_stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await client.close()
+
+    cleanups.append(stop_agents)
+    # The gateway routes only to registered instances: wait until both are.
+    for _ in range(100):
+        listed = await client.list_instances()
+        if len(listed) >= len(engines):
+            return
+        await asyncio.sleep(0.1)
+    raise click.ClickException("the engines did not register with the router")
+
+
+def _print_ready(urls: Urls) -> None:
+    lines = ["kvbridge is up (insecure local mode: no TLS, open API keys)",
+             f"  gateway   {urls.gateway}/v1   (OpenAI-compatible)",
+             f"  registry  {urls.registry}",
+             f"  router    {urls.router}"]
+    for role, url in urls.engines.items():
+        lines.append(f"  {role:<9} {url}")
+    if urls.model:
+        lines.append(f"  model     {urls.model}")
+        lines.append(f"try: kvbridge demo --gateway {urls.gateway}")
+    lines.append("Ctrl-C stops everything.")
+    click.echo("\n".join(lines), err=False)
+    sys.stdout.flush()
+
+
+@click.command("up")
+@click.option("--cpu-engines", is_flag=True,
+              help="also start a prefill and a decode vLLM engine on the CPU (makes the tiny "
+                   "test model first if --model is not given)")
+@click.option("--model", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="model folder for --cpu-engines (default: WORK_DIR/tiny-model, made if "
+                   "missing)")
+@click.option("--work-dir", type=click.Path(path_type=Path, file_okay=False),
+              default=Path(".kvbridge"), show_default=True,
+              help="engine logs, caches and the tiny model")
+@click.option("--registry-listen", default="127.0.0.1:50051", show_default=True)
+@click.option("--router-listen", default="127.0.0.1:50061", show_default=True)
+@click.option("--gateway-listen", default="127.0.0.1:8080", show_default=True)
+@click.option("--idle-ttl-s", default=120.0, show_default=True, type=click.FloatRange(min=1),
+              help="decode: how long a conversation's KV is kept between turns")
+@click.option("--api-keys-file", default="", help="'API_KEY TENANT' lines (default: open)")
+@click.option("--demo", "demo_turns", type=click.IntRange(min=0), default=0,
+              help="run a conversation of this many turns through the gateway, print it, and "
+                   "stop (needs --cpu-engines)")
+@click.option("--json", "as_json", is_flag=True, help="with --demo: one JSON record per turn")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="info", show_default=True)
+def up_command(cpu_engines: bool, model: Path | None, work_dir: Path, registry_listen: str,
+               router_listen: str, gateway_listen: str, idle_ttl_s: float, api_keys_file: str,
+               demo_turns: int, as_json: bool, log_level: str) -> None:
+    """Start registry, router and gateway in one process (and, with --cpu-engines, a prefill
+    and a decode vLLM engine on this CPU), wait until all are healthy, print the URLs, and run
+    until Ctrl-C."""
+    if demo_turns and not cpu_engines:
+        raise click.UsageError("--demo needs --cpu-engines (or run `kvbridge demo` against "
+                               "a stack with engines)")
+    # Logs go to stderr so that --demo --json output stays parseable.
+    logs.configure(log_level if not as_json else "warning", "auto")
+    opts = UpOptions(registry_listen, router_listen, gateway_listen, cpu_engines, model,
+                     work_dir, idle_ttl_s, api_keys_file=api_keys_file)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        on_ready = None
+        if demo_turns:
+            from kvbridge.demo import run_demo
+
+            async def on_ready(urls: Urls) -> None:
+                if not as_json:
+                    _print_ready(urls)
+                await run_demo(urls.gateway, turns=demo_turns, model=urls.model,
+                               as_json=as_json)
+
+        await run_stack(opts, stop, on_ready)
+
+    try:
+        aio.run(main())
+    except OSError as exc:
+        raise click.ClickException(f"cannot start the stack: {exc}") from exc
