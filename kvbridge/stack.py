@@ -52,6 +52,7 @@ class Urls:
     registry: str
     router: str
     engines: dict[str, str] = field(default_factory=dict)
+    connector_metrics: dict[str, str] = field(default_factory=dict)
     model: str = ""
 
 
@@ -120,9 +121,12 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
     cpus = os.cpu_count() or 1
     engines = []
     for role, cpu in (("prefill", 0), ("decode", 1 % cpus)):
-        settings: dict[str, Any] = {"read_deadline_s": opts.read_deadline_s, "router": router}
+        metrics_port = _free_port()
+        settings: dict[str, Any] = {"read_deadline_s": opts.read_deadline_s, "router": router,
+                                    "metrics_port": metrics_port}
         if role == "decode":
-            settings = {"idle_ttl_s": opts.idle_ttl_s}
+            settings = {"idle_ttl_s": opts.idle_ttl_s, "metrics_port": metrics_port}
+        urls.connector_metrics[role] = f"http://127.0.0.1:{metrics_port}/metrics"
         spec = EngineSpec(role, str(model), _free_port(), _free_port(), f"kvbridge-{role}-0",
                           registry, cpu=cpu, kvbridge=settings, served_name=name,
                           log_stats=True)
@@ -173,7 +177,7 @@ def _print_ready(urls: Urls) -> None:
              f"  registry  {urls.registry}",
              f"  router    {urls.router}"]
     for role, url in urls.engines.items():
-        lines.append(f"  {role:<9} {url}")
+        lines.append(f"  {role:<9} {url}   (connector metrics {urls.connector_metrics[role]})")
     if urls.model:
         lines.append(f"  model     {urls.model}")
         lines.append(f"try: kvbridge demo --gateway {urls.gateway}")

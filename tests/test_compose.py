@@ -1,69 +1,134 @@
-"""docker-compose.yml stays valid and runs the same commands the tests run.
+"""docker-compose.yml stays valid and runs real `kvbridge` commands.
 
-Docker has no engine on the CI machine, so the registry service's command is run here as a
-process, with its listen addresses moved to 127.0.0.1 port 0, and must come up healthy.
+Docker has no engine on the CI machine, so: the file is parsed; every service's command is
+resolved to a `kvbridge` command and parsed by it (options and values checked as the command
+itself checks them, and its --help works); and the control-plane commands are run here as
+processes, with their listen addresses moved to 127.0.0.1 port 0, and must come up serving.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import click
 import grpc
 import pytest
 import yaml
+from click.testing import CliRunner
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvbridge.cli import main
+
 ROOT = Path(__file__).resolve().parent.parent
+_DEFAULTED = re.compile(r"\$\{[A-Z_]+:-([^}]*)\}")
 
 
-def _compose() -> dict:
+def _compose() -> dict[str, Any]:
     return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
+def _command(service: str) -> list[str]:
+    """The service's command with ${VAR:-default} interpolated as compose would by default."""
+    return [_DEFAULTED.sub(r"\1", arg) for arg in _compose()["services"][service]["command"]]
+
+
+SERVICES = sorted(_compose()["services"])
+
+
 def test_compose_file_is_well_formed() -> None:
-    compose = _compose()
-    registry = compose["services"]["registry"]
-    assert registry["build"] == "."
+    services = _compose()["services"]
+    assert {"registry", "router", "gateway", "prefill", "decode", "prefill-cpu", "decode-cpu",
+            "tiny-model"} <= set(services)
+    for name in ("registry", "router", "gateway"):
+        assert services[name]["build"] == "." and "profiles" not in services[name]
+        assert services[name]["healthcheck"]["test"][0] == "CMD"
     assert (ROOT / "Dockerfile").is_file()
-    assert registry["command"][:2] == ["registry", "serve"]
-    published = {p.split(":")[1] for p in registry["ports"]}
-    command = registry["command"]
-    assert command[command.index("--listen") + 1].endswith(":50051")
-    assert command[command.index("--metrics-listen") + 1].endswith(":9464")
-    assert published == {"50051", "9464"}
+    assert {p.split(":")[1] for p in services["registry"]["ports"]} == {"50051", "9464"}
+    assert {p.split(":")[1] for p in services["gateway"]["ports"]} == {"8080"}
+    for name in ("prefill", "decode"):
+        assert services[name]["profiles"] == ["gpu"]
+        assert services[name]["build"]["dockerfile"] == "Dockerfile.engine"
+        assert "--device" in services[name]["command"]
+    for name in ("prefill-cpu", "decode-cpu", "tiny-model"):
+        assert services[name]["profiles"] == ["cpu"]
+        assert services[name]["build"]["dockerfile"] == "Dockerfile.cpu"
+    for dockerfile in ("Dockerfile.engine", "Dockerfile.cpu"):
+        assert 'ENTRYPOINT ["kvbridge"]' in (ROOT / dockerfile).read_text()
+    # The services find each other by the addresses the commands name.
+    assert _command("router")[_command("router").index("--registry") + 1] == "registry:50051"
+    gateway = _command("gateway")
+    assert gateway[gateway.index("--router") + 1] == "router:50061"
+    for engine in ("prefill", "decode", "prefill-cpu", "decode-cpu"):
+        command = _command(engine)
+        assert command[command.index("--advertise-host") + 1] == engine
+
+
+@pytest.mark.parametrize("service", SERVICES)
+def test_every_command_is_a_kvbridge_command_that_parses(service: str) -> None:
+    args = _command(service)
+    command: click.Command = main
+    path: list[str] = []
+    while isinstance(command, click.Group) and args and not args[0].startswith("-"):
+        sub = command.get_command(click.Context(command), args[0])
+        assert sub is not None, f"{service}: `kvbridge {' '.join(path + args[:1])}` is unknown"
+        command, path, args = sub, path + [args[0]], args[1:]
+    assert not isinstance(command, click.Group), f"{service}: {path} is a group"
+    # Parse (not run): unknown options, bad values and missing required ones raise here.
+    with command.make_context(" ".join(path), list(args)) as ctx:
+        assert ctx.params
+    result = CliRunner().invoke(main, [*path, "--help"])
+    assert result.exit_code == 0, result.output
+
+
+def _run_until(command: list[str], env: dict[str, str], event: str) -> tuple[
+        subprocess.Popen[str], dict[str, Any]]:
+    proc = subprocess.Popen([sys.executable, "-m", "kvbridge.cli", *command], env=env,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        record = json.loads(line)
+        if record["event"] == event:
+            return proc, record
+    proc.kill()
+    raise AssertionError(f"{command[:2]} did not log {event}")
 
 
 @pytest.mark.slow
-def test_compose_registry_command_serves(tmp_path: Path) -> None:
-    command = list(_compose()["services"]["registry"]["command"])
+def test_compose_control_plane_commands_serve(unused_tcp_port: int) -> None:
+    services = _compose()["services"]
+    registry_cmd = _command("registry")
     for flag in ("--listen", "--metrics-listen"):
-        command[command.index(flag) + 1] = "127.0.0.1:0"
-    env = {**os.environ, **_compose()["services"]["registry"]["environment"]}
-    proc = subprocess.Popen([sys.executable, "-m", "kvbridge.cli", *command], env=env,
-                            stderr=subprocess.PIPE, text=True)
+        registry_cmd[registry_cmd.index(flag) + 1] = "127.0.0.1:0"
+    env = {**os.environ, **services["registry"]["environment"]}
+    registry, started = _run_until(registry_cmd, env, "registry_started")
+    router = None
     try:
-        assert proc.stderr is not None
-        started = None
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and started is None:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            event = json.loads(line)
-            if event["event"] == "registry_started":
-                started = event
-        assert started is not None, "the compose registry command did not start"
-        with grpc.insecure_channel(started["listen"]) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="kvbridge.registry.v1.RegistryService"),
-                timeout=5)
-        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        router_cmd = _command("router")
+        for flag in ("--listen", "--metrics-listen"):
+            router_cmd[router_cmd.index(flag) + 1] = "127.0.0.1:0"
+        router_cmd[router_cmd.index("--registry") + 1] = started["listen"]
+        router, router_started = _run_until(
+            router_cmd, {**os.environ, **services["router"]["environment"]}, "router_started")
+        for address, service in ((started["listen"], "kvbridge.registry.v1.RegistryService"),
+                                 (router_started["listen"], "kvbridge.router.v1.RouterService")):
+            with grpc.insecure_channel(address) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
+        for proc in (router, registry):
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+                assert proc.wait(timeout=20) == 0

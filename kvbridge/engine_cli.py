@@ -1,0 +1,160 @@
+"""`kvbridge engine run`: one vLLM engine with the kvbridge connector, attached to a router.
+
+Builds vLLM's command line (the OpenAI server, the connector's kv-transfer-config for the role,
+bidirectional transfer and recompute-on-failure where they belong), runs it in the foreground
+with its output on ours, registers it with the router once healthy and heartbeats its load,
+forwards SIGTERM/SIGINT to it, deregisters, and exits with its status. This is the command the
+engine containers in docker-compose.yml run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import click
+import structlog
+
+from kvbridge import aio, logs
+
+log = structlog.get_logger("kvbridge.engine")
+
+
+def _setting(values: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in values:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE", param_hint="--setting")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw
+    return out
+
+
+@click.group("engine")
+def engine_group() -> None:
+    """Run vLLM engines with the kvbridge connector."""
+
+
+@engine_group.command("run", context_settings={"ignore_unknown_options": True})
+@click.option("--role", type=click.Choice(["prefill", "decode"]), required=True)
+@click.option("--model", required=True, help="model path or name, as vLLM takes it")
+@click.option("--served-model-name", default="", help="the name clients send")
+@click.option("--host", default="127.0.0.1", show_default=True, help="HTTP bind address")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--advertise-host", default="",
+              help="how the router, the gateway and other engines reach this one (HTTP and "
+                   "NIXL side channel); default: --host, or this host's name for 0.0.0.0")
+@click.option("--engine-id", default="", help="default: ROLE-HOSTNAME-PORT")
+@click.option("--nixl-port", default=5600, show_default=True, type=click.IntRange(1, 65535),
+              help="NIXL side-channel port")
+@click.option("--registry", default="", help="registry HOST:PORT (decode engines need it)")
+@click.option("--router", default="",
+              help="router HOST:PORT: register there and heartbeat load; prefill also reads "
+                   "through it")
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda",
+              show_default=True)
+@click.option("--cpu", default=0, show_default=True, help="--device cpu: the core to bind")
+@click.option("--block-size", default=0, type=click.IntRange(min=0),
+              help="KV block size (default: 32 on cpu, 16 on cuda)")
+@click.option("--max-model-len", default=4096, show_default=True)
+@click.option("--dtype", default="", help="default: float32 on cpu, auto on cuda")
+@click.option("--setting", "settings", multiple=True, metavar="KEY=VALUE",
+              help="a kvbridge connector setting (kv_connector_extra_config.kvbridge), e.g. "
+                   "idle_ttl_s=120; repeatable")
+@click.option("--instance-ttl-s", default=10.0, show_default=True,
+              type=click.FloatRange(min=1))
+@click.option("--work-dir", type=click.Path(path_type=Path, file_okay=False),
+              default=Path(".kvbridge"), show_default=True, help="vLLM's cache folder")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def engine_run(role: str, model: str, served_model_name: str, host: str, port: int,
+               advertise_host: str, engine_id: str, nixl_port: int, registry: str, router: str,
+               device: str, cpu: int, block_size: int, max_model_len: int, dtype: str,
+               settings: tuple[str, ...], instance_ttl_s: float, work_dir: Path,
+               vllm_args: tuple[str, ...]) -> None:
+    """Run one engine in the foreground. Arguments after `--` go to vLLM unchanged."""
+    from kvbridge.connector._settings import ConnectorSettings
+    from kvbridge.engines import EngineSpec
+
+    logs.configure("info", "auto")
+    if role == "decode" and not registry:
+        raise click.UsageError("a decode engine needs --registry (it leases its KV there)")
+    advertise = advertise_host or (socket.gethostname() if host in ("0.0.0.0", "::") else host)
+    extra = _setting(settings)
+    if router and role == "prefill":
+        extra.setdefault("router", router)
+    try:
+        ConnectorSettings.from_extra_config({"kvbridge": {"registry": registry, **extra}})
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--setting") from exc
+    spec = EngineSpec(
+        role, model, port, nixl_port, engine_id or f"{role}-{advertise}-{port}", registry,
+        cpu=cpu, block_size=block_size or (32 if device == "cpu" else 16),
+        max_model_len=max_model_len, dtype=dtype or ("float32" if device == "cpu" else "auto"),
+        served_name=served_model_name, log_stats=True, kvbridge=extra,
+        extra_args=list(vllm_args), nice=0, device=device, host=host, advertise_host=advertise)
+    work_dir.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(spec.command(), env=spec.environment(work_dir.resolve()))
+    code = aio.run(_run(spec, process, router, instance_ttl_s, served_model_name or model))
+    raise SystemExit(code)
+
+
+async def _run(spec: Any, process: subprocess.Popen[bytes], router: str, ttl: float,
+               model_name: str) -> int:
+    from kvbridge.clients._agent import InstanceAgent
+    from kvbridge.clients._router import AsyncRouterClient
+
+    log.info("engine_started", role=spec.role, engine_id=spec.engine_id, url=spec.url,
+             pid=process.pid)
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    exited: asyncio.Future[Any] = loop.run_in_executor(None, process.wait)
+    agent_task = None
+    agent_stop = asyncio.Event()
+    client = None
+    try:
+        while not await _healthy(spec.url):
+            if exited.done() or stopping.is_set():
+                break
+            await asyncio.sleep(1.0)
+        if router and not exited.done() and not stopping.is_set():
+            client = AsyncRouterClient(router, timeout=2.0)
+            agent = InstanceAgent(client, spec.engine_id, spec.role, spec.url, spec.engine_id,
+                                  model_name, spec.advertise_host, spec.nixl_port, ttl)
+            agent_task = asyncio.ensure_future(agent.run(agent_stop))
+        stopper: asyncio.Future[Any] = asyncio.ensure_future(stopping.wait())
+        await asyncio.wait({exited, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        stopper.cancel()
+    finally:
+        agent_stop.set()
+        if agent_task is not None:
+            await asyncio.gather(agent_task, return_exceptions=True)
+        if client is not None:
+            await client.close()
+        if process.poll() is None:
+            process.terminate()
+        code = await exited
+    log.info("engine_exited", role=spec.role, engine_id=spec.engine_id, code=code)
+    return int(code)
+
+
+async def _healthy(url: str) -> bool:
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                return bool(resp.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    return await asyncio.get_running_loop().run_in_executor(None, probe)

