@@ -74,13 +74,14 @@ class HolderSession:
         self, client: RegistryClient, *, holder_id: str, nixl_host: str, nixl_port: int,
         block_size: int, engine_fingerprint: str, on_reclaim: ReclaimCallback, tp_size: int = 1,
         ttl: float = 10.0, hard_deadline_margin: float = 5.0, clock: Clock | None = None,
+        software_version: str = "",
     ) -> None:
         self.client = client
         self.holder_id = holder_id
         self._register_args = dict(holder_id=holder_id, nixl_host=nixl_host,
                                    nixl_port=nixl_port, block_size=block_size,
                                    engine_fingerprint=engine_fingerprint, tp_size=tp_size,
-                                   ttl=ttl)
+                                   ttl=ttl, software_version=software_version)
         self.ttl = ttl
         self.margin = hard_deadline_margin
         self.on_reclaim = on_reclaim

@@ -58,11 +58,12 @@ class _Requests:
     @staticmethod
     def register_holder(holder_id: str, nixl_host: str, nixl_port: int, block_size: int,
                         engine_fingerprint: str, tp_size: int = 1, ttl: float = 0.0,
-                        held_leases: Sequence[pb.LeaseSnapshot] = ()) -> pb.RegisterHolderRequest:
+                        held_leases: Sequence[pb.LeaseSnapshot] = (),
+                        software_version: str = "") -> pb.RegisterHolderRequest:
         return pb.RegisterHolderRequest(
             holder_id=holder_id, nixl_host=nixl_host, nixl_port=nixl_port, tp_size=tp_size,
             block_size=block_size, engine_fingerprint=engine_fingerprint,
-            ttl=duration(ttl), held_leases=held_leases)
+            ttl=duration(ttl), held_leases=held_leases, software_version=software_version)
 
     @staticmethod
     def grant_lease(holder_id: str, tenant: str, conversation_id: str, remote_request_id: str,
@@ -144,11 +145,16 @@ class RegistryClient:
 
     def register_holder(self, holder_id: str, nixl_host: str, nixl_port: int, block_size: int,
                         engine_fingerprint: str, tp_size: int = 1, ttl: float = 0.0,
-                        held_leases: Sequence[pb.LeaseSnapshot] = (), *,
-                        timeout: float | None = None) -> pb.RegisterHolderResponse:
+                        held_leases: Sequence[pb.LeaseSnapshot] = (), software_version: str = "",
+                        *, timeout: float | None = None) -> pb.RegisterHolderResponse:
         req = _Requests.register_holder(holder_id, nixl_host, nixl_port, block_size,
-                                        engine_fingerprint, tp_size, ttl, held_leases)
+                                        engine_fingerprint, tp_size, ttl, held_leases,
+                                        software_version)
         return self._call("RegisterHolder", req, idempotent=True, timeout=timeout)
+
+    def get_server_info(self, *, timeout: float | None = None) -> pb.GetServerInfoResponse:
+        return self._call("GetServerInfo", pb.GetServerInfoRequest(), idempotent=True,
+                          timeout=timeout)
 
     def heartbeat(self, holder_id: str, reclaimed_lease_ids: Iterable[str] = (), *,
                   timeout: float | None = None) -> pb.HeartbeatHolderResponse:
@@ -292,11 +298,18 @@ class AsyncRegistryClient:
 
     async def register_holder(self, holder_id: str, nixl_host: str, nixl_port: int,
                               block_size: int, engine_fingerprint: str, tp_size: int = 1,
-                              ttl: float = 0.0, held_leases: Sequence[pb.LeaseSnapshot] = (), *,
+                              ttl: float = 0.0, held_leases: Sequence[pb.LeaseSnapshot] = (),
+                              software_version: str = "", *,
                               timeout: float | None = None) -> pb.RegisterHolderResponse:
         req = _Requests.register_holder(holder_id, nixl_host, nixl_port, block_size,
-                                        engine_fingerprint, tp_size, ttl, held_leases)
+                                        engine_fingerprint, tp_size, ttl, held_leases,
+                                        software_version)
         return await self._call("RegisterHolder", req, idempotent=True, timeout=timeout)
+
+    async def get_server_info(self, *, timeout: float | None = None
+                              ) -> pb.GetServerInfoResponse:
+        return await self._call("GetServerInfo", pb.GetServerInfoRequest(), idempotent=True,
+                                timeout=timeout)
 
     async def heartbeat(self, holder_id: str, reclaimed_lease_ids: Iterable[str] = (), *,
                         timeout: float | None = None) -> pb.HeartbeatHolderResponse:

@@ -100,6 +100,11 @@ class RouterClient:
         resp: pb.RouteResponse = self._call("Route", req, timeout)
         return resp
 
+    def get_server_info(self, *, timeout: float | None = None) -> pb.GetServerInfoResponse:
+        resp: pb.GetServerInfoResponse = self._call("GetServerInfo", pb.GetServerInfoRequest(),
+                                                    timeout)
+        return resp
+
     # The registry's read API, as the router serves it (same signatures as RegistryClient's),
     # so that a prefill connector can be pointed at either.
 

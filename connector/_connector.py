@@ -26,7 +26,7 @@ from kvbridge.connector._decode import DecodeRetention
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._prefill import PrefillReuse, ReadClient
 from kvbridge.connector._settings import REMOTE_ID_PREFIX, ConnectorSettings
-from kvbridge.connector._version import check_vllm_version
+from kvbridge.connector._version import check_vllm_version, software_version
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -107,7 +107,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                 self.settings, client, holder_id=self.engine_id,
                 nixl_host=scheduler.side_channel_host, nixl_port=scheduler.side_channel_port,
                 block_size=block_size, fingerprint=fingerprint,
-                tp_size=vllm_config.parallel_config.tensor_parallel_size, metrics=self.metrics)
+                tp_size=vllm_config.parallel_config.tensor_parallel_size, metrics=self.metrics,
+                software_version=software_version())
             self.decode.start()
         if transfer.kv_role in ("kv_producer", "kv_both"):
             if not scheduler.is_bidirectional_kv_xfer_enabled:

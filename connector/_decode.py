@@ -40,7 +40,7 @@ class _Retained:
 class DecodeRetention:
     def __init__(self, settings: ConnectorSettings, client: RegistryClient, *, holder_id: str,
                  nixl_host: str, nixl_port: int, block_size: int, fingerprint: str,
-                 tp_size: int, metrics: ConnectorMetrics) -> None:
+                 tp_size: int, metrics: ConnectorMetrics, software_version: str = "") -> None:
         self.settings = settings
         self.block_size = block_size
         self.fingerprint = fingerprint
@@ -49,7 +49,7 @@ class DecodeRetention:
             client, holder_id=holder_id, nixl_host=nixl_host, nixl_port=nixl_port,
             block_size=block_size, engine_fingerprint=fingerprint, tp_size=tp_size,
             ttl=settings.holder_ttl_s, hard_deadline_margin=settings.hard_deadline_margin_s,
-            on_reclaim=self._on_reclaim)
+            on_reclaim=self._on_reclaim, software_version=software_version)
         self._pool: Any = None  # vLLM BlockPool, bound by the scheduler
         self._grants = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-grant")
         self._lock = threading.Lock()

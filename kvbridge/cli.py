@@ -24,8 +24,8 @@ def main(log_level: str) -> None:
     Everything: kvbridge up [--cpu-engines] [--demo N], kvbridge demo
     Services:   kvbridge registry serve, kvbridge router serve, kvbridge gateway serve,
                 kvbridge engine run (vLLM with the connector, attached to a router)
-    Operations: kvbridge leases list|show|renew|revoke|watch, kvbridge holders list,
-                kvbridge instances list
+    Operations: kvbridge doctor, kvbridge leases list|show|renew|revoke|watch,
+                kvbridge holders list, kvbridge instances list
     Benchmarks: kvbridge bench registry
     Demo:       kvbridge demo (through a gateway), kvbridge registry demo (leases only)
     Models:     kvbridge model make-tiny PATH
@@ -47,12 +47,14 @@ def _register_benchmarks() -> None:
 _register_benchmarks()
 def _register_stack() -> None:
     from kvbridge.demo import demo_command
+    from kvbridge.doctor import doctor_command
     from kvbridge.engine_cli import engine_group
     from kvbridge.stack import up_command
 
     main.add_command(up_command)
     main.add_command(demo_command)
     main.add_command(engine_group)
+    main.add_command(doctor_command)
 
 
 _register_stack()

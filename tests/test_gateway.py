@@ -42,6 +42,7 @@ class FakeEngine:
         app = web.Application()
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_post("/v1/chat/completions", self.handle)
+        app.router.add_get("/health", self.health)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -55,6 +56,9 @@ class FakeEngine:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(text="")
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

@@ -754,3 +754,27 @@ async def test_metrics_endpoint_reports_state_and_outcomes(registry_factory, kv)
                  code="LEASE_NOT_FOUND") == 1
     assert value("kvbridge_registry_rpc_duration_seconds_count", method="AcquireRead") == 5
     assert value("kvbridge_registry_rpc_duration_seconds_count", method="GrantLease") == 3
+
+
+async def test_server_info_and_holder_software_version(registry_client: AsyncRegistryClient,
+                                                       registry_stub, kv) -> None:
+    """GetServerInfo (what `kvbridge doctor` compares) and the version a holder registers."""
+    import time
+
+    from kvbridge import __version__
+    from kvbridge._grpc_status import error_info
+
+    info = await registry_client.get_server_info()
+    assert info.version == __version__
+    assert abs(info.current_time.seconds - time.time()) < 5
+    registered = await holder(registry_client, kv, "h-v", software_version="kvbridge/9 vllm/0.32")
+    assert registered.software_version == "kvbridge/9 vllm/0.32"
+    listed = (await registry_client.list_holders()).holders
+    assert [h.software_version for h in listed if h.holder_id == "h-v"] == [
+        "kvbridge/9 vllm/0.32"]
+    with pytest.raises(grpc.RpcError) as raised:
+        await registry_stub.RegisterHolder(pb.RegisterHolderRequest(
+            **kv.holder_args("h-bad"), software_version="x" * 200))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error_info(raised.value).metadata["field"] == "software_version"
+    assert "h-bad" not in [h.holder_id for h in (await registry_client.list_holders()).holders]

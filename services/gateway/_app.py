@@ -39,7 +39,7 @@ log = structlog.get_logger("kvbridge.gateway")
 _ID = re.compile(r"[\x21-\x7e]{1,256}")
 CONVERSATION_HEADER = "X-Conversation-Id"
 _OUTCOME_FIELDS = ("kvbridge_decision", "kvbridge_reused_tokens", "kvbridge_recomputed_tokens",
-                   "kvbridge_transfer_ms")
+                   "kvbridge_transfer_ms", "kvbridge_mismatch_block")
 
 
 class HttpError(Exception):
@@ -167,6 +167,11 @@ class _Turn:
             out["X-Kvbridge-Reused-Tokens"] = str(self.outcome.get("kvbridge_reused_tokens", 0))
             out["X-Kvbridge-Recomputed-Tokens"] = str(
                 self.outcome.get("kvbridge_recomputed_tokens", 0))
+            for name in ("kvbridge_transfer_ms", "kvbridge_mismatch_block"):
+                if name in self.outcome:
+                    header = "X-Kvbridge-" + name.removeprefix("kvbridge_").replace(
+                        "_", "-").title()
+                    out[header] = str(self.outcome[name])
         return out
 
 

@@ -78,6 +78,7 @@ class HolderSpec:
     block_size: int
     fingerprint: str
     ttl: float = 0.0  # 0: the registry default
+    version: str = ""  # free text, e.g. "kvbridge/0.1.0 vllm/0.32.0"
 
 
 @dataclass(slots=True)
@@ -196,6 +197,8 @@ class LeaseTable:
         check.identifier("engine_fingerprint", spec.fingerprint, cfg.max_id_length)
         ttl = spec.ttl or cfg.default_holder_ttl_s
         check.duration("ttl", ttl, cfg.min_holder_ttl_s, cfg.max_holder_ttl_s)
+        if spec.version:
+            check.text("software_version", spec.version, 128)
         snapshots = list(held)
         seen: set[str] = set()
         for i, snap in enumerate(snapshots):
@@ -226,7 +229,7 @@ class LeaseTable:
 
         if holder is None:
             holder = Holder(spec.holder_id, spec.nixl_host, spec.nixl_port, spec.tp_size,
-                            spec.block_size, spec.fingerprint, ttl, now + ttl)
+                            spec.block_size, spec.fingerprint, ttl, now + ttl, spec.version)
             self._holders[spec.holder_id] = holder
             event = "holder_registered"
         else:
@@ -235,6 +238,7 @@ class LeaseTable:
                 holder.block_size, holder.tp_size = spec.block_size, spec.tp_size
                 holder.fingerprint = spec.fingerprint
             holder.nixl_host, holder.nixl_port = spec.nixl_host, spec.nixl_port
+            holder.version = spec.version
             holder.ttl, holder.expire_at = ttl, now + ttl
             holder.state = HolderState.ACTIVE
 

@@ -54,13 +54,15 @@ class Holder:
     __slots__ = (
         "block_size", "dead_leases", "expire_at", "fingerprint", "holder_id", "lease_count",
         "lost_at", "nixl_host", "nixl_port", "retained_blocks", "state", "tp_size", "ttl",
+        "version",
     )
 
     def __init__(
         self, holder_id: str, nixl_host: str, nixl_port: int, tp_size: int, block_size: int,
-        fingerprint: str, ttl: float, expire_at: float,
+        fingerprint: str, ttl: float, expire_at: float, version: str = "",
     ) -> None:
         self.holder_id = holder_id
+        self.version = version
         self.nixl_host = nixl_host
         self.nixl_port = nixl_port
         self.tp_size = tp_size

@@ -16,7 +16,7 @@ import grpc
 import structlog
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from kvbridge import blockhash
+from kvbridge import __version__, blockhash
 from kvbridge._grpc_status import to_status
 from kvbridge.errors import CapacityExhausted, KvbridgeError
 from kvbridge.registry.v1 import registry_pb2 as pb
@@ -100,6 +100,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         self.metrics = metrics
         self.clock = table.clock
         self._watchers = 0
+        self._started = time.monotonic()
         self._durations = {
             name: metrics.rpc_duration.labels(name)
             for name in pb.DESCRIPTOR.services_by_name["RegistryService"].methods_by_name
@@ -115,7 +116,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             state=_HOLDER_STATE.get(h.state, pb.HOLDER_STATE_UNSPECIFIED),
             ttl=_duration(h.ttl), expires_in=_duration(left),
             expire_time=_timestamp(self.clock.wall() + left), lease_count=h.lease_count,
-            retained_blocks=h.retained_blocks,
+            retained_blocks=h.retained_blocks, software_version=h.version,
         )
 
     def _lease(self, lease: Lease, *, blocks: bool = False) -> pb.Lease:
@@ -153,7 +154,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                              context: Ctx) -> pb.RegisterHolderResponse:
         spec = HolderSpec(request.holder_id, request.nixl_host, request.nixl_port,
                           request.tp_size, request.block_size, request.engine_fingerprint,
-                          _seconds(request.ttl, "ttl"))
+                          _seconds(request.ttl, "ttl"), request.software_version)
         held = [
             Snapshot(s.lease_id, self._grant_spec(s, request.holder_id, f"held_leases[{i}]."),
                      s.epoch, _seconds(s.age, f"held_leases[{i}].age"))
@@ -304,6 +305,13 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         out.pin.expires_in.CopyFrom(_duration(left))
         out.pin.expire_time.CopyFrom(_timestamp(self.clock.wall() + left))
         return out
+
+    @_rpc
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest,
+                            context: Ctx) -> pb.GetServerInfoResponse:
+        return pb.GetServerInfoResponse(
+            version=__version__, current_time=_timestamp(time.time()),
+            uptime=_duration(time.monotonic() - self._started))
 
     @_rpc
     async def ReleaseRead(self, request: pb.ReleaseReadRequest,

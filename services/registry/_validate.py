@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from kvbridge import blockhash
 from kvbridge.errors import InvalidArgument
 
-__all__ = ["InvalidArgument", "blocks", "duration", "hashes", "identifier", "in_range"]
+__all__ = ["InvalidArgument", "blocks", "duration", "hashes", "identifier", "in_range", "text"]
 
 # Printable ASCII without spaces: safe in logs, metrics labels, Redis keys and headers.
 _ID = re.compile(r"[\x21-\x7e]+")
@@ -23,6 +23,17 @@ def identifier(field: str, value: str, max_length: int) -> None:
         raise InvalidArgument(field, f"longer than {max_length} characters", length=len(value))
     if _ID.fullmatch(value) is None:
         raise InvalidArgument(field, "must be printable ASCII without spaces")
+
+
+_TEXT = re.compile(r"[\x20-\x7e]*")
+
+
+def text(field: str, value: str, max_length: int) -> None:
+    """Free text for people: printable ASCII (spaces allowed), bounded."""
+    if len(value) > max_length:
+        raise InvalidArgument(field, f"longer than {max_length} characters", length=len(value))
+    if _TEXT.fullmatch(value) is None:
+        raise InvalidArgument(field, "must be printable ASCII")
 
 
 def in_range(field: str, value: int, low: int, high: int) -> None:

@@ -9,9 +9,10 @@ from typing import Any, TypeVar, cast
 
 import grpc
 import structlog
-from google.protobuf import duration_pb2
+from google.protobuf import duration_pb2, timestamp_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from kvbridge import __version__
 from kvbridge._grpc_status import to_status
 from kvbridge.clients._registry import AsyncRegistryClient
 from kvbridge.errors import KvbridgeError, Unavailable
@@ -96,6 +97,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         self.metrics = metrics
         self.registry = registry
         self.config = table.config
+        self._started = time.monotonic()
 
     def _instance(self, i: Instance) -> pb.Instance:
         s = i.spec
@@ -187,6 +189,16 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             prefill_reason=pb.PREFILL_REASON_LEAST_LOADED,
             decode_reason=cast(pb.DecodeReason.ValueType, int(decision.decode_reason)),
             lease_holder_id=decision.lease_holder, explanation=decision.explanation)
+
+    @_rpc
+    async def GetServerInfo(self, request: pb.GetServerInfoRequest,
+                            context: Ctx) -> pb.GetServerInfoResponse:
+        now = time.time()
+        whole = int(now)
+        return pb.GetServerInfoResponse(
+            version=__version__,
+            current_time=timestamp_pb2.Timestamp(seconds=whole, nanos=int((now - whole) * 1e9)),
+            uptime=_duration(time.monotonic() - self._started))
 
     # ---- reads, for prefill connectors ------------------------------------------------------
 

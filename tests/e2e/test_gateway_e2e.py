@@ -8,6 +8,7 @@ computes the whole prompt, so equal outputs mean the KV read back from decode wa
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import signal
@@ -37,6 +38,8 @@ class Up:
     gateway: str
     decode_metrics: str
     model: str
+    registry: str
+    router: str
 
     def client(self, key: str = "sk-alice") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.gateway}/v1", api_key=key, max_retries=0,
@@ -75,8 +78,11 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         gateway = re.search(r"gateway\s+(http://\S+)/v1", text)
         decode = re.search(r"decode\s+\S+\s+\(connector metrics (\S+)\)", text)
         model = re.search(r"model\s+(\S+)", text)
-        assert gateway and decode and model, text
-        yield Up(process, gateway.group(1), decode.group(1), model.group(1))
+        registry = re.search(r"registry\s+(\S+)", text)
+        router = re.search(r"router\s+(\S+)", text)
+        assert gateway and decode and model and registry and router, text
+        yield Up(process, gateway.group(1), decode.group(1), model.group(1), registry.group(1),
+                 router.group(1))
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -108,8 +114,6 @@ def _complete(up: Up, prompt: list[int], conversation: str | None, key: str = "s
 def _leased(up: Up, conversation: str, key: str = "sk-alice") -> None:
     """Wait until decode's lease over the last turn is granted (it runs after the response,
     during the user's think time)."""
-    import json
-
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         req = urllib.request.Request(f"{up.gateway}/v1/conversations/{conversation}",
@@ -195,3 +199,18 @@ def test_keepalive_keeps_kv_past_idle_ttl_and_delete_frees_it(up: Up) -> None:
         _complete(up, _ids(11, 40), None)
         time.sleep(1)
     assert up.retained_blocks() == 0
+
+
+def test_doctor_finds_a_healthy_stack(up: Up) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "kvbridge.cli", "doctor", "--registry", up.registry, "--router",
+         up.router, "--gateway", up.gateway, "--json"],
+        capture_output=True, text=True, timeout=180)
+    findings = [json.loads(line) for line in result.stdout.splitlines()]
+    assert findings, result.stderr
+    assert not [f for f in findings if f["level"] == "fail"], findings
+    probe = [f for f in findings if f["check"] == "probe"]
+    assert probe and probe[0]["level"] == "ok" and "reused" in probe[0]["message"], findings
+    # Warnings here can only be timing heuristics (a slow read on this shared CPU).
+    assert all(f["check"] == "nixl" for f in findings if f["level"] == "warn"), findings
+    assert result.returncode == (1 if any(f["level"] != "ok" for f in findings) else 0)

@@ -182,6 +182,7 @@ class Holder(_message.Message):
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
     LEASE_COUNT_FIELD_NUMBER: _builtins.int
     RETAINED_BLOCKS_FIELD_NUMBER: _builtins.int
+    SOFTWARE_VERSION_FIELD_NUMBER: _builtins.int
     holder_id: _builtins.str
     """Engine id, unique in the fleet."""
     nixl_host: _builtins.str
@@ -197,6 +198,8 @@ class Holder(_message.Message):
     lease_count: _builtins.int
     """Active leases and the blocks they retain."""
     retained_blocks: _builtins.int
+    software_version: _builtins.str
+    """As registered, e.g. "kvbridge/0.1.0 vllm/0.32.0"."""
     @_builtins.property
     def ttl(self) -> _duration_pb2.Duration:
         """Heartbeat deadline: the holder is lost when this passes without a heartbeat."""
@@ -220,10 +223,11 @@ class Holder(_message.Message):
         expire_time: _timestamp_pb2.Timestamp | None = ...,
         lease_count: _builtins.int = ...,
         retained_blocks: _builtins.int = ...,
+        software_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["expire_time", b"expire_time", "expires_in", b"expires_in", "ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "engine_fingerprint", b"engine_fingerprint", "expire_time", b"expire_time", "expires_in", b"expires_in", "holder_id", b"holder_id", "lease_count", b"lease_count", "nixl_host", b"nixl_host", "nixl_port", b"nixl_port", "retained_blocks", b"retained_blocks", "state", b"state", "tp_size", b"tp_size", "ttl", b"ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "engine_fingerprint", b"engine_fingerprint", "expire_time", b"expire_time", "expires_in", b"expires_in", "holder_id", b"holder_id", "lease_count", b"lease_count", "nixl_host", b"nixl_host", "nixl_port", b"nixl_port", "retained_blocks", b"retained_blocks", "software_version", b"software_version", "state", b"state", "tp_size", b"tp_size", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -418,12 +422,15 @@ class RegisterHolderRequest(_message.Message):
     ENGINE_FINGERPRINT_FIELD_NUMBER: _builtins.int
     TTL_FIELD_NUMBER: _builtins.int
     HELD_LEASES_FIELD_NUMBER: _builtins.int
+    SOFTWARE_VERSION_FIELD_NUMBER: _builtins.int
     holder_id: _builtins.str
     nixl_host: _builtins.str
     nixl_port: _builtins.int
     tp_size: _builtins.int
     block_size: _builtins.int
     engine_fingerprint: _builtins.str
+    software_version: _builtins.str
+    """Free text, e.g. "kvbridge/0.1.0 vllm/0.32.0" (printable ASCII, at most 128 characters)."""
     @_builtins.property
     def ttl(self) -> _duration_pb2.Duration:
         """Heartbeat TTL; zero means the registry default."""
@@ -443,10 +450,11 @@ class RegisterHolderRequest(_message.Message):
         engine_fingerprint: _builtins.str = ...,
         ttl: _duration_pb2.Duration | None = ...,
         held_leases: _abc.Iterable[Global___LeaseSnapshot] | None = ...,
+        software_version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "engine_fingerprint", b"engine_fingerprint", "held_leases", b"held_leases", "holder_id", b"holder_id", "nixl_host", b"nixl_host", "nixl_port", b"nixl_port", "tp_size", b"tp_size", "ttl", b"ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "engine_fingerprint", b"engine_fingerprint", "held_leases", b"held_leases", "holder_id", b"holder_id", "nixl_host", b"nixl_host", "nixl_port", b"nixl_port", "software_version", b"software_version", "tp_size", b"tp_size", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1248,3 +1256,48 @@ class WatchLeasesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchLeasesResponse: _TypeAlias = WatchLeasesResponse  # noqa: Y015
+
+@_typing.final
+class GetServerInfoRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetServerInfoRequest: _TypeAlias = GetServerInfoRequest  # noqa: Y015
+
+@_typing.final
+class GetServerInfoResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    CURRENT_TIME_FIELD_NUMBER: _builtins.int
+    UPTIME_FIELD_NUMBER: _builtins.int
+    version: _builtins.str
+    """kvbridge version of the server."""
+    @_builtins.property
+    def current_time(self) -> _timestamp_pb2.Timestamp:
+        """The server's wall clock now (compare with yours for skew)."""
+
+    @_builtins.property
+    def uptime(self) -> _duration_pb2.Duration: ...
+    def __init__(
+        self,
+        *,
+        version: _builtins.str = ...,
+        current_time: _timestamp_pb2.Timestamp | None = ...,
+        uptime: _duration_pb2.Duration | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["current_time", b"current_time", "uptime", b"uptime"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_time", b"current_time", "uptime", b"uptime", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetServerInfoResponse: _TypeAlias = GetServerInfoResponse  # noqa: Y015

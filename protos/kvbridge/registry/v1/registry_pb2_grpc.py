@@ -90,6 +90,11 @@ class RegistryServiceStub:
                 request_serializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.ReleaseReadRequest.SerializeToString,
                 response_deserializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.ReleaseReadResponse.FromString,
                 _registered_method=True)
+        self.GetServerInfo = channel.unary_unary(
+                '/kvbridge.registry.v1.RegistryService/GetServerInfo',
+                request_serializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.GetServerInfoResponse.FromString,
+                _registered_method=True)
         self.WatchLeases = channel.unary_stream(
                 '/kvbridge.registry.v1.RegistryService/WatchLeases',
                 request_serializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.WatchLeasesRequest.SerializeToString,
@@ -183,6 +188,13 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetServerInfo(self, request, context):
+        """The registry's version and clock, for `kvbridge doctor` and dashboards.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchLeases(self, request, context):
         """Streams lease events, optionally filtered by holder or tenant.
         """
@@ -247,6 +259,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.ReleaseRead,
                     request_deserializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.ReleaseReadRequest.FromString,
                     response_serializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.ReleaseReadResponse.SerializeToString,
+            ),
+            'GetServerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerInfo,
+                    request_deserializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.GetServerInfoResponse.SerializeToString,
             ),
             'WatchLeases': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchLeases,
@@ -552,6 +569,33 @@ class RegistryService:
             '/kvbridge.registry.v1.RegistryService/ReleaseRead',
             kvbridge_dot_registry_dot_v1_dot_registry__pb2.ReleaseReadRequest.SerializeToString,
             kvbridge_dot_registry_dot_v1_dot_registry__pb2.ReleaseReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbridge.registry.v1.RegistryService/GetServerInfo',
+            kvbridge_dot_registry_dot_v1_dot_registry__pb2.GetServerInfoRequest.SerializeToString,
+            kvbridge_dot_registry_dot_v1_dot_registry__pb2.GetServerInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -76,6 +76,8 @@ class RegistryServiceStub:
     """Releases a read's pin. Idempotent.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
+    GetServerInfo: _grpc.UnaryUnaryMultiCallable[_registry_pb2.GetServerInfoRequest, _registry_pb2.GetServerInfoResponse]
+    """The registry's version and clock, for `kvbridge doctor` and dashboards."""
     WatchLeases: _grpc.UnaryStreamMultiCallable[_registry_pb2.WatchLeasesRequest, _registry_pb2.WatchLeasesResponse]
     """Streams lease events, optionally filtered by holder or tenant."""
 
@@ -114,6 +116,8 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     """Releases a read's pin. Idempotent.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
+    GetServerInfo: _aio.UnaryUnaryMultiCallable[_registry_pb2.GetServerInfoRequest, _registry_pb2.GetServerInfoResponse]  # type: ignore[assignment]
+    """The registry's version and clock, for `kvbridge doctor` and dashboards."""
     WatchLeases: _aio.UnaryStreamMultiCallable[_registry_pb2.WatchLeasesRequest, _registry_pb2.WatchLeasesResponse]  # type: ignore[assignment]
     """Streams lease events, optionally filtered by holder or tenant."""
 
@@ -215,6 +219,14 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         """Releases a read's pin. Idempotent.
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
+
+    @_abc_1.abstractmethod
+    def GetServerInfo(
+        self,
+        request: _registry_pb2.GetServerInfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_pb2.GetServerInfoResponse, _abc.Awaitable[_registry_pb2.GetServerInfoResponse]]:
+        """The registry's version and clock, for `kvbridge doctor` and dashboards."""
 
     @_abc_1.abstractmethod
     def WatchLeases(

@@ -61,6 +61,11 @@ class RouterServiceStub:
                 request_serializer=kvbridge_dot_router_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
                 response_deserializer=kvbridge_dot_router_dot_v1_dot_router__pb2.RouteResponse.FromString,
                 _registered_method=True)
+        self.GetServerInfo = channel.unary_unary(
+                '/kvbridge.router.v1.RouterService/GetServerInfo',
+                request_serializer=kvbridge_dot_router_dot_v1_dot_router__pb2.GetServerInfoRequest.SerializeToString,
+                response_deserializer=kvbridge_dot_router_dot_v1_dot_router__pb2.GetServerInfoResponse.FromString,
+                _registered_method=True)
         self.AcquireRead = channel.unary_unary(
                 '/kvbridge.router.v1.RouterService/AcquireRead',
                 request_serializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.AcquireReadRequest.SerializeToString,
@@ -112,6 +117,13 @@ class RouterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetServerInfo(self, request, context):
+        """The router's version and clock, for `kvbridge doctor` and dashboards.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AcquireRead(self, request, context):
         """The registry's AcquireRead, with the router's own view of which holders are alive.
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
@@ -155,6 +167,11 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.Route,
                     request_deserializer=kvbridge_dot_router_dot_v1_dot_router__pb2.RouteRequest.FromString,
                     response_serializer=kvbridge_dot_router_dot_v1_dot_router__pb2.RouteResponse.SerializeToString,
+            ),
+            'GetServerInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetServerInfo,
+                    request_deserializer=kvbridge_dot_router_dot_v1_dot_router__pb2.GetServerInfoRequest.FromString,
+                    response_serializer=kvbridge_dot_router_dot_v1_dot_router__pb2.GetServerInfoResponse.SerializeToString,
             ),
             'AcquireRead': grpc.unary_unary_rpc_method_handler(
                     servicer.AcquireRead,
@@ -303,6 +320,33 @@ class RouterService:
             '/kvbridge.router.v1.RouterService/Route',
             kvbridge_dot_router_dot_v1_dot_router__pb2.RouteRequest.SerializeToString,
             kvbridge_dot_router_dot_v1_dot_router__pb2.RouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetServerInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbridge.router.v1.RouterService/GetServerInfo',
+            kvbridge_dot_router_dot_v1_dot_router__pb2.GetServerInfoRequest.SerializeToString,
+            kvbridge_dot_router_dot_v1_dot_router__pb2.GetServerInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

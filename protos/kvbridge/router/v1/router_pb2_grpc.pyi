@@ -57,6 +57,8 @@ class RouterServiceStub:
     """Lists live instances."""
     Route: _grpc.UnaryUnaryMultiCallable[_router_pb2.RouteRequest, _router_pb2.RouteResponse]
     """Picks the prefill and the decode instance for one turn of a conversation."""
+    GetServerInfo: _grpc.UnaryUnaryMultiCallable[_router_pb2.GetServerInfoRequest, _router_pb2.GetServerInfoResponse]
+    """The router's version and clock, for `kvbridge doctor` and dashboards."""
     AcquireRead: _grpc.UnaryUnaryMultiCallable[_registry_pb2.AcquireReadRequest, _registry_pb2.AcquireReadResponse]
     """The registry's AcquireRead, with the router's own view of which holders are alive.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
@@ -81,6 +83,8 @@ class RouterServiceAsyncStub(RouterServiceStub):
     """Lists live instances."""
     Route: _aio.UnaryUnaryMultiCallable[_router_pb2.RouteRequest, _router_pb2.RouteResponse]  # type: ignore[assignment]
     """Picks the prefill and the decode instance for one turn of a conversation."""
+    GetServerInfo: _aio.UnaryUnaryMultiCallable[_router_pb2.GetServerInfoRequest, _router_pb2.GetServerInfoResponse]  # type: ignore[assignment]
+    """The router's version and clock, for `kvbridge doctor` and dashboards."""
     AcquireRead: _aio.UnaryUnaryMultiCallable[_registry_pb2.AcquireReadRequest, _registry_pb2.AcquireReadResponse]  # type: ignore[assignment]
     """The registry's AcquireRead, with the router's own view of which holders are alive.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
@@ -132,6 +136,14 @@ class RouterServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_router_pb2.RouteResponse, _abc.Awaitable[_router_pb2.RouteResponse]]:
         """Picks the prefill and the decode instance for one turn of a conversation."""
+
+    @_abc_1.abstractmethod
+    def GetServerInfo(
+        self,
+        request: _router_pb2.GetServerInfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_router_pb2.GetServerInfoResponse, _abc.Awaitable[_router_pb2.GetServerInfoResponse]]:
+        """The router's version and clock, for `kvbridge doctor` and dashboards."""
 
     @_abc_1.abstractmethod
     def AcquireRead(
