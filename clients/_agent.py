@@ -3,7 +3,9 @@
 Load comes from the engine's own Prometheus endpoint (`/metrics`: running and waiting
 requests, KV cache usage). An engine that does not answer is reported with its last load until
 its heartbeat TTL runs out: the agent then stops heartbeating, so the router drops it, and
-registers it again once it answers.
+registers it again once it answers. When the agent runs beside the engine process (`alive`),
+a slow answer from a live process (a CPU engine busy-polling its own cores) is not taken for
+a dead engine: heartbeats go on with the last load while the process runs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -53,6 +56,8 @@ class InstanceAgent:
     nixl_host: str = ""
     nixl_port: int = 0
     ttl: float = 10.0
+    alive: Callable[[], bool] | None = None  # the engine process is running
+    metrics_timeout_s: float = 5.0
 
     async def run(self, stop: asyncio.Event) -> None:
         """Register and heartbeat until `stop` is set; deregister on the way out."""
@@ -60,14 +65,18 @@ class InstanceAgent:
         load = EngineLoad()
         last_seen = 0.0
         loop = asyncio.get_running_loop()
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        timeout = aiohttp.ClientTimeout(total=self.metrics_timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as http:
             while not stop.is_set():
                 try:
                     async with http.get(f"{self.http_url}/metrics") as resp:
                         load = parse_vllm_metrics(await resp.text())
                     last_seen = loop.time()
                 except (aiohttp.ClientError, TimeoutError) as err:
-                    if loop.time() - last_seen > self.ttl:
+                    if self.alive is not None and self.alive():
+                        log.debug("engine_metrics_slow", instance=self.instance_id,
+                                  error=str(err) or type(err).__name__)
+                    elif loop.time() - last_seen > self.ttl:
                         if registered:
                             log.warning("engine_unreachable", instance=self.instance_id,
                                         url=self.http_url, error=str(err))

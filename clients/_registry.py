@@ -9,9 +9,6 @@ raise `kvbridge.errors` exceptions (`LeaseNotFound`, `Unavailable`, `DeadlineExc
 
 from __future__ import annotations
 
-import asyncio
-import random
-import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -20,21 +17,10 @@ import grpc
 from google.protobuf import duration_pb2
 
 from kvbridge._grpc_status import from_rpc_error
-from kvbridge.errors import DeadlineExceeded, KvbridgeError, Unavailable
+from kvbridge.clients._base import AsyncClient, SyncClient
+from kvbridge.errors import KvbridgeError, Unavailable
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
-
-DEFAULT_TIMEOUT = 2.0
-_RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
-_CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.enable_retries", 0),  # retries are ours, bounded by the call's deadline
-    # Reconnect soon after an outage (gRPC's default backoff grows to two minutes).
-    # (min_reconnect_backoff_ms is left alone: it is also the connection attempt's timeout.)
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
 
 
 def duration(seconds: float) -> duration_pb2.Duration:
@@ -46,10 +32,6 @@ def duration(seconds: float) -> duration_pb2.Duration:
 def seconds(d: duration_pb2.Duration) -> float:
     """Seconds in a google.protobuf.Duration."""
     return float(d.seconds + d.nanos * 1e-9)
-
-
-def _backoff(attempt: int) -> float:
-    return float(min(0.05 * 2**attempt, 0.5) * (0.5 + random.random() / 2))
 
 
 class _Requests:
@@ -104,44 +86,10 @@ class _Requests:
             include_blocks=include_blocks)
 
 
-class RegistryClient:
+class RegistryClient(SyncClient):
     """Blocking registry client. Thread-safe; one channel per client."""
 
-    def __init__(self, target: str, *, timeout: float = DEFAULT_TIMEOUT,
-                 retries: int = 3, channel: grpc.Channel | None = None) -> None:
-        self.target = target
-        self.timeout = timeout
-        self.retries = retries
-        self._channel = channel or grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
-        self._stub = pb_grpc.RegistryServiceStub(self._channel)
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> RegistryClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _call(self, method: str, request: Any, *, idempotent: bool,
-              timeout: float | None) -> Any:
-        budget = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + budget
-        attempt = 0
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DeadlineExceeded(f"{method} to {self.target}: no reply within {budget:g}s")
-            try:
-                return getattr(self._stub, method)(request, timeout=left)
-            except grpc.RpcError as err:
-                if (idempotent and attempt < self.retries and err.code() in _RETRYABLE
-                        and deadline - time.monotonic() > _backoff(attempt)):
-                    time.sleep(_backoff(attempt))
-                    attempt += 1
-                    continue
-                raise from_rpc_error(err) from None
+    stub_class = pb_grpc.RegistryServiceStub
 
     def register_holder(self, holder_id: str, nixl_host: str, nixl_port: int, block_size: int,
                         engine_fingerprint: str, tp_size: int = 1, ttl: float = 0.0,
@@ -251,50 +199,15 @@ class RegistryClient:
             stream.cancel()
 
 
-class AsyncRegistryClient:
+class AsyncRegistryClient(AsyncClient):
     """asyncio registry client; same methods as `RegistryClient`, awaitable."""
 
-    def __init__(self, target: str, *, timeout: float = DEFAULT_TIMEOUT,
-                 retries: int = 3, channel: grpc.aio.Channel | None = None) -> None:
-        self.target = target
-        self.timeout = timeout
-        self.retries = retries
-        self._channel = channel or grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
-        self._stub = pb_grpc.RegistryServiceStub(self._channel)
+    stub_class = pb_grpc.RegistryServiceStub
 
     @property
     def stub(self) -> pb_grpc.RegistryServiceStub:
         """The raw stub, for forwarding requests as they are (the router does)."""
         return self._stub
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def __aenter__(self) -> AsyncRegistryClient:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def _call(self, method: str, request: Any, *, idempotent: bool,
-                    timeout: float | None) -> Any:
-        budget = self.timeout if timeout is None else timeout
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget
-        attempt = 0
-        while True:
-            left = deadline - loop.time()
-            if left <= 0:
-                raise DeadlineExceeded(f"{method} to {self.target}: no reply within {budget:g}s")
-            try:
-                return await getattr(self._stub, method)(request, timeout=left)
-            except grpc.RpcError as err:
-                if (idempotent and attempt < self.retries and err.code() in _RETRYABLE
-                        and deadline - loop.time() > _backoff(attempt)):
-                    await asyncio.sleep(_backoff(attempt))
-                    attempt += 1
-                    continue
-                raise from_rpc_error(err) from None
 
     async def register_holder(self, holder_id: str, nixl_host: str, nixl_port: int,
                               block_size: int, engine_fingerprint: str, tp_size: int = 1,

@@ -1,24 +1,13 @@
-"""Routing service client (blocking): instance membership, routes, listing."""
+"""Routing service clients (blocking and asyncio): instance membership, routes, listing, and
+the registry's read API as the router serves it."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Sequence
-from typing import Any
 
-import grpc
-
-from kvbridge._grpc_status import from_rpc_error
-from kvbridge.clients._registry import (
-    _CHANNEL_OPTIONS,
-    _RETRYABLE,
-    DEFAULT_TIMEOUT,
-    _backoff,
-    _Requests,
-)
+from kvbridge.clients._base import AsyncClient, SyncClient
+from kvbridge.clients._registry import _Requests
 from kvbridge.clients._registry import duration as duration_pb
-from kvbridge.errors import DeadlineExceeded
 from kvbridge.registry.v1 import registry_pb2 as reg_pb
 from kvbridge.router.v1 import router_pb2 as pb
 from kvbridge.router.v1 import router_pb2_grpc as pb_grpc
@@ -26,44 +15,11 @@ from kvbridge.router.v1 import router_pb2_grpc as pb_grpc
 ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}
 
 
-class RouterClient:
+class RouterClient(SyncClient):
     """Blocking router client. Thread-safe; one channel per client. Every call is idempotent
     and retried on UNAVAILABLE within its deadline."""
 
-    def __init__(self, target: str, *, timeout: float = DEFAULT_TIMEOUT, retries: int = 3,
-                 channel: grpc.Channel | None = None) -> None:
-        self.target = target
-        self.timeout = timeout
-        self.retries = retries
-        self._channel = channel or grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
-        self._stub = pb_grpc.RouterServiceStub(self._channel)
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> RouterClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _call(self, method: str, request: Any, timeout: float | None) -> Any:
-        budget = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + budget
-        attempt = 0
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise DeadlineExceeded(f"{method} to {self.target}: no reply within {budget:g}s")
-            try:
-                return getattr(self._stub, method)(request, timeout=left)
-            except grpc.RpcError as err:
-                if (attempt < self.retries and err.code() in _RETRYABLE
-                        and deadline - time.monotonic() > _backoff(attempt)):
-                    time.sleep(_backoff(attempt))
-                    attempt += 1
-                    continue
-                raise from_rpc_error(err) from None
+    stub_class = pb_grpc.RouterServiceStub
 
     def register_instance(self, instance_id: str, role: str, http_url: str, engine_id: str,
                           model: str, nixl_host: str = "", nixl_port: int = 0,
@@ -73,7 +29,7 @@ class RouterClient:
             instance_id=instance_id, role=ROLES.get(role, pb.ROLE_UNSPECIFIED),
             http_url=http_url, engine_id=engine_id, model=model, nixl_host=nixl_host,
             nixl_port=nixl_port, ttl=duration_pb(ttl))
-        return self._call("RegisterInstance", req, timeout)
+        return self._call("RegisterInstance", req, timeout=timeout)
 
     def heartbeat(self, instance_id: str, running: int = 0, waiting: int = 0,
                   kv_usage: float = 0.0, tokens_in_flight: int = 0, *,
@@ -81,28 +37,28 @@ class RouterClient:
         req = pb.HeartbeatInstanceRequest(instance_id=instance_id, load=pb.Load(
             running_requests=running, waiting_requests=waiting, kv_usage=kv_usage,
             tokens_in_flight=tokens_in_flight))
-        return self._call("HeartbeatInstance", req, timeout)
+        return self._call("HeartbeatInstance", req, timeout=timeout)
 
     def deregister_instance(self, instance_id: str, *, timeout: float | None = None) -> bool:
         req = pb.DeregisterInstanceRequest(instance_id=instance_id)
-        return bool(self._call("DeregisterInstance", req, timeout).removed)
+        return bool(self._call("DeregisterInstance", req, timeout=timeout).removed)
 
     def list_instances(self, role: str = "", model: str = "", *,
                        timeout: float | None = None) -> list[pb.Instance]:
         req = pb.ListInstancesRequest(role=ROLES.get(role, pb.ROLE_UNSPECIFIED), model=model)
-        return list(self._call("ListInstances", req, timeout).instances)
+        return list(self._call("ListInstances", req, timeout=timeout).instances)
 
     def route(self, tenant: str, conversation_id: str, prompt_tokens: int, model: str = "",
               exclude: Sequence[str] = (), *, timeout: float | None = None) -> pb.RouteResponse:
         req = pb.RouteRequest(tenant=tenant, conversation_id=conversation_id,
                               prompt_tokens=prompt_tokens, model=model,
                               exclude_instance_ids=list(exclude))
-        resp: pb.RouteResponse = self._call("Route", req, timeout)
+        resp: pb.RouteResponse = self._call("Route", req, timeout=timeout)
         return resp
 
     def get_server_info(self, *, timeout: float | None = None) -> pb.GetServerInfoResponse:
         resp: pb.GetServerInfoResponse = self._call("GetServerInfo", pb.GetServerInfoRequest(),
-                                                    timeout)
+                                                    timeout=timeout)
         return resp
 
     # The registry's read API, as the router serves it (same signatures as RegistryClient's),
@@ -114,45 +70,17 @@ class RouterClient:
                      ) -> reg_pb.AcquireReadResponse:
         req = _Requests.acquire_read(tenant, conversation_id, block_hashes, min_tokens,
                                      pin_ttl, reader_id, request_id)
-        return self._call("AcquireRead", req, timeout)
+        return self._call("AcquireRead", req, timeout=timeout)
 
     def release_read(self, pin_id: str, *, timeout: float | None = None) -> bool:
         req = reg_pb.ReleaseReadRequest(pin_id=pin_id)
-        return bool(self._call("ReleaseRead", req, timeout).released)
+        return bool(self._call("ReleaseRead", req, timeout=timeout).released)
 
 
-class AsyncRouterClient:
-    """asyncio router client for the gateway: routes and instance listing."""
+class AsyncRouterClient(AsyncClient):
+    """asyncio router client (the gateway's, the instance agent's)."""
 
-    def __init__(self, target: str, *, timeout: float = DEFAULT_TIMEOUT, retries: int = 1,
-                 channel: grpc.aio.Channel | None = None) -> None:
-        self.target = target
-        self.timeout = timeout
-        self.retries = retries
-        self._channel = channel or grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
-        self._stub = pb_grpc.RouterServiceStub(self._channel)
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-    async def _call(self, method: str, request: Any, timeout: float | None) -> Any:
-        budget = self.timeout if timeout is None else timeout
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget
-        attempt = 0
-        while True:
-            left = deadline - loop.time()
-            if left <= 0:
-                raise DeadlineExceeded(f"{method} to {self.target}: no reply within {budget:g}s")
-            try:
-                return await getattr(self._stub, method)(request, timeout=left)
-            except grpc.aio.AioRpcError as err:
-                if (attempt < self.retries and err.code() in _RETRYABLE
-                        and deadline - loop.time() > _backoff(attempt)):
-                    await asyncio.sleep(_backoff(attempt))
-                    attempt += 1
-                    continue
-                raise from_rpc_error(err) from None
+    stub_class = pb_grpc.RouterServiceStub
 
     async def route(self, tenant: str, conversation_id: str, prompt_tokens: int,
                     model: str = "", exclude: Sequence[str] = (), *,
@@ -160,12 +88,12 @@ class AsyncRouterClient:
         req = pb.RouteRequest(tenant=tenant, conversation_id=conversation_id,
                               prompt_tokens=prompt_tokens, model=model,
                               exclude_instance_ids=list(exclude))
-        return await self._call("Route", req, timeout)
+        return await self._call("Route", req, timeout=timeout)
 
     async def list_instances(self, role: str = "", model: str = "", *,
                              timeout: float | None = None) -> list[pb.Instance]:
         req = pb.ListInstancesRequest(role=ROLES.get(role, pb.ROLE_UNSPECIFIED), model=model)
-        return list((await self._call("ListInstances", req, timeout)).instances)
+        return list((await self._call("ListInstances", req, timeout=timeout)).instances)
 
     async def register_instance(self, instance_id: str, role: str, http_url: str,
                                 engine_id: str, model: str, nixl_host: str = "",
@@ -175,7 +103,7 @@ class AsyncRouterClient:
             instance_id=instance_id, role=ROLES.get(role, pb.ROLE_UNSPECIFIED),
             http_url=http_url, engine_id=engine_id, model=model, nixl_host=nixl_host,
             nixl_port=nixl_port, ttl=duration_pb(ttl))
-        return await self._call("RegisterInstance", req, timeout)
+        return await self._call("RegisterInstance", req, timeout=timeout)
 
     async def heartbeat(self, instance_id: str, running: int = 0, waiting: int = 0,
                         kv_usage: float = 0.0, tokens_in_flight: int = 0, *,
@@ -183,9 +111,9 @@ class AsyncRouterClient:
         req = pb.HeartbeatInstanceRequest(instance_id=instance_id, load=pb.Load(
             running_requests=running, waiting_requests=waiting, kv_usage=kv_usage,
             tokens_in_flight=tokens_in_flight))
-        return await self._call("HeartbeatInstance", req, timeout)
+        return await self._call("HeartbeatInstance", req, timeout=timeout)
 
     async def deregister_instance(self, instance_id: str, *,
                                   timeout: float | None = None) -> bool:
         req = pb.DeregisterInstanceRequest(instance_id=instance_id)
-        return bool((await self._call("DeregisterInstance", req, timeout)).removed)
+        return bool((await self._call("DeregisterInstance", req, timeout=timeout)).removed)

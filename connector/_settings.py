@@ -32,7 +32,7 @@ class ConnectorSettings:
     also refuses KV held by engines it knows are dead. Decode always talks to the registry."""
     read_deadline_s: float = 0.05
     """Prefill: how long a request may wait for its AcquireRead before recomputing."""
-    rpc_timeout_s: float = 1.0
+    rpc_timeout_s: float = 2.0
     """Deadline of control-plane calls off the time-to-first-token path."""
     pin_ttl_s: float = 10.0
     """Prefill: pin duration asked for a read."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -42,3 +43,23 @@ def run(main: Coroutine[Any, Any, _T]) -> _T:
 
         return uvloop.run(main)
     return asyncio.run(main)
+
+
+async def wait_for_stop_signal() -> str:
+    """Wait for SIGTERM or SIGINT (services stop gracefully on either); returns its name."""
+    stop = asyncio.Event()
+    received: list[str] = []
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        received.append(sig.name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return received[0]

@@ -26,6 +26,18 @@ T = TypeVar("T")
 ENV_PREFIX = "KVBRIDGE_"
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("json", "console", "auto")
+
+
+def check_logging(level: str, fmt: str) -> None:
+    """Validate a service's log_level and log_format settings."""
+    if level not in LOG_LEVELS:
+        raise ValueError(f"log_level must be {'|'.join(LOG_LEVELS)}, got {level!r}")
+    if fmt not in LOG_FORMATS:
+        raise ValueError(f"log_format must be {'|'.join(LOG_FORMATS)}, got {fmt!r}")
+
+
 def setting(default: Any, help: str, *, env: str | None = None) -> Any:
     """A config field with its help text (and optionally an explicit env var name)."""
     return dataclasses.field(default=default, metadata={"help": help, "env": env})

@@ -131,7 +131,8 @@ async def _run(spec: Any, process: subprocess.Popen[bytes], router: str, ttl: fl
         if router and not exited.done() and not stopping.is_set():
             client = AsyncRouterClient(router, timeout=2.0)
             agent = InstanceAgent(client, spec.engine_id, spec.role, spec.url, spec.engine_id,
-                                  model_name, spec.advertise_host, spec.nixl_port, ttl)
+                                  model_name, spec.advertise_host, spec.nixl_port, ttl,
+                                  alive=lambda: process.poll() is None)
             agent_task = asyncio.ensure_future(agent.run(agent_stop))
         stopper: asyncio.Future[Any] = asyncio.ensure_future(stopping.wait())
         await asyncio.wait({exited, stopper}, return_when=asyncio.FIRST_COMPLETED)

@@ -77,9 +77,10 @@ async def run_stack(opts: UpOptions, stop: asyncio.Event,
                                                   registry=registry.address, metrics_listen=""))
         await router.start()
         cleanups.append(lambda: router.stop(1.0))
+        # CPU engines share this machine's cores with everything here: generous deadlines.
         gateway = await start_gateway(GatewayConfig(
             listen=opts.gateway_listen, router=router.address, registry=registry.address,
-            api_keys_file=opts.api_keys_file))
+            api_keys_file=opts.api_keys_file, route_timeout_s=5.0))
         cleanups.append(gateway.stop)
         urls = Urls(gateway.url, registry.address, router.address)
         if opts.cpu_engines:
@@ -123,9 +124,10 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
     for role, cpu in (("prefill", 0), ("decode", 1 % cpus)):
         metrics_port = _free_port()
         settings: dict[str, Any] = {"read_deadline_s": opts.read_deadline_s, "router": router,
-                                    "metrics_port": metrics_port}
+                                    "metrics_port": metrics_port, "rpc_timeout_s": 5.0}
         if role == "decode":
-            settings = {"idle_ttl_s": opts.idle_ttl_s, "metrics_port": metrics_port}
+            settings = {"idle_ttl_s": opts.idle_ttl_s, "metrics_port": metrics_port,
+                        "rpc_timeout_s": 5.0}
         urls.connector_metrics[role] = f"http://127.0.0.1:{metrics_port}/metrics"
         spec = EngineSpec(role, str(model), _free_port(), _free_port(), f"kvbridge-{role}-0",
                           registry, cpu=cpu, kvbridge=settings, served_name=name,
@@ -152,9 +154,12 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
         log.info("engine_ready", role=engine.spec.role, url=engine.spec.url)
     client = router_client_cls(router, timeout=2.0)
     agents_stop = asyncio.Event()
+    # CPU engines busy-poll their cores and can answer /metrics late; the agents know their
+    # processes, so only a process that exits drops an engine from the router.
     tasks = [asyncio.ensure_future(agent_cls(
         client, f"{e.spec.role}-0", e.spec.role, e.spec.url, e.spec.engine_id, name,
-        "127.0.0.1", e.spec.nixl_port, ttl=10.0).run(agents_stop)) for e in engines]
+        "127.0.0.1", e.spec.nixl_port, ttl=30.0,
+        alive=lambda e=e: e.process.poll() is None).run(agents_stop)) for e in engines]
 
     async def stop_agents() -> None:
         agents_stop.set()

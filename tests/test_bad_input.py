@@ -147,6 +147,9 @@ CASES.update({
     "register-fingerprint-non-printable": invalid(
         "RegisterHolder", lambda w: holder_req(w, engine_fingerprint="fp\t1"),
         "engine_fingerprint"),
+    "register-software-version-non-printable": invalid(
+        "RegisterHolder", lambda w: holder_req(w, software_version="kvbridge/1\n"),
+        "software_version"),
     "register-ttl-negative": invalid("RegisterHolder", lambda w: holder_req(w, ttl=dur(-5)),
                                      "ttl"),
     "register-ttl-negative-nanos": invalid(
@@ -356,7 +359,8 @@ async def test_bad_request_is_refused_with_status_and_changes_nothing(
 
 def test_every_rpc_has_a_bad_input_case():
     methods = set(pb.DESCRIPTOR.services_by_name["RegistryService"].methods_by_name)
-    covered = {c.method for c in CASES.values()} | {"WatchLeases"}
+    # GetServerInfo takes no input.
+    covered = {c.method for c in CASES.values()} | {"WatchLeases", "GetServerInfo"}
     assert covered == methods
 
 

@@ -214,7 +214,8 @@ class Gateway:
 
     async def _start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s, connect=5))
+            timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s,
+                                          connect=self.config.connect_timeout_s))
 
     async def _stop(self, app: web.Application) -> None:
         if self.session is not None:

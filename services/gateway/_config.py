@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from kvbridge.config import setting
+from kvbridge.config import check_logging, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,8 +24,10 @@ class GatewayConfig:
         "", "file of 'API_KEY TENANT' lines: only these keys are accepted, each mapped to its "
         "tenant. Empty: open mode, any bearer token is accepted and names its own tenant (a "
         "hash of it), and a request without one is tenant 'anonymous'")
-    route_timeout_s: float = setting(1.0, "deadline of the Route call to the router")
+    route_timeout_s: float = setting(2.0, "deadline of the Route call to the router")
     request_timeout_s: float = setting(600.0, "longest a prefill or decode request may take")
+    connect_timeout_s: float = setting(
+        10.0, "longest to wait for a connection to an engine before trying another instance")
     max_body_bytes: int = setting(8 * 1024 * 1024, "largest request body accepted")
     retries: int = setting(
         1, "times a turn is sent to another instance when an engine cannot be reached before "
@@ -34,14 +36,12 @@ class GatewayConfig:
     log_format: str = setting("auto", "json, console, or auto (JSON unless on a terminal)")
 
     def __post_init__(self) -> None:
-        for name in ("route_timeout_s", "request_timeout_s", "max_body_bytes"):
+        for name in ("route_timeout_s", "request_timeout_s", "connect_timeout_s",
+                     "max_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.retries <= 8:
             raise ValueError("retries must be between 0 and 8")
         if not self.router:
             raise ValueError("router is required")
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ValueError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
-        if self.log_format not in ("json", "console", "auto"):
-            raise ValueError(f"log_format must be json|console|auto, got {self.log_format!r}")
+        check_logging(self.log_level, self.log_format)

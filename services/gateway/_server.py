@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import signal
 from dataclasses import dataclass
 
 import structlog
 from aiohttp import web
 
-from kvbridge import logs
+from kvbridge import aio, logs
 from kvbridge.clients._registry import AsyncRegistryClient
 from kvbridge.clients._router import AsyncRouterClient
 from kvbridge.services.gateway._app import Gateway, Tenants
@@ -65,12 +64,8 @@ async def start_gateway(config: GatewayConfig) -> GatewayServer:
 async def serve(config: GatewayConfig, *, ready: asyncio.Event | None = None) -> None:
     logs.configure(config.log_level, config.log_format)
     server = await start_gateway(config)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     if ready is not None:
         ready.set()
-    await stop.wait()
+    await aio.wait_for_stop_signal()
     log.info("gateway_shutting_down")
     await server.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from kvbridge.config import setting
+from kvbridge.config import check_logging, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,10 +78,7 @@ class RegistryConfig:
                 "need min_holder_ttl_s <= default_holder_ttl_s <= max_holder_ttl_s")
         if self.recovery_grace_s != -1.0 and self.recovery_grace_s < self.max_pin_ttl_s:
             raise ValueError("recovery_grace_s must be at least max_pin_ttl_s (or -1 for auto)")
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ValueError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
-        if self.log_format not in ("json", "console", "auto"):
-            raise ValueError(f"log_format must be json|console|auto, got {self.log_format!r}")
+        check_logging(self.log_level, self.log_format)
 
     @property
     def effective_recovery_grace_s(self) -> float:

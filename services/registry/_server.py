@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import signal
 import time
 from dataclasses import dataclass, field
 
@@ -16,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from kvbridge import logs
+from kvbridge import aio, logs
 from kvbridge.clock import Clock, SystemClock
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
@@ -159,13 +158,9 @@ async def serve(config: RegistryConfig, *, ready: asyncio.Event | None = None) -
     if config.gc_freeze_interval_s > 0:
         gc_task = asyncio.create_task(
             _tame_gc(config.gc_freeze_interval_s, config.gc_full_interval_s))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     if ready is not None:
         ready.set()
-    await stop.wait()
+    await aio.wait_for_stop_signal()
     log.info("registry_shutting_down", grace_s=config.shutdown_grace_s)
     if gc_task is not None:
         gc_task.cancel()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from kvbridge.config import setting
+from kvbridge.config import check_logging, setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,4 @@ class RouterConfig:
             raise ValueError("decode_load_margin must not be negative")
         if not 0.0 < self.decode_max_kv_usage <= 1.0:
             raise ValueError("decode_max_kv_usage must be in (0, 1]")
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            raise ValueError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
-        if self.log_format not in ("json", "console", "auto"):
-            raise ValueError(f"log_format must be json|console|auto, got {self.log_format!r}")
+        check_logging(self.log_level, self.log_format)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 from dataclasses import dataclass, field
 
 import grpc
@@ -13,7 +12,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from kvbridge import logs
+from kvbridge import aio, logs
 from kvbridge.clients._registry import AsyncRegistryClient
 from kvbridge.clock import Clock, SystemClock
 from kvbridge.router.v1 import router_pb2 as pb
@@ -110,12 +109,8 @@ async def serve(config: RouterConfig, *, ready: asyncio.Event | None = None) -> 
     logs.configure(config.log_level, config.log_format)
     router = await create_server(config)
     await router.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     if ready is not None:
         ready.set()
-    await stop.wait()
+    await aio.wait_for_stop_signal()
     log.info("router_shutting_down", grace_s=config.shutdown_grace_s)
     await router.stop()

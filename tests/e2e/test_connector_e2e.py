@@ -89,7 +89,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     decode = start_engine(EngineSpec(
         "decode", str(model), free_port(), free_port(), "e2e-decode", registry.address,
         cpu=1, kvbridge={"metrics_port": dm, "idle_ttl_s": DECODE_IDLE_TTL,
-                         "holder_ttl_s": 10.0}), work)
+                         "holder_ttl_s": 10.0, "rpc_timeout_s": 5.0}), work)
     try:
         wait_ready(prefill)
         wait_ready(decode)
@@ -229,7 +229,7 @@ def test_decode_killed_between_turns_fails_over_to_recompute(
     new_decode = start_engine(EngineSpec(
         "decode", stack.model, free_port(), free_port(), "e2e-decode-2", spec.registry,
         cpu=1, kvbridge={"metrics_port": dm, "idle_ttl_s": DECODE_IDLE_TTL,
-                         "holder_ttl_s": 10.0}), tmp_path)
+                         "holder_ttl_s": 10.0, "rpc_timeout_s": 5.0}), tmp_path)
     wait_ready(new_decode)
     stack.decode, stack.decode_metrics = new_decode, dm
     assert stack.turn(history, key) == stack.turn(history, None)

@@ -98,7 +98,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     decode = start_engine(EngineSpec(
         "decode", str(model), free_port(), free_port(), "pressure-decode", registry.address,
         cpu=1, max_model_len=MAX_LEN, kv_cache_bytes=POOL_BYTES,
-        kvbridge={"metrics_port": dm, "idle_ttl_s": IDLE_TTL, "holder_ttl_s": 10.0}), work)
+        kvbridge={"metrics_port": dm, "idle_ttl_s": IDLE_TTL, "holder_ttl_s": 10.0,
+                  "rpc_timeout_s": 5.0}), work)
     try:
         wait_ready(prefill)
         wait_ready(decode)
