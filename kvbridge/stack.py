@@ -41,7 +41,7 @@ class UpOptions:
     model: Path | None = None
     work_dir: Path = field(default_factory=lambda: Path(".kvbridge"))
     idle_ttl_s: float = 120.0
-    read_deadline_s: float = 2.0
+    read_deadline_s: float = 5.0  # CPU engines busy-poll the cores the control plane shares
     api_keys_file: str = ""
     engine_timeout_s: float = 600.0
 
