@@ -55,9 +55,10 @@ async def run_demo(gateway: str, *, turns: int = 5, model: str = "", as_json: bo
                 await _sleep(think_s)  # the user reads; decode grants its lease meanwhile
             async with http.get(f"{gateway}/v1/conversations/{conversation}") as resp:
                 record["lease"] = (await resp.json()) if resp.status == 200 else None
+            answer = record.pop("answer")
             records.append(record)
             _print_turn(record, as_json)
-            messages.append({"role": "assistant", "content": record.pop("answer")})
+            messages.append({"role": "assistant", "content": answer})
             messages.append({"role": "user", "content": _text(rng, turn_words)})
         if not keep:
             async with http.delete(f"{gateway}/v1/conversations/{conversation}") as resp:
