@@ -407,3 +407,35 @@ async def test_health_without_router(unused_tcp_port: int) -> None:
                 assert resp.status == 501
     finally:
         await server.stop()
+
+
+@pytest.mark.parametrize(("wait", "reason"), [(0.3, "holds_lease"), (0.0, "no_lease")])
+async def test_fast_follow_up_waits_for_the_previous_turns_lease(
+        registry_server: RegistryServer, tmp_path: Path, kv: Any, wait: float,
+        reason: str) -> None:
+    """A tool result sent right after a turn can beat decode's background grant over that
+    turn; the gateway waits (briefly, only then) for the lease, so the turn goes back to the
+    decode instance holding it."""
+    import asyncio
+
+    s = await make_stack(registry_server, tmp_path, lease_wait_s=wait)
+    try:
+        await client(s).completions.create(model=MODEL, prompt="hi", max_tokens=1,
+                                           extra_body={"conversation_id": "c-fast"})
+        tenant = s.engines["p0"].received[0]["kv_transfer_params"]["kvbridge"]["tenant"]
+        reg = s.registry_client
+        await reg.register_holder("engine-d0", "127.0.0.1", 5600, kv.block_size,
+                                  kv.fingerprint, ttl=60)
+
+        async def grant_soon() -> None:  # as decode's grant thread would, 100 ms later
+            await asyncio.sleep(0.1)
+            await reg.grant_lease("engine-d0", tenant, "c-fast", "req-f", [1, 2], 8,
+                                  kv.lease_hashes(kv.tokens(8)))
+
+        granting = asyncio.create_task(grant_soon())
+        raw = await client(s).completions.with_raw_response.create(
+            model=MODEL, prompt="hi", max_tokens=1, extra_body={"conversation_id": "c-fast"})
+        await granting
+        assert raw.headers["x-kvbridge-decode-reason"] == reason
+    finally:
+        await close(s)

@@ -15,6 +15,7 @@ import hashlib
 import json
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ log = structlog.get_logger("kvbridge.gateway")
 
 _ID = re.compile(r"[\x21-\x7e]{1,256}")
 CONVERSATION_HEADER = "X-Conversation-Id"
+_RECENT_CONVERSATIONS = 100_000
 _OUTCOME_FIELDS = ("kvbridge_decision", "kvbridge_reused_tokens", "kvbridge_recomputed_tokens",
                    "kvbridge_transfer_ms", "kvbridge_mismatch_block")
 
@@ -191,6 +193,8 @@ class Gateway:
         self.metrics = Metrics()
         self.session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[Any]] = set()
+        # When each recent conversation's last turn ended (monotonic), most recent last.
+        self._ended: OrderedDict[tuple[str, str], float] = OrderedDict()
 
     # ---- the application --------------------------------------------------------------------
 
@@ -283,13 +287,17 @@ class Gateway:
             raise HttpError(400, "kv_transfer_params is set by the gateway, not by clients")
         turn = _Turn(tenant, conversation, model)
         if conversation and self.registry is not None:
+            await self._await_previous_lease(tenant, conversation)
             self._in_background(self._renew(tenant, conversation))
         excluded: list[str] = []
         try:
             while True:
                 turn.attempts += 1
                 try:
-                    return await self._attempt(request, path, chat, body, turn, excluded)
+                    response = await self._attempt(request, path, chat, body, turn, excluded)
+                    if conversation and response.status == 200:
+                        self._turn_ended(tenant, conversation)
+                    return response
                 except _EngineDown as down:
                     if turn.attempts > self.config.retries:
                         raise HttpError(502, str(down), "engine_error",
@@ -405,6 +413,39 @@ class Gateway:
                  attempts=turn.attempts)
 
     # ---- conversations ----------------------------------------------------------------------
+
+    def _turn_ended(self, tenant: str, conversation: str) -> None:
+        key = (tenant, conversation)
+        self._ended[key] = time.monotonic()
+        self._ended.move_to_end(key)
+        while len(self._ended) > _RECENT_CONVERSATIONS:
+            self._ended.popitem(last=False)
+
+    async def _await_previous_lease(self, tenant: str, conversation: str) -> None:
+        """A follow-up right after a turn (a tool result, say) may arrive before decode's
+        background grant over that turn lands; without a lease it would reuse nothing. Wait a
+        little for it, only then, and only while the conversation has no lease at all (an
+        older lease still covers a prefix and is read at once)."""
+        wait = self.config.lease_wait_s
+        ended = self._ended.get((tenant, conversation))
+        if not wait or ended is None:
+            return
+        deadline = ended + wait
+        if time.monotonic() >= deadline:
+            return
+        assert self.registry is not None
+        while True:
+            try:
+                page = await self.registry.list_leases(
+                    tenant=tenant, conversation_id=conversation, page_size=1, timeout=wait)
+            except KvbridgeError:
+                return
+            if any(lease.state == reg_pb.LEASE_STATE_ACTIVE for lease in page.leases):
+                return
+            if time.monotonic() >= deadline:
+                log.debug("lease_wait_expired", tenant=tenant, conversation=conversation)
+                return
+            await asyncio.sleep(0.01)
 
     def _in_background(self, coro: Awaitable[Any]) -> None:
         task: asyncio.Task[Any] = asyncio.ensure_future(coro)

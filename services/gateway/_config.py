@@ -29,6 +29,10 @@ class GatewayConfig:
     connect_timeout_s: float = setting(
         10.0, "longest to wait for a connection to an engine before trying another instance")
     max_body_bytes: int = setting(8 * 1024 * 1024, "largest request body accepted")
+    lease_wait_s: float = setting(
+        0.3, "when a conversation's next turn arrives this soon after its previous turn ended "
+        "and the conversation has no lease yet (decode grants it in the background), wait up "
+        "to this long for it, so that fast follow-ups (tool results) reuse KV; 0 disables")
     retries: int = setting(
         1, "times a turn is sent to another instance when an engine cannot be reached before "
         "anything was streamed")
@@ -40,6 +44,8 @@ class GatewayConfig:
                      "max_body_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.lease_wait_s <= 5.0:
+            raise ValueError("lease_wait_s must be between 0 and 5")
         if not 0 <= self.retries <= 8:
             raise ValueError("retries must be between 0 and 8")
         if not self.router:
