@@ -18,7 +18,8 @@ def free_port() -> int:
 
 
 def metrics(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    # Generous: the endpoint is a thread of a CPU engine that busy-polls its core.
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("kvbridge_connector") and not line.startswith("#"):
@@ -55,3 +56,27 @@ class Registry:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             self.process.wait(20)
+
+
+def lease_epoch(registry: str, tenant: str, conversation: str) -> int:
+    """The epoch of the conversation's active lease (0 when it has none)."""
+    from kvbridge.clients import RegistryClient
+    from kvbridge.registry.v1 import registry_pb2 as pb
+
+    with RegistryClient(registry, timeout=10) as client:
+        leases = client.list_leases(tenant=tenant, conversation_id=conversation).leases
+    return max((int(x.epoch) for x in leases if x.state == pb.LEASE_STATE_ACTIVE), default=0)
+
+
+def wait_for_newer_lease(registry: str, tenant: str, conversation: str, epoch: int,
+                         timeout: float = 20.0) -> int:
+    """Wait until decode's background grant over the last turn is in the registry: an active
+    lease of the conversation newer than `epoch`. Returns its epoch."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = lease_epoch(registry, tenant, conversation)
+        if now > epoch:
+            return now
+        if time.monotonic() > deadline:
+            raise AssertionError(f"decode granted no lease over {conversation} in {timeout}s")
+        time.sleep(0.1)

