@@ -4,6 +4,7 @@ conversation's lease after the turn."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
@@ -52,7 +53,7 @@ async def run_demo(gateway: str, *, turns: int = 5, model: str = "", as_json: bo
             record = await _turn(http, gateway, model, messages, conversation, max_tokens)
             record["turn"] = turn
             if think_s:
-                await _sleep(think_s)  # the user reads; decode grants its lease meanwhile
+                await asyncio.sleep(think_s)  # the user reads; decode grants its lease meanwhile
             async with http.get(f"{gateway}/v1/conversations/{conversation}") as resp:
                 record["lease"] = (await resp.json()) if resp.status == 200 else None
             answer = record.pop("answer")
@@ -129,12 +130,6 @@ async def _json_or_fail(resp: aiohttp.ClientResponse, what: str) -> dict[str, An
         raise click.ClickException(f"{what}: HTTP {resp.status}: {(await resp.text())[:300]}")
     data = await resp.json()
     return data if isinstance(data, dict) else {}
-
-
-async def _sleep(seconds: float) -> None:
-    import asyncio
-
-    await asyncio.sleep(seconds)
 
 
 @click.command("demo")

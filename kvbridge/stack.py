@@ -59,8 +59,6 @@ class Urls:
 async def run_stack(opts: UpOptions, stop: asyncio.Event,
                     on_ready: Callable[[Urls], Awaitable[None]] | None = None) -> None:
     """Start everything, call `on_ready` (or wait for `stop`), then stop everything."""
-    from kvbridge.clients._agent import InstanceAgent
-    from kvbridge.clients._router import AsyncRouterClient
     from kvbridge.services.gateway import GatewayConfig, start_gateway
     from kvbridge.services.registry import RegistryConfig
     from kvbridge.services.registry import create_server as create_registry
@@ -85,7 +83,7 @@ async def run_stack(opts: UpOptions, stop: asyncio.Event,
         urls = Urls(gateway.url, registry.address, router.address)
         if opts.cpu_engines:
             await _start_cpu_engines(opts, registry.address, router.address, urls, cleanups,
-                                     stop, InstanceAgent, AsyncRouterClient)
+                                     stop)
         if stop.is_set():
             return
         if on_ready is not None:
@@ -103,8 +101,10 @@ async def run_stack(opts: UpOptions, stop: asyncio.Event,
 
 
 async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: Urls,
-                             cleanups: list[Callable[[], Awaitable[None]]], stop: asyncio.Event,
-                             agent_cls: Any, router_client_cls: Any) -> None:
+                             cleanups: list[Callable[[], Awaitable[None]]], stop: asyncio.Event
+                             ) -> None:
+    from kvbridge.clients._agent import InstanceAgent
+    from kvbridge.clients._router import AsyncRouterClient
     from kvbridge.engines import EngineSpec, start_engine, wait_ready
     from kvbridge.tiny_model import TinyModelSpec, make_tiny
 
@@ -152,14 +152,14 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
         waiter.result()
         urls.engines[engine.spec.role] = engine.spec.url
         log.info("engine_ready", role=engine.spec.role, url=engine.spec.url)
-    client = router_client_cls(router, timeout=2.0)
+    client = AsyncRouterClient(router, timeout=2.0)
     agents_stop = asyncio.Event()
     # CPU engines busy-poll their cores and can answer /metrics late; the agents know their
     # processes, so only a process that exits drops an engine from the router.
-    tasks = [asyncio.ensure_future(agent_cls(
+    tasks = [asyncio.ensure_future(InstanceAgent(
         client, f"{e.spec.role}-0", e.spec.role, e.spec.url, e.spec.engine_id, name,
         "127.0.0.1", e.spec.nixl_port, ttl=30.0,
-        alive=lambda e=e: e.process.poll() is None).run(agents_stop)) for e in engines]
+        alive=_running(e.process)).run(agents_stop)) for e in engines]
 
     async def stop_agents() -> None:
         agents_stop.set()
@@ -174,6 +174,10 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
             return
         await asyncio.sleep(0.1)
     raise click.ClickException("the engines did not register with the router")
+
+
+def _running(process: Any) -> Callable[[], bool]:
+    return lambda: process.poll() is None
 
 
 def _print_ready(urls: Urls) -> None:
