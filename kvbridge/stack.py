@@ -7,12 +7,13 @@ started.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
 import sys
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,8 @@ class UpOptions:
     read_deadline_s: float = 5.0  # CPU engines busy-poll the cores the control plane shares
     api_keys_file: str = ""
     engine_timeout_s: float = 600.0
+    max_model_len: int = 2048
+    ready_json: Path | None = None  # where to write the URLs (JSON) once everything is up
 
 
 @dataclass
@@ -86,6 +89,8 @@ async def run_stack(opts: UpOptions, stop: asyncio.Event,
                                      stop)
         if stop.is_set():
             return
+        if opts.ready_json is not None:
+            _write_ready_json(opts.ready_json, urls)
         if on_ready is not None:
             await on_ready(urls)
         else:
@@ -131,7 +136,7 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
         urls.connector_metrics[role] = f"http://127.0.0.1:{metrics_port}/metrics"
         spec = EngineSpec(role, str(model), _free_port(), _free_port(), f"kvbridge-{role}-0",
                           registry, cpu=cpu, kvbridge=settings, served_name=name,
-                          log_stats=True)
+                          log_stats=True, max_model_len=opts.max_model_len)
         engine = start_engine(spec, work)
         engines.append(engine)
 
@@ -176,6 +181,13 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
     raise click.ClickException("the engines did not register with the router")
 
 
+def _write_ready_json(path: Path, urls: Urls) -> None:
+    """For scripts: the URLs, written whole (rename) so that a reader never sees half."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(asdict(urls), indent=2) + "\n")
+    tmp.replace(path)
+
+
 def _running(process: Any) -> Callable[[], bool]:
     return lambda: process.poll() is None
 
@@ -215,11 +227,17 @@ def _print_ready(urls: Urls) -> None:
               help="run a conversation of this many turns through the gateway, print it, and "
                    "stop (needs --cpu-engines)")
 @click.option("--json", "as_json", is_flag=True, help="with --demo: one JSON record per turn")
+@click.option("--max-model-len", default=2048, show_default=True, type=click.IntRange(min=64),
+              help="context length of the CPU engines")
+@click.option("--ready-json", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="once everything is up, write the URLs (gateway, registry, router, engines, "
+                   "connector metrics, model) to this file as JSON, for scripts")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 def up_command(cpu_engines: bool, model: Path | None, work_dir: Path, registry_listen: str,
                router_listen: str, gateway_listen: str, idle_ttl_s: float, api_keys_file: str,
-               demo_turns: int, as_json: bool, log_level: str) -> None:
+               demo_turns: int, as_json: bool, max_model_len: int, ready_json: Path | None,
+               log_level: str) -> None:
     """Start registry, router and gateway in one process (and, with --cpu-engines, a prefill
     and a decode vLLM engine on this CPU), wait until all are healthy, print the URLs, and run
     until Ctrl-C."""
@@ -229,7 +247,8 @@ def up_command(cpu_engines: bool, model: Path | None, work_dir: Path, registry_l
     # Logs go to stderr so that --demo --json output stays parseable.
     logs.configure(log_level if not as_json else "warning", "auto")
     opts = UpOptions(registry_listen, router_listen, gateway_listen, cpu_engines, model,
-                     work_dir, idle_ttl_s, api_keys_file=api_keys_file)
+                     work_dir, idle_ttl_s, api_keys_file=api_keys_file,
+                     max_model_len=max_model_len, ready_json=ready_json)
 
     async def main() -> None:
         stop = asyncio.Event()

