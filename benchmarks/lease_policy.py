@@ -24,6 +24,7 @@ memory pressure, and turns stalled for memory.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import math
@@ -34,7 +35,7 @@ from typing import Any
 
 import click
 
-from kvbridge import blockhash
+from kvbridge import blockhash, logs
 from kvbridge.clock import FakeClock
 
 BLOCK_SIZE = 64
@@ -148,6 +149,29 @@ class Result:
                 "revoked": self.revoked, "turns": self.turns}
 
 
+class Chains:
+    """Each conversation's tokens and chained block hashes, made once and shared by every
+    policy: a prefix's hashes are a prefix of the whole conversation's."""
+
+    def __init__(self, trace: list[Conversation]) -> None:
+        self._tokens: dict[int, list[int]] = {}
+        self._chains: dict[int, bytes] = {}
+        for ci, conv in enumerate(trace):
+            rng = random.Random(f"tokens-{ci}")
+            tokens = [rng.randrange(10, 50_000) for _ in range(conv.turns[-1].held)]
+            self._tokens[ci] = tokens
+            self._chains[ci] = blockhash.block_hashes(tokens, BLOCK_SIZE, FINGERPRINT)
+
+    def hashes(self, ci: int, n: int, *, include_partial: bool = False) -> bytes:
+        full = self._chains[ci][: (n // BLOCK_SIZE) * blockhash.HASH_SIZE]
+        if include_partial and n % BLOCK_SIZE:
+            partial = blockhash.partial_block_hash(self._tokens[ci], n, BLOCK_SIZE, FINGERPRINT,
+                                                   full_hashes=full)
+            assert partial is not None
+            return full + partial
+        return full
+
+
 @dataclass(order=True)
 class _Event:
     at: float
@@ -161,12 +185,13 @@ class Simulation:
     """One policy over one trace, through the registry's LeaseTable on a fake clock."""
 
     def __init__(self, policy: Policy, trace: list[Conversation], budget_blocks: int,
-                 spec: TraceSpec) -> None:
+                 spec: TraceSpec, chains: Chains) -> None:
         from kvbridge.services.registry._config import RegistryConfig
         from kvbridge.services.registry._core import HolderSpec, LeaseTable
         from kvbridge.services.registry._model import EventType
 
         self.policy, self.trace, self.budget, self.spec = policy, trace, budget_blocks, spec
+        self.chains = chains
         self.clock = FakeClock(start=0.0)
         self.table = LeaseTable(RegistryConfig(max_holder_ttl_s=300.0), self.clock,
                                 recovering=False)
@@ -183,7 +208,6 @@ class Simulation:
         self.lease_of: dict[int, str] = {}
         self.idle_since: dict[str, float] = {}
         self.revoked_convs: set[int] = set()
-        self.tokens: dict[int, list[int]] = {}
         self._owner: dict[str, int] = {}  # lease id -> conversation
         self._reclaimed: list[str] = []  # freed by decode since its last heartbeat
         self._next_heartbeat = HEARTBEAT_S
@@ -200,7 +224,7 @@ class Simulation:
             self.result.expired_leases += 1
         if event.type is not self._reclaimable_event:
             return
-        lease_id = event.lease.lease_id
+        lease_id = event.lease_id
         blocks = self.retained.pop(lease_id, None)
         if blocks is not None:  # decode frees the blocks (acked with the next heartbeat)
             self._account()
@@ -266,17 +290,16 @@ class Simulation:
     def _turn_starts(self, ci: int, index: int, conv: Conversation, turn: Turn
                      ) -> list[tuple[float, str, int]]:
         self.result.turns += 1
-        tokens = self._context_tokens(ci, turn.context)
         if index > 0:
             self.result.reuse_turns += 1
-            hashes = blockhash.block_hashes(tokens, BLOCK_SIZE, FINGERPRINT)
+            hashes = self.chains.hashes(ci, turn.context)
             read = self.table.acquire_read("tenant", conv.cid, hashes, min_tokens=BLOCK_SIZE,
                                            pin_ttl=5.0)
             if read.pin is not None:
                 self.result.hits += 1
                 self.table.release_read(read.pin.pin_id)
                 if self.policy.free_on_read and read.lease is not None:
-                    self.table.revoke(read.lease.lease_id, HOLDER, "read back")
+                    self._revoke(read.lease.lease_id, "read back")
             elif ci in self.revoked_convs:
                 self.result.lost_to_pressure += 1
             self.revoked_convs.discard(ci)
@@ -297,15 +320,14 @@ class Simulation:
         if turn.pause_kind == "end" and self.policy.release_at_end:
             lease_id = self.lease_of.pop(ci, None)
             if lease_id is not None:
-                self.table.revoke(lease_id, HOLDER, "conversation ended")
+                self._revoke(lease_id, "conversation ended")
             return []
         # Decode keeps this turn's blocks (prompt and answer) under a new lease.
         nxt = conv.turns[index + 1] if index + 1 < len(conv.turns) else None
         held_tokens = turn.held
-        tokens = self._context_tokens(ci, held_tokens)
         grant = self.table.grant(GrantSpec(
             HOLDER, "tenant", conv.cid, f"{conv.cid}-{index}", list(range(blocks)),
-            held_tokens, blockhash.block_hashes(tokens, BLOCK_SIZE, FINGERPRINT),
+            held_tokens, self.chains.hashes(ci, held_tokens, include_partial=True),
             idle_ttl=self.policy.idle_ttl_s, max_lifetime=max(self.policy.idle_ttl_s, 86400.0)
             if not self.policy.free_on_read else self.policy.idle_ttl_s))
         self._account()
@@ -335,19 +357,18 @@ class Simulation:
         for lease_id, _ in sorted(self.idle_since.items(), key=lambda kv: kv[1]):
             if self.retained_blocks + self.active_blocks + need <= self.budget:
                 break
-            self.table.revoke(lease_id, HOLDER, "memory pressure")
+            self._revoke(lease_id, "memory pressure")
             self.result.revoked += 1
             ci = self._owner.get(lease_id)
             if ci is not None:
                 self.revoked_convs.add(ci)
 
-    def _context_tokens(self, ci: int, n: int) -> list[int]:
-        """The conversation's tokens (deterministic, extended as it grows)."""
-        tokens = self.tokens.setdefault(ci, [])
-        if len(tokens) < n:
-            rng = random.Random(f"{ci}-{len(tokens)}")
-            tokens.extend(rng.randrange(10, 50_000) for _ in range(n - len(tokens)))
-        return tokens[:n]
+    def _revoke(self, lease_id: str, reason: str) -> None:
+        from kvbridge.errors import LeaseNotFound
+
+        with contextlib.suppress(LeaseNotFound):  # expired and freed already
+            self.table.revoke(lease_id, HOLDER, reason)
+
 
 
 # ---- the command ------------------------------------------------------------------------------
@@ -356,7 +377,8 @@ class Simulation:
 def run_study(spec: TraceSpec, budget_blocks: int, idle_ttls: tuple[float, ...]
               ) -> dict[str, dict[str, Any]]:
     trace = make_trace(spec)
-    return {policy.name: Simulation(policy, trace, budget_blocks, spec).run().as_json()
+    chains = Chains(trace)
+    return {policy.name: Simulation(policy, trace, budget_blocks, spec, chains).run().as_json()
             for policy in policies(idle_ttls)}
 
 
@@ -375,6 +397,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> None:
     ax.set_xlabel("retained KV (million block-seconds)")
     ax.set_ylabel("reuse hit rate, turns 2+ (%)")
     ax.set_title("Hit rate against retained memory, per retention policy")
+    ax.margins(x=0.2, y=0.1)
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -395,9 +418,9 @@ def _floats(value: str) -> tuple[float, ...]:
 @click.option("--conversations", default=600, show_default=True, type=click.IntRange(min=1))
 @click.option("--arrival-s", default=4.0, show_default=True, type=click.FloatRange(min=0.01),
               help="mean seconds between new conversations")
-@click.option("--budget-blocks", default=8192, show_default=True, type=click.IntRange(min=1),
+@click.option("--budget-blocks", default=32768, show_default=True, type=click.IntRange(min=1),
               help=f"decode KV memory, in blocks of {BLOCK_SIZE} tokens")
-@click.option("--idle-ttls", default="60,120,240", show_default=True,
+@click.option("--idle-ttls", default="60,120,240,480", show_default=True,
               help="kvbridge idle TTLs to compare (seconds, comma-separated)")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--out", "out_dir", type=click.Path(path_type=Path, file_okay=False),
@@ -408,6 +431,7 @@ def lease_policy_bench(conversations: int, arrival_s: float, budget_blocks: int,
     """Trace-driven study: upstream's fixed 480 s TTL against kvbridge leases (idle TTL,
     keepalive in tool calls, release at the end, revoke under memory pressure), through the
     registry core on a fake clock. Prints block-seconds, hit rate and peak blocks per policy."""
+    logs.configure("warning")  # the registry core logs every lease at info: noise here
     spec = TraceSpec(conversations=conversations, arrival_s=arrival_s, seed=seed)
     results = run_study(spec, budget_blocks, _floats(idle_ttls))
     if out_dir is not None:
