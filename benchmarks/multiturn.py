@@ -305,7 +305,8 @@ class TwoStepRunner:
     def begin_conversation(self) -> None:
         self.decode_params = None
 
-    def turn(self, prompt: list[int], previous: list[int] | None) -> tuple[list[int], dict]:
+    def turn(self, prompt: list[int], previous: list[int] | None
+             ) -> tuple[list[int], dict[str, Any]]:
         stack, model = self.stack, self.stack.model
         if self.leg == "floor" and previous:
             # Put the previous turn's whole sequence in prefill's local cache (not timed).
@@ -351,7 +352,8 @@ class GatewayRunner:
         self._count += 1
         self.conversation = f"bench-{os.getpid()}-{self._count}"
 
-    def turn(self, prompt: list[int], previous: list[int] | None) -> tuple[list[int], dict]:
+    def turn(self, prompt: list[int], previous: list[int] | None
+             ) -> tuple[list[int], dict[str, Any]]:
         stack = self.stack
         p_metrics = f"{stack.prefill_url}/metrics"
         d_metrics = f"{stack.decode_url}/metrics"
