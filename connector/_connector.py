@@ -125,6 +125,7 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                 self.settings, reads, reader_id=self.engine_id, block_size=block_size,
                 fingerprint=fingerprint, threshold=scheduler.kv_recompute_threshold,
                 metrics=self.metrics)
+            self.prefill.warm()
         log.info("kvbridge_connector_started", role=transfer.kv_role, engine_id=self.engine_id,
                  registry=self.settings.registry or None,
                  router=self.settings.router or None, block_size=block_size,

@@ -79,6 +79,19 @@ class PrefillReuse:
         # reads it back from the prefill response's kv_transfer_params.
         self._outcomes: dict[str, dict[str, Any]] = {}
 
+    def warm(self) -> None:
+        """Connect to the registry (or router) now, in the background, so that the first
+        conversation's lookup does not pay for the connection."""
+        info = getattr(self.client, "get_server_info", None)
+        if info is not None:
+            self._pool.submit(self._warm, info)
+
+    def _warm(self, info: Any) -> None:
+        try:
+            info(timeout=self.settings.rpc_timeout_s)
+        except KvbridgeError as err:  # the first lookup connects (or fails) on its own
+            log.info("kvbridge_lookup_service_not_reachable_yet", error=err.reason)
+
     # ---- hooks (scheduler thread) -----------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
@@ -93,12 +106,12 @@ class PrefillReuse:
         hashes = blockhash.block_hashes(tokens, self.block_size, self.fingerprint,
                                         request.cache_salt or "")
         tenant, conversation = key
+        now = time.monotonic()
         future = self._pool.submit(
             self.client.acquire_read, tenant, conversation, hashes,
             min_tokens=max(self.threshold, 1), pin_ttl=self.settings.pin_ttl_s,
             reader_id=self.reader_id, request_id=request.request_id,
             timeout=self.settings.read_deadline_s)
-        now = time.monotonic()
         pending = _Pending(tenant, conversation, hashes, future,
                            now + self.settings.read_deadline_s, started=now)
         future.add_done_callback(lambda _: setattr(pending, "answered", time.monotonic()))

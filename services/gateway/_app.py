@@ -154,7 +154,10 @@ class _Turn:
     prefill: str = ""
     decode: str = ""
     decode_reason: str = ""
+    lease_wait_ms: float = 0.0  # waiting for decode's lease over the turn before
+    route_ms: float = 0.0
     prefill_ms: float = 0.0
+    decode_headers_ms: float = 0.0  # from sending the decode request to its response headers
     ttft_ms: float = 0.0
     outcome: dict[str, Any] = field(default_factory=dict)
     attempts: int = 0
@@ -163,6 +166,7 @@ class _Turn:
         out = {"X-Kvbridge-Prefill-Instance": self.prefill,
                "X-Kvbridge-Decode-Instance": self.decode,
                "X-Kvbridge-Decode-Reason": self.decode_reason,
+               "X-Kvbridge-Route-Ms": f"{self.route_ms:.1f}",
                "X-Kvbridge-Prefill-Ms": f"{self.prefill_ms:.1f}"}
         if self.outcome:
             out["X-Kvbridge-Decision"] = str(self.outcome.get("kvbridge_decision", ""))
@@ -287,7 +291,9 @@ class Gateway:
             raise HttpError(400, "kv_transfer_params is set by the gateway, not by clients")
         turn = _Turn(tenant, conversation, model)
         if conversation and self.registry is not None:
+            waited = time.perf_counter()
             await self._await_previous_lease(tenant, conversation)
+            turn.lease_wait_ms = (time.perf_counter() - waited) * 1000
             self._in_background(self._renew(tenant, conversation))
         excluded: list[str] = []
         try:
@@ -312,6 +318,7 @@ class Gateway:
 
     async def _attempt(self, request: web.Request, path: str, chat: bool, body: dict[str, Any],
                        turn: _Turn, excluded: list[str]) -> web.StreamResponse:
+        routing = time.perf_counter()
         try:
             route = await self.router.route(
                 turn.tenant, turn.conversation, estimate_prompt_tokens(body, chat), turn.model,
@@ -324,6 +331,7 @@ class Gateway:
         except KvbridgeError as err:
             raise HttpError(503, f"router unavailable: {err.message}", "service_unavailable",
                             "router_unavailable") from None
+        turn.route_ms += (time.perf_counter() - routing) * 1000
         turn.prefill, turn.decode = route.prefill.instance_id, route.decode.instance_id
         turn.decode_reason = (router_pb.DecodeReason.Name(route.decode_reason)
                               .removeprefix("DECODE_REASON_").lower())
@@ -353,10 +361,12 @@ class Gateway:
         # Decode: read prefill's KV and generate, streamed back as it comes.
         decode_body = dict(body, kv_transfer_params={**params, **key})
         assert self.session is not None
+        sent = time.perf_counter()
         try:
             upstream = await self.session.post(route.decode.http_url + path, json=decode_body)
         except (TimeoutError, aiohttp.ClientConnectionError) as err:
             raise _EngineDown("decode", turn.decode, str(err) or type(err).__name__) from None
+        turn.decode_headers_ms = (time.perf_counter() - sent) * 1000
         async with upstream:
             headers = {"Content-Type": upstream.headers.get("Content-Type",
                                                             "application/json"),
@@ -406,7 +416,10 @@ class Gateway:
                  model=turn.model, prefill=turn.prefill or None, decode=turn.decode or None,
                  decode_reason=turn.decode_reason or None,
                  decision=turn.outcome.get("kvbridge_decision"),
-                 prefill_ms=round(turn.prefill_ms, 1), ttft_ms=round(turn.ttft_ms, 1),
+                 lease_wait_ms=round(turn.lease_wait_ms, 1), route_ms=round(turn.route_ms, 1),
+                 prefill_ms=round(turn.prefill_ms, 1),
+                 decode_headers_ms=round(turn.decode_headers_ms, 1),
+                 ttft_ms=round(turn.ttft_ms, 1),
                  total_ms=round(total_ms, 1), reused_tokens=reused,
                  recomputed_tokens=recomputed,
                  lookup_ms=turn.outcome.get("kvbridge_lookup_ms"),
