@@ -438,6 +438,8 @@ def summarize(records: list[Record]) -> dict[str, dict[str, dict[str, float]]]:
     for (leg, length), rs in sorted(groups.items()):
         entry = {
             "ttft_ms": statistics.fmean(r.ttft_ms for r in rs),
+            # This machine stalls now and then for a second: the median shows the typical turn.
+            "ttft_median_ms": statistics.median(r.ttft_ms for r in rs),
             "prefill_ms": statistics.fmean(r.prefill_ms for r in rs),
             "kv_xfer_ms": statistics.fmean(r.kv_xfer_ms for r in rs),
             "compute_ms": statistics.fmean(r.compute_ms for r in rs),
@@ -483,6 +485,13 @@ def summary_markdown(summary: dict[str, dict[str, dict[str, float]]], shape: Mod
     ]
     for n in lengths:
         cells = [f"{v:.1f}" if (v := get(leg, n, "ttft_ms")) is not None else "-"
+                 for leg in LEGS]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines += ["", "Median TTFT (ms) per leg (the means above include this machine's stalls):",
+              "", "| prompt tokens | " + " | ".join(LEGS) + " |",
+              "|---:|" + "---:|" * len(LEGS)]
+    for n in lengths:
+        cells = [f"{v:.1f}" if (v := get(leg, n, "ttft_median_ms")) is not None else "-"
                  for leg in LEGS]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines += [
