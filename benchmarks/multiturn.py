@@ -448,9 +448,10 @@ def summarize(records: list[Record]) -> dict[str, dict[str, dict[str, float]]]:
             "recomputed_tokens": statistics.fmean(r.recomputed_tokens for r in rs),
             "turns": len(rs),
         }
-        lookups = [r.lookup_ms for r in rs if r.lookup_ms is not None]
-        if lookups:
-            entry["lookup_ms"] = statistics.fmean(lookups)
+        for name in ("lookup_ms", "load_ms"):
+            values = [v for r in rs if (v := getattr(r, name)) is not None]
+            if values:
+                entry[name] = statistics.fmean(values)
         clients = [r.client_ttft_ms for r in rs if r.client_ttft_ms is not None]
         if clients:
             entry["client_ttft_ms"] = statistics.fmean(clients)
@@ -498,17 +499,16 @@ def summary_markdown(summary: dict[str, dict[str, dict[str, float]]], shape: Mod
         "",
         "| prompt tokens | OFF/KVBRIDGE | KVBRIDGE/UPSTREAM | KVBRIDGE-UPSTREAM (ms) "
         "| KVBRIDGE-FLOOR (ms) | UPSTREAM-FLOOR (ms) | kvbridge lookup (ms) "
-        "| kvbridge TTFT via gateway (ms) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| kvbridge load (ms) | kvbridge TTFT via gateway (ms) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for n in lengths:
         kvb, up = get("kvbridge", n, "ttft_ms"), get("upstream", n, "ttft_ms")
         floor, off = get("floor", n, "ttft_ms"), get("off", n, "ttft_ms")
-        lookup, client = get("kvbridge", n, "lookup_ms"), get("kvbridge", n, "client_ttft_ms")
+        extra = [get("kvbridge", n, k) for k in ("lookup_ms", "load_ms", "client_ttft_ms")]
         lines.append(f"| {n} | {ratio(off, kvb)} | {ratio(kvb, up)} | {diff(kvb, up)} "
-                     f"| {diff(kvb, floor)} | {diff(up, floor)} "
-                     f"| {f'{lookup:.1f}' if lookup is not None else '-'} "
-                     f"| {f'{client:.1f}' if client is not None else '-'} |")
+                     f"| {diff(kvb, floor)} | {diff(up, floor)} | "
+                     + " | ".join(f"{v:.1f}" if v is not None else "-" for v in extra) + " |")
     lines += [
         "",
         "Prefill time (ms) broken down: compute (engine prefill time), KV transfer (NIXL), "

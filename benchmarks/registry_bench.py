@@ -4,8 +4,9 @@ Starts a registry and a trivial grpc.aio echo service, each in a process of its 
 them from this one, so that the registry is measured against the limit of this machine's gRPC
 stack in the same run (ratios, not absolute numbers, are what transfer between machines):
 
-- acquire-read latency (p50/p99) at a fixed offered rate (open loop), against 64-block leases;
-  the echo service's p99 at the same rate;
+- acquire-read latency (p50/p99) at a fixed offered rate (open loop), against 64-block leases,
+  and the echo service's at the same rate, offered at the same time and interleaved request
+  by request (so that a stall of the machine falls on both);
 - the highest sustained AcquireRead rate (closed loop, many calls in flight), and the echo's;
 - lease renewals per second through the batched RenewLeases;
 - resident memory per lease, from the registry's RSS before and after granting N leases;
@@ -131,6 +132,32 @@ async def _open_loop(call: Callable[[int], Awaitable[Any]], rate: float, duratio
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(i)))
+    await asyncio.gather(*tasks)
+    return latencies
+
+
+async def _open_loop_pair(calls: tuple[Callable[[int], Awaitable[Any]], ...], rate: float,
+                          duration: float) -> list[list[float]]:
+    """Offer each call `rate` per second, interleaved request by request (A, B, A, B, ...),
+    so that whatever the machine does meanwhile falls on all of them alike; returns each
+    call's latencies in ms."""
+    latencies: list[list[float]] = [[] for _ in calls]
+    loop = asyncio.get_running_loop()
+
+    async def one(which: int, i: int) -> None:
+        start = time.perf_counter()
+        await calls[which](i)
+        latencies[which].append((time.perf_counter() - start) * 1000)
+
+    tasks = []
+    n = int(rate * duration) * len(calls)
+    step = 1.0 / (rate * len(calls))
+    t0 = loop.time()
+    for j in range(n):
+        delay = t0 + j * step - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one(j % len(calls), j // len(calls))))
     await asyncio.gather(*tasks)
     return latencies
 
@@ -307,8 +334,13 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         per_round = max(duration / rounds, 0.5)
         run_offset = 10_000_000  # past the warm-up's request ids
         for r in range(rounds):
-            for name, (latency_call, call, proc) in targets.items():
-                latencies[name] += await _open_loop(latency_call, rate, per_round)
+            # Latency: registry and echo offered the same rate at once, interleaved request by
+            # request, so that a stall of this shared machine hits both alike.
+            pair = await _open_loop_pair((targets["acquire"][0], targets["echo"][0]), rate,
+                                         per_round)
+            latencies["acquire"] += pair[0]
+            latencies["echo"] += pair[1]
+            for name, (_, call, proc) in targets.items():
                 cpu0 = proc.cpu_seconds()
                 rps = await _closed_loop(call, concurrency, per_round, first=run_offset)
                 run_offset += 10_000_000

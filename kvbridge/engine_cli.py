@@ -128,6 +128,11 @@ async def _run(spec: Any, process: subprocess.Popen[bytes], router: str, ttl: fl
             if exited.done() or stopping.is_set():
                 break
             await asyncio.sleep(1.0)
+        if spec.device == "cpu" and not exited.done():
+            from kvbridge.engines import pin_to_core
+
+            moved = pin_to_core(process.pid, spec.cpu)
+            log.info("engine_pinned", cpu=spec.cpu, threads_moved=moved)
         if router and not exited.done() and not stopping.is_set():
             client = AsyncRouterClient(router, timeout=2.0)
             agent = InstanceAgent(client, spec.engine_id, spec.role, spec.url, spec.engine_id,

@@ -198,6 +198,7 @@ def start_engine(spec: EngineSpec, work_dir: Path) -> Engine:
 
 
 def wait_ready(engine: Engine, timeout: float = 240.0) -> None:
+    """Wait until the engine answers /health; then keep a CPU engine on its own core."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if engine.process.poll() is not None:
@@ -206,12 +207,60 @@ def wait_ready(engine: Engine, timeout: float = 240.0) -> None:
         try:
             with urllib.request.urlopen(f"{engine.spec.url}/health", timeout=2) as resp:
                 if resp.status == 200:
+                    if engine.spec.device == "cpu":
+                        pin_to_core(engine.process.pid, engine.spec.cpu)
                     return
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.5)
     raise TimeoutError(f"engine {engine.spec.engine_id} not ready after {timeout:.0f}s:\n"
                        f"{engine.log_tail()}")
+
+
+def _process_tree(root: int) -> list[int]:
+    """`root` and every process below it (from /proc; Linux only)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, []))
+    return out
+
+
+def pin_to_core(root: int, cpu: int) -> int:
+    """Put every thread of an engine's processes on `cpu`; returns how many were moved.
+
+    vLLM's CPU build binds the engine's compute to VLLM_CPU_OMP_THREADS_BIND, but its NIXL
+    worker then moves the worker's main thread (which computes when OpenMP has one thread) to
+    the machine's last core, "reserved for KV transfer", and NIXL's progress thread busy-polls
+    wherever it started. On a small machine that stacks both engines' compute on one core while
+    another idles (measured here: prefill compute 2x slower). Only affinity changes here.
+    """
+    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc"):
+        return 0
+    want = {cpu}
+    moved = 0
+    for pid in _process_tree(root):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            with contextlib.suppress(OSError):
+                if os.sched_getaffinity(int(tid)) != want:
+                    os.sched_setaffinity(int(tid), want)
+                    moved += 1
+    return moved
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:

@@ -1,0 +1,69 @@
+"""Engine launching helpers that need no vLLM: the engine command lines and core pinning."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from kvbridge.engines import EngineSpec, pin_to_core
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+
+_TREE = """
+import subprocess, sys, threading, time
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_pin_to_core_moves_every_thread_of_the_process_tree() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _TREE], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    try:
+        cpu = max(os.sched_getaffinity(0))
+        moved = pin_to_core(proc.pid, cpu)
+        threads = [(pid, int(tid)) for pid in (proc.pid, child)
+                   for tid in os.listdir(f"/proc/{pid}/task")]
+        assert len(threads) >= 3  # the parent's two threads and the child's one
+        for _, tid in threads:
+            assert os.sched_getaffinity(tid) == {cpu}
+        if len(os.sched_getaffinity(0)) > 1:
+            assert moved == len(threads)
+        assert pin_to_core(proc.pid, cpu) == 0  # nothing left to move
+    finally:
+        for pid in (child, proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_stock_nixl_engines_get_vllms_own_connector_and_no_kvbridge_settings() -> None:
+    spec = EngineSpec("prefill", "/m", 1, 2, "p0", connector="nixl", bidirectional=True,
+                      prefix_caching=True)
+    config = spec.kv_transfer_config()
+    assert config["kv_connector"] == "NixlConnector"
+    assert "kv_connector_module_path" not in config
+    assert config["kv_connector_extra_config"] == {"bidirectional_kv_xfer": True,
+                                                   "kv_recompute_threshold": 64}
+    cmd = spec.command()
+    assert "--enable-prefix-caching" in cmd and "--no-enable-prefix-caching" not in cmd
+    assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1]) == config
+
+
+def test_kvbridge_prefill_keeps_prefix_caching_off_by_default() -> None:
+    spec = EngineSpec("prefill", "/m", 1, 2, "p0", registry="127.0.0.1:1")
+    assert "--no-enable-prefix-caching" in spec.command()
+    assert spec.kv_transfer_config()["kv_connector"] == "KVBridgeConnector"
+    decode = EngineSpec("decode", "/m", 1, 2, "d0", registry="127.0.0.1:1")
+    assert "--no-enable-prefix-caching" not in decode.command()
+    with pytest.raises(ValueError, match="connector must be"):
+        EngineSpec("decode", "/m", 1, 2, "d0", connector="lmcache")
