@@ -667,10 +667,10 @@ def multiturn_bench(out_dir: Path, lengths: str, conversations: int, turns: int,
             f"the longest conversation needs {workload.longest_sequence()} tokens, more than "
             f"--max-len {shape.max_len}; lower --lengths or --turns", param_hint="--lengths")
     if from_records is not None:
-        records = [Record(**json.loads(line))
-                   for line in from_records.read_text().splitlines() if line.strip()]
+        loaded = [Record(**json.loads(line))
+                  for line in from_records.read_text().splitlines() if line.strip()]
         out_dir.mkdir(parents=True, exist_ok=True)
-        _write_results(records, out_dir, shape, workload)
+        _write_results(loaded, out_dir, shape, workload)
         return
     try:
         from kvbridge.tiny_model import TinyModelSpec, make_tiny
