@@ -46,7 +46,7 @@ from typing import Any
 import click
 
 LEGS = ("off", "upstream", "kvbridge", "local", "floor")
-DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 6144)
+DEFAULT_LENGTHS = (512, 1024, 2048, 3072, 4096)
 QUICK_LENGTHS = (256,)
 _METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
