@@ -9,6 +9,7 @@ to the scheduler thread through a queue, since the block pool is not thread-safe
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 import time
@@ -58,10 +59,15 @@ class DecodeRetention:
         self._frees: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._reclaimed_early: set[str] = set()  # reported before _grant recorded the lease
         self._revoking = False
-        self._revoked: set[str] = set()  # revoked for memory, blocks not freed yet (pinned)
+        self._revoked: set[str] = set()  # revoked for memory, blocks not freed yet
+        self._revoked_pinned: set[str] = set()  # of those, the ones a reader still pins
         # Blocks that arrived requests still need before they can be scheduled: retention
         # gives way to them at once instead of making them wait for leases to expire.
         self._demand: dict[str, tuple[int, float]] = {}  # request id: (blocks, arrived at)
+        # Headroom: the peak of that demand over a recent window, kept free ahead of the next
+        # arrivals. A monotonic queue of (arrived at, demand): values decrease front to back,
+        # so the front is the window's maximum.
+        self._peaks: collections.deque[tuple[float, int]] = collections.deque()
 
     def start(self) -> None:
         self.session.start()
@@ -78,7 +84,9 @@ class DecodeRetention:
         hold the blocks it needs."""
         self.drain()
         need = -(-request.num_tokens // self.block_size) + 1
-        self._demand[request.request_id] = (need, time.monotonic())
+        now = time.monotonic()
+        self._demand[request.request_id] = (need, now)
+        self._note_demand(sum(n for n, _ in self._demand.values()), now)
         self.check_watermark()
 
     def allocated(self, request_id: str) -> None:
@@ -129,6 +137,7 @@ class DecodeRetention:
                 if retained is not None and retained.lease_id:
                     self._by_lease.pop(retained.lease_id, None)
                     self._revoked.discard(retained.lease_id)
+                    self._revoked_pinned.discard(retained.lease_id)
             if retained is None or self._pool is None:
                 continue
             pool = self._pool
@@ -141,33 +150,76 @@ class DecodeRetention:
                      held_s=round(time.monotonic() - retained.since, 1))
         return freed
 
-    def check_watermark(self) -> None:
-        """Revoke the oldest idle leases while free blocks are below the watermark plus what
-        waiting requests need."""
-        if self._pool is None or self._revoking:
+    def _note_demand(self, blocks: int, now: float) -> None:
+        if self.settings.headroom_window_s <= 0:
             return
-        total = self._pool.num_gpu_blocks - 1
-        free = self._pool.get_num_free_blocks()
-        deficit = (int(total * self.settings.free_watermark)
-                   + sum(need for need, _ in self._demand.values()) - free)
-        if deficit <= 0:
-            return
-        victims: list[str] = []
         with self._lock:
+            peaks = self._peaks
+            while peaks and peaks[-1][1] <= blocks:
+                peaks.pop()
+            peaks.append((now, blocks))
+
+    def headroom(self) -> int:
+        """Blocks to keep free ahead of demand: the most that arriving requests needed at once
+        within the window, capped at `headroom_cap` of the pool."""
+        if self._pool is None or self.settings.headroom_window_s <= 0:
+            return 0
+        horizon = time.monotonic() - self.settings.headroom_window_s
+        with self._lock:
+            peaks = self._peaks
+            while peaks and peaks[0][0] < horizon:
+                peaks.popleft()
+            peak = peaks[0][1] if peaks else 0
+        blocks = min(peak, int((self._pool.num_gpu_blocks - 1) * self.settings.headroom_cap))
+        self.metrics.headroom_blocks.set(blocks)
+        return blocks
+
+    def check_watermark(self) -> None:
+        """Revoke the oldest idle leases while free blocks (plus those revoked and about to be
+        freed) are below the watermark plus what waiting requests need, or plus the headroom
+        kept for the next arrivals, whichever is more.
+
+        Called on the scheduler thread (at each step and as requests arrive) and on the grant
+        thread once a new lease is recorded, so room is made while the engine is idle, before
+        the next request comes."""
+        pool = self._pool
+        if pool is None or self._revoking:
+            return
+        total = pool.num_gpu_blocks - 1
+        watermark = int(total * self.settings.free_watermark)
+        try:  # may run off the scheduler thread: a snapshot of the waiting requests' need
+            waiting = sum(need for need, _ in tuple(self._demand.values()))
+        except RuntimeError:  # changed while copied: the scheduler thread checks again
+            return
+        headroom = self.headroom()
+        free = pool.get_num_free_blocks()
+        with self._lock:
+            if self._revoking:
+                return
+            freeing = sum(len(self._by_key[self._by_lease[lid]].block_ids)
+                          for lid in self._revoked - self._revoked_pinned
+                          if lid in self._by_lease and self._by_lease[lid] in self._by_key)
+            available = free + freeing
+            deficit = watermark + max(waiting, headroom) - available
+            if deficit <= 0:
+                return
+            cause = "demand" if watermark + waiting > available else "headroom"
             # Revoked but pinned: a reader is copying them; freed when the pin ends.
             leased = sorted((r for r in self._by_key.values()
                              if r.lease_id and r.lease_id not in self._revoked),
                             key=lambda r: r.since)
-        for retained in leased:
-            if deficit <= 0:
-                break
-            victims.append(retained.lease_id)
-            deficit -= len(retained.block_ids)
-        if victims:
+            victims: list[str] = []
+            for retained in leased:
+                if deficit <= 0:
+                    break
+                victims.append(retained.lease_id)
+                deficit -= len(retained.block_ids)
+            if not victims:
+                return
             self._revoking = True
-            with self._lock:
-                self._revoked.update(victims)
-            self._grants.submit(self._revoke, victims, time.monotonic())
+            self._revoked.update(victims)
+        self.metrics.revocations.labels(cause).inc()
+        self._grants.submit(self._revoke, victims, time.monotonic(), cause)
 
     # ---- background threads -----------------------------------------------------------------
 
@@ -189,6 +241,9 @@ class DecodeRetention:
         self.metrics.leases_granted.inc()
         log.info("lease_granted", lease_id=lease.lease_id, conversation=conversation,
                  epoch=lease.epoch, blocks=len(retained.block_ids), tokens=retained.tokens)
+        # This lease may have eaten into the headroom: make room now, while the engine may be
+        # idle, rather than when the next request arrives.
+        self.check_watermark()
 
     def _on_reclaim(self, lease_ids: list[str]) -> None:
         # The session forgets these leases once this returns, so none may be dropped: a lease
@@ -202,16 +257,19 @@ class DecodeRetention:
                 else:
                     self._frees.put((key, "reclaimed"))
 
-    def _revoke(self, lease_ids: list[str], submitted: float) -> None:
+    def _revoke(self, lease_ids: list[str], submitted: float, cause: str = "demand") -> None:
         try:
             started = time.monotonic()
             result = self.session.revoke(lease_ids, "memory_pressure")
-            # Not revoked: they may be picked again on a later pass.
             with self._lock:
+                # Not revoked: they may be picked again on a later pass.
                 self._revoked.difference_update(result.failed)
+                # Pinned: freed when the pin ends, so not counted as free meanwhile.
+                self._revoked_pinned.update(lid for lid in result.pinned
+                                            if lid in self._revoked)
             self.metrics.leases_revoked.labels("freed").inc(len(result.freed))
             self.metrics.leases_revoked.labels("pinned").inc(len(result.pinned))
-            log.info("leases_revoked_for_memory", count=len(lease_ids),
+            log.info("leases_revoked_for_memory", cause=cause, count=len(lease_ids),
                      freed_now=len(result.freed), pinned=len(result.pinned),
                      failed=len(result.failed),
                      queued_ms=round((started - submitted) * 1000, 1),

@@ -37,6 +37,14 @@ class ConnectorMetrics:
             "kvbridge_connector_leases_revoked",
             "Leases this decode engine revoked to make room, by whether they were freed at "
             "once or pinned", ["outcome"], registry=r)
+        self.revocations = Counter(
+            "kvbridge_connector_memory_revocations",
+            "Revocation passes to make room, by cause: demand (a waiting request needs the "
+            "blocks) or headroom (ahead of demand)", ["cause"], registry=r)
+        self.headroom_blocks = Gauge(
+            "kvbridge_connector_headroom_blocks",
+            "Decode: blocks kept free ahead of demand (recent peak of arriving requests' need)",
+            registry=r)
         self.admission_wait = Histogram(
             "kvbridge_connector_admission_wait_seconds",
             "Decode: arrival to KV block allocation of a request",

@@ -49,6 +49,12 @@ class ConnectorSettings:
     free_watermark: float = 0.1
     """Decode: keep at least this fraction of KV blocks free by revoking the oldest idle
     leases."""
+    headroom_window_s: float = 300.0
+    """Decode: on top of the watermark, keep free as many blocks as arriving requests needed
+    at once within this window, revoking the oldest idle leases ahead of demand so a request
+    does not wait for a revocation round trip (0: make room only when a request arrives)."""
+    headroom_cap: float = 0.5
+    """Decode: the most of the pool that headroom may keep free (a fraction)."""
     metrics_port: int = 0
     """Port for the connector's Prometheus metrics in the engine-core process (0: off)."""
     metrics_host: str = "127.0.0.1"
@@ -60,6 +66,8 @@ class ConnectorSettings:
                 raise ValueError(f"kvbridge.{field.name} must not be negative, got {value}")
         if not 0.0 <= self.free_watermark < 1.0:
             raise ValueError("kvbridge.free_watermark must be in [0, 1)")
+        if not 0.0 <= self.headroom_cap <= 1.0:
+            raise ValueError("kvbridge.headroom_cap must be in [0, 1]")
         if self.pin_margin_s >= self.pin_ttl_s:
             raise ValueError("kvbridge.pin_margin_s must be smaller than pin_ttl_s")
 

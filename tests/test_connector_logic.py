@@ -224,23 +224,39 @@ class DecodeKit:
         return sample(self.metrics, "kvbridge_connector_retained_blocks")
 
 
-@pytest.fixture
-def decode(registry: ThreadedRegistry) -> Iterator[DecodeKit]:
+@contextmanager
+def decode_kit(registry: ThreadedRegistry, **settings: Any) -> Iterator[DecodeKit]:
     # retries=1 and a short RPC timeout, as the connector builds its client.
     rpc = RegistryClient(registry.target, timeout=1.0, retries=1)
-    settings = ConnectorSettings(registry=registry.target, rpc_timeout_s=1.0,
-                                 holder_ttl_s=60.0, free_watermark=0.1)
+    config = ConnectorSettings(**{"registry": registry.target, "rpc_timeout_s": 1.0,
+                                  "holder_ttl_s": 60.0, "free_watermark": 0.1, **settings})
     metrics = ConnectorMetrics()
-    retention = DecodeRetention(settings, rpc, holder_id=HOLDER, nixl_host=NIXL_HOST,
+    retention = DecodeRetention(config, rpc, holder_id=HOLDER, nixl_host=NIXL_HOST,
                                 nixl_port=NIXL_PORT, block_size=BS, fingerprint=FP, tp_size=1,
                                 metrics=metrics)
     pool = FakeBlockPool(64)
     retention.bind(pool)
     retention.start()  # registers; its own heartbeats come every 20 s, past any test here
     assert retention.session.registered
-    yield DecodeKit(retention, pool, metrics)
-    retention.close()
-    rpc.close()
+    try:
+        yield DecodeKit(retention, pool, metrics)
+    finally:
+        retention.close()
+        rpc.close()
+
+
+@pytest.fixture
+def decode(registry: ThreadedRegistry) -> Iterator[DecodeKit]:
+    with decode_kit(registry) as kit:
+        yield kit
+
+
+def lease_state(client: RegistryClient, conversation: str) -> int:
+    """The state of the conversation's newest lease, revoked or expired ones included."""
+    leases = list(client.list_leases(tenant=TENANT, conversation_id=conversation,
+                                     include_inactive=True).leases)
+    assert leases, f"no lease for {conversation}"
+    return max(leases, key=lambda lease: lease.epoch).state
 
 
 def only_lease(client: RegistryClient, conversation: str) -> pb.Lease:
@@ -459,33 +475,95 @@ def test_decode_watermark_waits_for_pinned_victim(decode: DecodeKit, client: Reg
     assert decode.pool.refs(table) == [0, 0, 0]
 
 
-def test_decode_arriving_request_makes_room_at_once(decode: DecodeKit, client: RegistryClient):
+def test_decode_arriving_request_makes_room_at_once(registry: ThreadedRegistry,
+                                                    client: RegistryClient):
     """A request that needs more blocks than are free does not wait for leases to expire: the
     oldest idle ones are revoked as it arrives, just enough for it (plus the watermark)."""
-    a, b, c = list(range(1, 21)), list(range(21, 41)), list(range(41, 61))  # 20 blocks each
-    for rid, conv, table in (("req-a", "ca", a), ("req-b", "cb", b), ("req-c", "cc", c)):
-        decode.finish(rid, conv, list(range(78)), [1, 2], table)  # 79 computed: 20 blocks
-    decode.wait_granted(3)
-    ids = {conv: only_lease(client, conv).lease_id for conv in ("ca", "cb", "cc")}
-    decode.retention.check_watermark()  # 3 of 63 free, watermark 6: the oldest goes
-    wait_for(lambda: decode.retention.drain() == 20, "the watermark revocation")
-    assert decode.pool.get_num_free_blocks() == 23
-    # A request of 80 tokens needs 20 blocks (+1) on top of the 6-block watermark: 27 > 23.
-    decode.retention.on_new_request(FakeRequest("req-new", list(range(80))))
-    wait_for(lambda: decode.retention.drain() == 20, "room for the arriving request")
-    assert decode.pool.refs(b) == [0] * 20
-    assert decode.pool.refs(c) == [1] * 20  # the newest lease stays: 43 free is enough
-    assert client.get_lease(ids["cb"]).state == pb.LEASE_STATE_REVOKED
-    assert client.get_lease(ids["cc"]).state == pb.LEASE_STATE_ACTIVE
-    assert sample(decode.metrics, "kvbridge_connector_leases_revoked_total",
-                  outcome="freed") == 2
-    # Once the request has its blocks, its demand is gone: nothing more is revoked.
-    decode.retention.allocated("req-new")
-    decode.pool.reported_free = 10
-    decode.retention.check_watermark()
+    with decode_kit(registry, headroom_window_s=0.0) as decode:
+        a, b, c = list(range(1, 21)), list(range(21, 41)), list(range(41, 61))  # 20 blocks each
+        for rid, conv, table in (("req-a", "ca", a), ("req-b", "cb", b), ("req-c", "cc", c)):
+            decode.finish(rid, conv, list(range(78)), [1, 2], table)  # 79 computed: 20 blocks
+        decode.wait_granted(3)
+        # 3 of 63 blocks free, under the 6-block watermark: the grant thread revoked the oldest
+        # lease by itself, with no scheduler step.
+        wait_for(lambda: decode.retention.drain() == 20, "the watermark revocation")
+        assert decode.pool.get_num_free_blocks() == 23
+        assert lease_state(client, "ca") == pb.LEASE_STATE_REVOKED
+        # A request of 80 tokens needs 20 blocks (+1) on top of the 6-block watermark: 27 > 23.
+        decode.retention.on_new_request(FakeRequest("req-new", list(range(80))))
+        wait_for(lambda: decode.retention.drain() == 20, "room for the arriving request")
+        assert decode.pool.refs(b) == [0] * 20
+        assert decode.pool.refs(c) == [1] * 20  # the newest lease stays: 43 free is enough
+        assert lease_state(client, "cb") == pb.LEASE_STATE_REVOKED
+        assert lease_state(client, "cc") == pb.LEASE_STATE_ACTIVE
+        assert sample(decode.metrics, "kvbridge_connector_leases_revoked_total",
+                      outcome="freed") == 2
+        assert sample(decode.metrics, "kvbridge_connector_memory_revocations_total",
+                      cause="demand") == 2
+        # Once the request has its blocks, its demand is gone, and with no headroom window
+        # nothing more is revoked.
+        decode.retention.allocated("req-new")
+        decode.pool.reported_free = 10
+        decode.retention.check_watermark()
+        time.sleep(0.2)
+        assert decode.retention.drain() == 0
+        assert lease_state(client, "cc") == pb.LEASE_STATE_ACTIVE
+
+
+def test_decode_headroom_makes_room_before_the_next_arrival(decode: DecodeKit,
+                                                            client: RegistryClient):
+    """Once a 21-block request has arrived, retention keeps 21 blocks free on top of the
+    watermark: turns retained later push out the oldest leases as their grants land, so the
+    next such request finds room and waits for no revocation."""
+    decode.retention.on_new_request(FakeRequest("req-big", list(range(80))))  # 21 blocks
+    decode.retention.allocated("req-big")
+    assert decode.retention.headroom() == 21
+    tables = [list(range(1 + 10 * i, 11 + 10 * i)) for i in range(5)]  # 10 blocks each
+    for i, table in enumerate(tables):
+        decode.finish(f"req-{i}", f"c{i}", list(range(38)), [1, 2], table)  # 39 computed
+        decode.wait_granted(i + 1)
+    # 63 - 50 = 13 free after five turns; the watermark (6) plus the headroom (21) needs 27:
+    # the two oldest leases go, with no request waiting and no scheduler step.
+    freed = [0]
+
+    def drained() -> bool:
+        freed[0] += decode.retention.drain()
+        return freed[0] >= 20
+
+    wait_for(drained, "the headroom revocations")
+    assert freed[0] == 20
+    assert [lease_state(client, f"c{i}") for i in range(5)] == (
+        [pb.LEASE_STATE_REVOKED] * 2 + [pb.LEASE_STATE_ACTIVE] * 3)
+    assert sample(decode.metrics, "kvbridge_connector_memory_revocations_total",
+                  cause="headroom") >= 1
+    assert sample(decode.metrics, "kvbridge_connector_memory_revocations_total",
+                  cause="demand") == 0
+    assert decode.pool.get_num_free_blocks() == 33
+    # The next request of the same size arrives: room is there, nothing is revoked for it.
+    decode.retention.on_new_request(FakeRequest("req-big-2", list(range(80))))
     time.sleep(0.2)
     assert decode.retention.drain() == 0
-    assert client.get_lease(ids["cc"]).state == pb.LEASE_STATE_ACTIVE
+    assert sample(decode.metrics, "kvbridge_connector_memory_revocations_total",
+                  cause="demand") == 0
+
+
+def test_decode_headroom_follows_recent_demand(registry: ThreadedRegistry) -> None:
+    """The headroom is the peak of waiting demand within the window, capped at headroom_cap of
+    the pool, and falls back once the peak leaves the window."""
+    with decode_kit(registry, headroom_window_s=0.3, headroom_cap=0.25) as decode:
+        retention = decode.retention
+        assert retention.headroom() == 0
+        retention.on_new_request(FakeRequest("r1", list(range(20))))  # 6 blocks
+        retention.on_new_request(FakeRequest("r2", list(range(8))))  # 3 more, both waiting
+        assert retention.headroom() == 9
+        retention.allocated("r1")
+        retention.allocated("r2")
+        retention.on_new_request(FakeRequest("r3", list(range(200))))  # 51 blocks: capped
+        assert retention.headroom() == 15  # a quarter of 63
+        retention.allocated("r3")
+        time.sleep(0.35)
+        assert retention.headroom() == 0
+        assert sample(decode.metrics, "kvbridge_connector_headroom_blocks") == 0
 
 
 def test_decode_pinned_victim_is_not_picked_twice(decode: DecodeKit, client: RegistryClient):
