@@ -77,6 +77,14 @@ class _Requests:
             request_id=request_id if request_id is not None else uuid.uuid4().hex)
 
     @staticmethod
+    def pin_lease(tenant: str, conversation_id: str, min_tokens: int = 0, pin_ttl: float = 0.0,
+                  reader_id: str = "", request_id: str | None = None) -> pb.PinLeaseRequest:
+        return pb.PinLeaseRequest(
+            tenant=tenant, conversation_id=conversation_id, min_tokens=min_tokens,
+            pin_ttl=duration(pin_ttl), reader_id=reader_id,
+            request_id=request_id if request_id is not None else uuid.uuid4().hex)
+
+    @staticmethod
     def list_leases(tenant: str = "", conversation_id: str = "", holder_id: str = "",
                     include_inactive: bool = False, page_size: int = 0, page_token: str = "",
                     include_blocks: bool = False) -> pb.ListLeasesRequest:
@@ -178,6 +186,15 @@ class RegistryClient(SyncClient):
         req = _Requests.acquire_read(tenant, conversation_id, block_hashes, min_tokens,
                                      pin_ttl, reader_id, request_id)
         return self._call("AcquireRead", req, idempotent=True, timeout=timeout)
+
+    def pin_lease(self, tenant: str, conversation_id: str, min_tokens: int = 0,
+                  pin_ttl: float = 0.0, reader_id: str = "", request_id: str | None = None, *,
+                  timeout: float | None = None) -> pb.PinLeaseResponse:
+        """Pin the conversation's whole lease; the reader verifies its prompt against the
+        returned hashes itself (see `kvbridge.blockhash.matching_prefix`)."""
+        req = _Requests.pin_lease(tenant, conversation_id, min_tokens, pin_ttl, reader_id,
+                                  request_id)
+        return self._call("PinLease", req, idempotent=True, timeout=timeout)
 
     def release_read(self, pin_id: str, *, timeout: float | None = None) -> bool:
         req = pb.ReleaseReadRequest(pin_id=pin_id)
@@ -282,6 +299,14 @@ class AsyncRegistryClient(AsyncClient):
         req = _Requests.acquire_read(tenant, conversation_id, block_hashes, min_tokens,
                                      pin_ttl, reader_id, request_id)
         return await self._call("AcquireRead", req, idempotent=True, timeout=timeout)
+
+    async def pin_lease(self, tenant: str, conversation_id: str, min_tokens: int = 0,
+                        pin_ttl: float = 0.0, reader_id: str = "",
+                        request_id: str | None = None, *, timeout: float | None = None
+                        ) -> pb.PinLeaseResponse:
+        req = _Requests.pin_lease(tenant, conversation_id, min_tokens, pin_ttl, reader_id,
+                                  request_id)
+        return await self._call("PinLease", req, idempotent=True, timeout=timeout)
 
     async def release_read(self, pin_id: str, *, timeout: float | None = None) -> bool:
         req = pb.ReleaseReadRequest(pin_id=pin_id)

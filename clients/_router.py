@@ -49,10 +49,15 @@ class RouterClient(SyncClient):
         return list(self._call("ListInstances", req, timeout=timeout).instances)
 
     def route(self, tenant: str, conversation_id: str, prompt_tokens: int, model: str = "",
-              exclude: Sequence[str] = (), *, timeout: float | None = None) -> pb.RouteResponse:
+              exclude: Sequence[str] = (), *, pin_read: bool = False, pin_ttl: float = 0.0,
+              timeout: float | None = None) -> pb.RouteResponse:
+        """Pick a prefill and a decode instance for a turn. With `pin_read`, also pin the
+        conversation's lease for the prefill (the response's `read`); not retried, so that a
+        retry cannot leave a second pin behind."""
         req = pb.RouteRequest(tenant=tenant, conversation_id=conversation_id,
                               prompt_tokens=prompt_tokens, model=model,
-                              exclude_instance_ids=list(exclude))
+                              exclude_instance_ids=list(exclude), pin_read=pin_read,
+                              pin_ttl=duration_pb(pin_ttl))
         resp: pb.RouteResponse = self._call("Route", req, timeout=timeout)
         return resp
 
@@ -83,11 +88,12 @@ class AsyncRouterClient(AsyncClient):
     stub_class = pb_grpc.RouterServiceStub
 
     async def route(self, tenant: str, conversation_id: str, prompt_tokens: int,
-                    model: str = "", exclude: Sequence[str] = (), *,
-                    timeout: float | None = None) -> pb.RouteResponse:
+                    model: str = "", exclude: Sequence[str] = (), *, pin_read: bool = False,
+                    pin_ttl: float = 0.0, timeout: float | None = None) -> pb.RouteResponse:
         req = pb.RouteRequest(tenant=tenant, conversation_id=conversation_id,
                               prompt_tokens=prompt_tokens, model=model,
-                              exclude_instance_ids=list(exclude))
+                              exclude_instance_ids=list(exclude), pin_read=pin_read,
+                              pin_ttl=duration_pb(pin_ttl))
         return await self._call("Route", req, timeout=timeout)
 
     async def list_instances(self, role: str = "", model: str = "", *,

@@ -18,7 +18,8 @@ import structlog
 from kvbridge import blockhash
 from kvbridge.clients import seconds
 from kvbridge.connector._metrics import ConnectorMetrics
-from kvbridge.connector._settings import ConnectorSettings, conversation_of
+from kvbridge.connector._routed import READ_KEY, BadRoutedRead, verified_read
+from kvbridge.connector._settings import CONVERSATION_KEY, ConnectorSettings, conversation_of
 from kvbridge.errors import KvbridgeError
 from kvbridge.registry.v1 import registry_pb2 as pb
 
@@ -50,6 +51,7 @@ class _Pending:
     deadline: float
     started: float = 0.0
     answered: float = 0.0  # when the AcquireRead came back (monotonic)
+    source: str = "lookup"  # "route": pinned when the gateway routed the turn
 
 
 @dataclass
@@ -107,6 +109,10 @@ class PrefillReuse:
                                         request.cache_salt or "")
         tenant, conversation = key
         now = time.monotonic()
+        routed = params[CONVERSATION_KEY].get(READ_KEY)
+        if routed is not None and self._routed(request, tenant, conversation, hashes, routed,
+                                               now):
+            return
         future = self._pool.submit(
             self.client.acquire_read, tenant, conversation, hashes,
             min_tokens=max(self.threshold, 1), pin_ttl=self.settings.pin_ttl_s,
@@ -116,6 +122,28 @@ class PrefillReuse:
                            now + self.settings.read_deadline_s, started=now)
         future.add_done_callback(lambda _: setattr(pending, "answered", time.monotonic()))
         self._pending[request.request_id] = pending
+
+    def _routed(self, request: Any, tenant: str, conversation: str, hashes: bytes,
+                routed: Any, now: float) -> bool:
+        """Take the read the gateway pinned when it routed the turn: verified here against
+        the prompt's hashes, decided on at once, no call made. False if it is malformed (the
+        request then looks the lease up itself)."""
+        try:
+            read, release = verified_read(routed, hashes)
+        except BadRoutedRead as err:
+            log.warning("routed_read_ignored", request_id=request.request_id, error=str(err))
+            pin = routed.get("pin_id") if isinstance(routed, dict) else None
+            if isinstance(pin, str) and pin:
+                self._release(pin)
+            return False
+        if release:
+            self._release(release)
+        future: Future[pb.AcquireReadResponse] = Future()
+        future.set_result(read)
+        self._pending[request.request_id] = _Pending(
+            tenant, conversation, hashes, future, now, started=now, answered=now,
+            source="route")
+        return True
 
     def resolve(self, request: Any, num_computed_tokens: int) -> bool | None:
         """Decide for a request: None while its AcquireRead is pending (ask again), True when
@@ -138,12 +166,14 @@ class PrefillReuse:
             read = pending.future.result()
         except KvbridgeError as err:
             self._decide(request, "registry_error", 0, len(tokens) - num_computed_tokens,
-                         conversation=pending.conversation, lookup_ms=lookup_ms, error=err.reason)
+                         conversation=pending.conversation, lookup_ms=lookup_ms,
+                         source=pending.source, error=err.reason)
             return False
         if read.miss_reason != pb.MISS_REASON_UNSPECIFIED:
             reason = pb.MissReason.Name(read.miss_reason).removeprefix("MISS_REASON_").lower()
             self._decide(request, f"miss_{reason}", 0, len(tokens) - num_computed_tokens,
                          conversation=pending.conversation, lookup_ms=lookup_ms,
+                         source=pending.source,
                          mismatch_block=read.mismatch_block)
             return False
 
@@ -162,12 +192,14 @@ class PrefillReuse:
             why = "local_cache"
         elif usable - num_computed_tokens < self.threshold:
             why = "below_threshold"
-        elif seconds(read.pin.expires_in) < self.settings.pin_margin_s:
+        elif (seconds(read.pin.expires_in) - (time.monotonic() - pending.answered)
+              < self.settings.pin_margin_s):
             why = "pin_margin"
         if why is not None:
             self._release(read.pin.pin_id)
             self._decide(request, why, 0, len(tokens) - num_computed_tokens,
-                         conversation=pending.conversation, lookup_ms=lookup_ms)
+                         conversation=pending.conversation, lookup_ms=lookup_ms,
+                         source=pending.source)
             return False
 
         params = request.kv_transfer_params
@@ -185,6 +217,7 @@ class PrefillReuse:
             pending.conversation, params)
         self._decide(request, "hit", usable - num_computed_tokens, len(tokens) - usable,
                      conversation=pending.conversation, lookup_ms=lookup_ms,
+                     source=pending.source,
                      lease_id=read.lease.lease_id,
                      epoch=read.lease.epoch, holder=read.holder.holder_id)
         return True
@@ -248,6 +281,8 @@ class PrefillReuse:
             "kvbridge_recomputed_tokens": max(recomputed, 0)}
         if "lookup_ms" in fields:  # how long the AcquireRead took, as seen by the engine
             self._outcomes[request.request_id]["kvbridge_lookup_ms"] = fields["lookup_ms"]
+        if "source" in fields:  # "route": pinned by the gateway's route; "lookup": our own call
+            self._outcomes[request.request_id]["kvbridge_read_source"] = fields["source"]
         if decision == "miss_hash_mismatch":
             self._outcomes[request.request_id]["kvbridge_mismatch_block"] = fields.get(
                 "mismatch_block", 0)

@@ -86,6 +86,12 @@ def snapshot_msg(w: World, **kw: Any) -> pb.LeaseSnapshot:
     return pb.LeaseSnapshot(**args)
 
 
+def pin_req(w: World, **kw: Any) -> pb.PinLeaseRequest:
+    args: dict[str, Any] = dict(tenant="t1", conversation_id="c1")
+    args.update(kw)
+    return pb.PinLeaseRequest(**args)
+
+
 def read_req(w: World, **kw: Any) -> pb.AcquireReadRequest:
     args: dict[str, Any] = dict(tenant="t1", conversation_id="c1",
                                 block_hashes=w.kv.prompt_hashes(w.kv.tokens(8)))
@@ -129,6 +135,8 @@ for _name, _bad in BAD_IDS.items():
         "RevokeLease", lambda w, b=_bad: pb.RevokeLeaseRequest(lease_id=b), "lease_id")
     CASES[f"read-conversation-{_name}"] = invalid(
         "AcquireRead", lambda w, b=_bad: read_req(w, conversation_id=b), "conversation_id")
+    CASES[f"pin-conversation-{_name}"] = invalid(
+        "PinLease", lambda w, b=_bad: pin_req(w, conversation_id=b), "conversation_id")
     CASES[f"release-pin_id-{_name}"] = invalid(
         "ReleaseRead", lambda w, b=_bad: pb.ReleaseReadRequest(pin_id=b), "pin_id")
 
@@ -322,6 +330,20 @@ CASES.update({
     "read-request_id-reused": Case(
         "AcquireRead", lambda w: read_req(w, conversation_id="c2", reader_id="p1",
                                           request_id="r1"),
+        grpc.StatusCode.ALREADY_EXISTS, "REQUEST_ID_REUSED", errors.IdempotencyConflict),
+    # PinLease
+    "pin-tenant-empty": invalid("PinLease", lambda w: pin_req(w, tenant=""), "tenant"),
+    "pin-pin_ttl-negative": invalid("PinLease", lambda w: pin_req(w, pin_ttl=dur(-1)),
+                                    "pin_ttl"),
+    "pin-min_tokens-oversized": invalid(
+        "PinLease", lambda w: pin_req(w, min_tokens=2**31 + 1), "min_tokens"),
+    "pin-reader_id-non-printable": invalid(
+        "PinLease", lambda w: pin_req(w, reader_id="prefill 1"), "reader_id"),
+    "pin-request_id-oversized": invalid(
+        "PinLease", lambda w: pin_req(w, request_id=LONG_ID), "request_id"),
+    "pin-request_id-reused": Case(
+        "PinLease", lambda w: pin_req(w, conversation_id="c2", reader_id="p1",
+                                      request_id="r1"),
         grpc.StatusCode.ALREADY_EXISTS, "REQUEST_ID_REUSED", errors.IdempotencyConflict),
     # ReleaseRead: an unknown pin is not an error (released=False), see test_service.py.
 })

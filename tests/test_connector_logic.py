@@ -24,6 +24,7 @@ from kvbridge.clients import RegistryClient
 from kvbridge.connector._decode import DecodeRetention
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._prefill import REMOTE_FIELDS, PrefillReuse
+from kvbridge.connector._routed import BadRoutedRead, routed_read, verified_read
 from kvbridge.connector._settings import ConnectorSettings
 from kvbridge.registry.v1 import registry_pb2 as pb
 
@@ -769,7 +770,7 @@ def test_prefill_read_done_ok_releases_and_counts(prefill: PrefillKit, client: R
     timings = ("kvbridge_transfer_ms", "kvbridge_lookup_ms")
     assert {k: v for k, v in outcome.items() if k not in timings} == {
         "kvbridge_decision": "hit", "kvbridge_reused_tokens": 38,
-        "kvbridge_recomputed_tokens": len(EXTRA)}
+        "kvbridge_recomputed_tokens": len(EXTRA), "kvbridge_read_source": "lookup"}
     assert prefill.reuse.finished("p-1") is None
 
 
@@ -788,7 +789,7 @@ def test_prefill_read_done_failed_counts_recompute(prefill: PrefillKit, client: 
     assert outcome is not None and outcome.pop("kvbridge_lookup_ms") >= 0
     assert outcome == {
         "kvbridge_decision": "transfer_failed", "kvbridge_reused_tokens": 0,
-        "kvbridge_recomputed_tokens": len(prompt)}
+        "kvbridge_recomputed_tokens": len(prompt), "kvbridge_read_source": "lookup"}
     # The 10 tokens past the lease, then the 38 the failed read should have brought.
     assert sample(m, "kvbridge_connector_recomputed_tokens_total") == len(prompt)
     assert prefill.decision("transfer_failed") == 1
@@ -1026,3 +1027,123 @@ def test_prefill_reads_through_a_router(registry: ThreadedRegistry, holder: pb.H
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+# ---- prefill: reads pinned when the gateway routed the turn ------------------------------------
+
+
+class NoLookupClient(RegistryClient):
+    """A client for reads that must not be looked up: routed reads are decided locally."""
+
+    def acquire_read(self, *args: Any, **kwargs: Any) -> pb.AcquireReadResponse:
+        raise AssertionError("a routed read made an AcquireRead call")
+
+
+@pytest.fixture
+def routed_prefill(registry: ThreadedRegistry, holder: pb.Holder) -> Iterator[PrefillKit]:
+    kit = make_prefill(registry.target,
+                       client=NoLookupClient(registry.target, timeout=2.0, retries=1))
+    yield kit
+    kit.reuse.close()
+    kit.client.close()
+
+
+def pinned_read(client: RegistryClient, conversation: str = "c1", pin_ttl: float = 10.0,
+                ) -> dict[str, Any]:
+    """What the gateway puts in kv_transfer_params after the router pinned the lease."""
+    return routed_read(client.pin_lease(TENANT, conversation, pin_ttl=pin_ttl,
+                                        reader_id=READER), 0.0)
+
+
+@pytest.mark.parametrize(("prompt", "n_blocks", "usable"), [
+    pytest.param(LEASE_TOKENS + EXTRA, 10, 38, id="exact-with-partial-block"),
+    pytest.param(LEASE_TOKENS[:36] + [7, 7] + EXTRA, 9, 36, id="partial-block-differs"),
+    pytest.param(LEASE_TOKENS[:17] + [7] + LEASE_TOKENS[18:] + EXTRA, 4, 16,
+                 id="edited-inside-block-4"),
+])
+def test_prefill_routed_read_is_verified_locally_without_a_lookup(
+        routed_prefill: PrefillKit, client: RegistryClient, prompt: list[int], n_blocks: int,
+        usable: int):
+    """The same verified blocks as AcquireRead gives (test_prefill_hit_names_verified_blocks),
+    decided on the request's first scheduling pass: no call, no "ask again"."""
+    lease = grant(client, "c1", LEASE_TOKENS)
+    read = pinned_read(client)
+    request = routed_prefill.request("p-1", prompt, kvbridge={**conv_key("c1"), "read": read})
+    assert routed_prefill.reuse.resolve(request, 0) is True
+    params = request.kv_transfer_params
+    assert params["remote_block_ids"] == [LEASE_BLOCKS[:n_blocks]]
+    assert params["remote_num_tokens"] == usable
+    assert params["remote_engine_id"] == HOLDER
+    assert params["remote_request_id"] == lease.remote_request_id
+    assert (params["remote_host"], params["remote_port"]) == (NIXL_HOST, NIXL_PORT)
+    assert pins(client, lease.lease_id) == 1
+    routed_prefill.reuse.read_done("p-1", ok=True)
+    wait_unpinned(client, lease.lease_id)
+    outcome = routed_prefill.reuse.finished("p-1")
+    assert outcome is not None
+    assert outcome["kvbridge_decision"] == "hit" and outcome["kvbridge_reused_tokens"] == usable
+    assert outcome["kvbridge_read_source"] == "route" and outcome["kvbridge_lookup_ms"] == 0
+
+
+def test_prefill_routed_read_of_another_prompt_is_released_and_recomputed(
+        routed_prefill: PrefillKit, client: RegistryClient):
+    lease = grant(client, "c1", LEASE_TOKENS)
+    read = pinned_read(client)
+    prompt = [7] * 30
+    request = routed_prefill.request("p-1", prompt, kvbridge={**conv_key("c1"), "read": read})
+    assert routed_prefill.reuse.resolve(request, 0) is False
+    assert no_remote_fields(request.kv_transfer_params)
+    assert routed_prefill.decision("miss_hash_mismatch") == 1
+    wait_unpinned(client, lease.lease_id)
+
+
+def test_prefill_routed_miss_and_pin_margin(routed_prefill: PrefillKit, client: RegistryClient):
+    request = routed_prefill.request("p-1", LEASE_TOKENS + EXTRA,
+                                     kvbridge={**conv_key("c1"), "read": {"miss": "no_lease"}})
+    assert routed_prefill.reuse.resolve(request, 0) is False
+    assert routed_prefill.decision("miss_no_lease") == 1
+    # A pin that ends within the 2 s margin by the time prefill sees it: recompute, released.
+    lease = grant(client, "c1", LEASE_TOKENS)
+    read = pinned_read(client, pin_ttl=1.5)
+    request = routed_prefill.request("p-2", LEASE_TOKENS + EXTRA,
+                                     kvbridge={**conv_key("c1"), "read": read})
+    assert routed_prefill.reuse.resolve(request, 0) is False
+    assert routed_prefill.decision("pin_margin") == 1
+    wait_unpinned(client, lease.lease_id)
+
+
+def test_prefill_malformed_routed_read_falls_back_to_a_lookup(prefill: PrefillKit,
+                                                              client: RegistryClient):
+    lease = grant(client, "c1", LEASE_TOKENS)
+    read = pinned_read(client)
+    read["block_ids"] = read["block_ids"][:-1]  # one id fewer than hashes
+    request = prefill.request("p-1", LEASE_TOKENS + EXTRA,
+                              kvbridge={**conv_key("c1"), "read": read})
+    assert prefill.resolve(request) is True  # looked up for itself
+    assert request.kv_transfer_params["remote_num_tokens"] == 38
+    outcome = prefill.reuse.finished("p-1")
+    assert outcome is not None and outcome["kvbridge_read_source"] == "lookup"
+    # The malformed read's pin was released; the lookup's pin went with finished().
+    wait_unpinned(client, lease.lease_id)
+
+
+@pytest.mark.parametrize(("change", "error"), [
+    ({"expires_in_s": -1}, "expires_in_s"),
+    ({"expires_in_s": float("nan")}, "expires_in_s"),
+    ({"block_hashes": "not base64!"}, "block_hashes"),
+    ({"token_count": 39}, "token_count"),
+    ({"holder": {"id": "d", "host": "h", "port": 0, "block_size": BS}}, "holder.port"),
+    ({"pin_id": ""}, "pin_id"),
+    ({"block_ids": [True]}, "block_ids"),
+])
+def test_verified_read_refuses_malformed_input(client: RegistryClient, holder: pb.Holder,
+                                               change: dict[str, Any], error: str):
+    grant(client, "c1", LEASE_TOKENS)
+    read = {**pinned_read(client), **change}
+    with pytest.raises(BadRoutedRead, match=error):
+        verified_read(read, blockhash.block_hashes(LEASE_TOKENS, BS, FP))
+
+
+def test_verified_read_of_an_unknown_miss_is_no_lease() -> None:
+    read, release = verified_read({"miss": "meteor"}, b"")
+    assert read.miss_reason == pb.MISS_REASON_NO_LEASE and release is None

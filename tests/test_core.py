@@ -659,6 +659,44 @@ def test_read_is_idempotent_by_reader_and_request_id(table: LeaseTable,
     assert fingerprint_state(table) == before
 
 
+def test_pin_lease_pins_every_block_for_a_reader_that_verifies(table: LeaseTable,
+                                                               clock: FakeClock) -> None:
+    """PinLease: the whole lease, every full block counted as matched and the partial block
+    listed, so the reader can check its own prompt against the lease's hashes."""
+    lease = table.grant(gspec(toks(10), block_ids=[5, 6, 7], idle_ttl=5.0)).lease
+    clock.advance(4.0)
+    read = table.pin_lease("t1", "c1", min_tokens=10, reader_id="p1", request_id="q1")
+    assert read.miss is MissReason.HIT and read.lease is lease
+    assert (read.matched_blocks, read.partial) == (2, True)
+    assert reused_ids(read) == [5, 6, 7]
+    assert read.pin is not None and lease.pin_count == 1
+    assert lease.expire_at == clock.monotonic() + 5.0  # a read is activity
+    # Retried: the same pin. Superseded while pinned: not reclaimable until released.
+    assert table.pin_lease("t1", "c1", reader_id="p1", request_id="q1").pin is read.pin
+    table.grant(gspec(toks(14), rrid="rr-2"))
+    assert lease.state is LeaseState.SUPERSEDED and not lease.reclaimable
+    assert table.release_read(read.pin.pin_id)
+    assert lease.reclaimable
+
+
+def test_pin_lease_misses(table: LeaseTable, clock: FakeClock) -> None:
+    assert table.pin_lease("t1", "c1").miss is MissReason.NO_LEASE
+    lease = table.grant(gspec(toks(8), idle_ttl=5.0)).lease
+    below = table.pin_lease("t1", "c1", min_tokens=9)
+    assert (below.miss, below.pin) == (MissReason.BELOW_MINIMUM, None)
+    assert table.pin_lease("t1", "c1", min_tokens=8).miss is MissReason.HIT
+    assert table.pin_lease("t2", "c1").miss is MissReason.NO_LEASE  # tenants stay apart
+    table.revoke(lease.lease_id)
+    assert table.pin_lease("t1", "c1").miss is MissReason.REVOKED
+    table.grant(gspec(toks(8), idle_ttl=5.0, rrid="rr-2"))
+    clock.advance(5.0)
+    assert table.pin_lease("t1", "c1").miss is MissReason.EXPIRED
+    before = fingerprint_state(table)
+    with pytest.raises(InvalidArgument):
+        table.pin_lease("t1", "c1", pin_ttl=-1.0)
+    assert fingerprint_state(table) == before
+
+
 # ---- pins -------------------------------------------------------------------------------------
 
 

@@ -4,6 +4,8 @@ The real engines are in tests/e2e/test_gateway_e2e.py."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 import socket
 from collections.abc import AsyncIterator
@@ -187,9 +189,12 @@ async def test_completion_turn_runs_prefill_then_decode(stack: Stack) -> None:
     tenant = prefill["kv_transfer_params"]["kvbridge"]["tenant"]
     assert tenant.startswith("key-") and "sk-alice" not in json.dumps(prefill)
     assert prefill["max_tokens"] == 1 and prefill["stream"] is False
+    # The router pinned no read (the conversation has no lease yet) and said so: prefill
+    # decides without a lookup of its own.
     assert prefill["kv_transfer_params"] == {
         "do_remote_decode": True, "do_remote_prefill": False,
-        "kvbridge": {"tenant": tenant, "conversation_id": "conv-1"}}
+        "kvbridge": {"tenant": tenant, "conversation_id": "conv-1",
+                     "read": {"miss": "no_lease"}}}
     assert "conversation_id" not in prefill and "conversation_id" not in decode
     assert decode["max_tokens"] == 8
     assert decode["kv_transfer_params"]["do_remote_prefill"] is True
@@ -265,11 +270,60 @@ async def test_route_follows_the_conversations_lease(registry_server: RegistrySe
         tokens = kv.tokens(8)
         await reg.grant_lease("engine-d1", tenant, "conv-l", "req-1", [1, 2], 8,
                               kv.lease_hashes(tokens))
-        for _ in range(2):
+        for turn in range(2):
             raw = await client(s).completions.with_raw_response.create(
                 model=MODEL, prompt="hi", max_tokens=1, extra_body={"conversation_id": "conv-l"})
             assert raw.headers["x-kvbridge-decode-instance"] == "d1"
             assert raw.headers["x-kvbridge-decode-reason"] == "holds_lease"
+            # The router pinned the lease while routing: prefill gets the read with the
+            # request (block ids and the lease's hashes, to check against its prompt).
+            read = s.engines["p0"].received[-1]["kv_transfer_params"]["kvbridge"]["read"]
+            assert read["pin_id"].startswith("p-") and read["block_ids"] == [1, 2]
+            assert base64.b64decode(read["block_hashes"]) == kv.prompt_hashes(tokens)
+            assert read["holder"]["id"] == "engine-d1" and read["token_count"] == 8
+            assert 0 < read["expires_in_s"] <= 10.0
+            assert registry_server.table.counts()["pins"] == turn + 1
+    finally:
+        await close(s)
+
+
+async def test_pin_at_route_off_leaves_the_lookup_to_prefill(registry_server: RegistryServer,
+                                                             tmp_path: Path) -> None:
+    s = await make_stack(registry_server, tmp_path, pin_at_route=False)
+    try:
+        await client(s).completions.create(model=MODEL, prompt="hi", max_tokens=1,
+                                           extra_body={"conversation_id": "conv-x"})
+        params = s.engines["p0"].received[-1]["kv_transfer_params"]
+        assert set(params["kvbridge"]) == {"tenant", "conversation_id"}
+        assert registry_server.table.counts()["pins"] == 0
+    finally:
+        await close(s)
+
+
+async def test_read_pinned_for_an_unreachable_prefill_is_released(
+        registry_server: RegistryServer, tmp_path: Path, kv: Any) -> None:
+    s = await make_stack(registry_server, tmp_path, engines=(("decode", "d0"),))
+    try:
+        with socket.socket() as sock:  # a port nothing listens on
+            sock.bind(("127.0.0.1", 0))
+            dead = sock.getsockname()[1]
+        s.router.table.register(InstanceSpec("px", Role.PREFILL, f"http://127.0.0.1:{dead}",
+                                             "engine-px", MODEL))
+        tenant = "key-" + __import__("hashlib").blake2b(b"sk-alice", digest_size=8).hexdigest()
+        reg = s.registry_client
+        await reg.register_holder("engine-d0", "127.0.0.1", 5600, kv.block_size,
+                                  kv.fingerprint, ttl=60)
+        await reg.grant_lease("engine-d0", tenant, "conv-p", "req-1", [1, 2], 8,
+                              kv.lease_hashes(kv.tokens(8)))
+        status, _, body = await post(s, "/v1/completions", {
+            "model": MODEL, "prompt": "hi", "max_tokens": 1, "conversation_id": "conv-p"},
+            headers={"Authorization": "Bearer sk-alice"})
+        assert status in (502, 503), body
+        for _ in range(200):  # released in the background
+            if registry_server.table.counts()["pins"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert registry_server.table.counts()["pins"] == 0
     finally:
         await close(s)
 

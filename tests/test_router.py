@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 from click.testing import CliRunner
+from google.protobuf import duration_pb2
 
 from kvbridge._grpc_status import error_info
 from kvbridge.cli import main
@@ -387,6 +388,71 @@ async def test_reads_through_the_router_never_offer_a_dead_holder(
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     info = error_info(raised.value)
     assert info.reason == "INVALID_ARGUMENT" and info.metadata["field"] == "block_hashes"
+
+
+async def test_route_pins_the_read_for_prefill(
+        stub: pb_grpc.RouterServiceStub, registry_client: AsyncRegistryClient,
+        registry_server: RegistryServer, router_clock: FakeClock, kv: Any) -> None:
+    """With pin_read, Route pins the conversation's whole lease and returns the read with the
+    lease's hashes, in the same call that picks the instances."""
+    await register(stub, "p0", pb.ROLE_PREFILL)
+    await register(stub, "d0", pb.ROLE_DECODE, ttl=5)
+    none = await stub.Route(pb.RouteRequest(tenant="t1", conversation_id="c1", prompt_tokens=9,
+                                            pin_read=True))
+    assert none.HasField("read")
+    assert none.read.read.miss_reason == reg_pb.MISS_REASON_NO_LEASE
+    assert none.decode_reason == pb.DECODE_REASON_NO_LEASE
+    tokens = kv.tokens(10)
+    lease = await grant(registry_client, kv, "engine-d0", "t1", "c1", tokens)
+    resp = await stub.Route(pb.RouteRequest(tenant="t1", conversation_id="c1", prompt_tokens=40,
+                                            pin_read=True, pin_ttl=duration(3.0)))
+    assert resp.decode.instance_id == "d0"
+    assert resp.decode_reason == pb.DECODE_REASON_HOLDS_LEASE
+    read = resp.read.read
+    assert read.lease.lease_id == lease.lease_id and read.pin.pin_id
+    assert 0 < read.pin.expires_in.ToNanoseconds() <= 3_000_000_000
+    assert list(read.remote_block_ids) == [1, 2] and read.matched_blocks == 2
+    assert read.partial_block_id == 3 and read.partial_block_tokens == 2
+    # The lease's own hashes: the reader checks its prompt against them.
+    assert resp.read.block_hashes == kv.prompt_hashes(tokens)
+    assert read.partial_block_hash == kv.lease_hashes(tokens)[32:]
+    assert registry_server.table.counts()["pins"] == 1
+    assert (await stub.ReleaseRead(reg_pb.ReleaseReadRequest(pin_id=read.pin.pin_id))).released
+    # Without pin_read, nothing is pinned.
+    plain = await stub.Route(pb.RouteRequest(tenant="t1", conversation_id="c1",
+                                             prompt_tokens=40))
+    assert not plain.HasField("read") and plain.lease_holder_id == "engine-d0"
+    # The engine stops heartbeating the router: no read of its KV, and no pin left behind.
+    router_clock.advance(5.1)
+    await register(stub, "d1", pb.ROLE_DECODE)
+    dead = await stub.Route(pb.RouteRequest(tenant="t1", conversation_id="c1",
+                                            prompt_tokens=40, pin_read=True))
+    assert dead.read.read.miss_reason == reg_pb.MISS_REASON_HOLDER_GONE
+    assert not dead.read.read.pin.pin_id and dead.decode.instance_id == "d1"
+    assert registry_server.table.counts()["pins"] == 0
+    with pytest.raises(grpc.RpcError) as raised:
+        await stub.Route(pb.RouteRequest(tenant="t1", conversation_id="c1", pin_read=True,
+                                         pin_ttl=duration_pb2.Duration(seconds=-1)))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert registry_server.table.counts()["pins"] == 0
+
+
+async def test_route_pin_read_without_registry_leaves_the_read_unset(
+        router_clock: FakeClock, unused_tcp_port: int) -> None:
+    server = await start_router(router_clock, registry=f"127.0.0.1:{unused_tcp_port}",
+                                registry_timeout_s=0.2)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = pb_grpc.RouterServiceStub(channel)
+    try:
+        await register(stub, "p0", pb.ROLE_PREFILL)
+        await register(stub, "d0", pb.ROLE_DECODE)
+        resp = await stub.Route(pb.RouteRequest(tenant="t", conversation_id="c",
+                                                prompt_tokens=1, pin_read=True))
+        assert resp.decode_reason == pb.DECODE_REASON_REGISTRY_UNAVAILABLE
+        assert not resp.HasField("read")  # prefill looks the lease up for itself
+    finally:
+        await channel.close()
+        await server.stop(0)
 
 
 # ==== CLI ========================================================================================

@@ -104,7 +104,7 @@ async def test_reflection_lists_and_describes_the_service(registry_server):
     methods = {m.name for s in registry_file.service for m in s.method}
     assert methods == {"RegisterHolder", "HeartbeatHolder", "DeregisterHolder", "ListHolders",
                        "GrantLease", "RenewLeases", "RevokeLease", "GetLease", "ListLeases",
-                       "AcquireRead", "ReleaseRead", "GetServerInfo", "WatchLeases"}
+                       "PinLease", "AcquireRead", "ReleaseRead", "GetServerInfo", "WatchLeases"}
 
 
 # ---- holders --------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvbridge.clients._registry import AsyncRegistryClient
 from kvbridge.clients._router import AsyncRouterClient
+from kvbridge.connector._routed import READ_KEY, routed_read
 from kvbridge.connector._settings import CONVERSATION_KEY
 from kvbridge.errors import InvalidArgument, KvbridgeError, NoInstance
 from kvbridge.registry.v1 import registry_pb2 as reg_pb
@@ -41,7 +42,8 @@ _ID = re.compile(r"[\x21-\x7e]{1,256}")
 CONVERSATION_HEADER = "X-Conversation-Id"
 _RECENT_CONVERSATIONS = 100_000
 _OUTCOME_FIELDS = ("kvbridge_decision", "kvbridge_reused_tokens", "kvbridge_recomputed_tokens",
-                   "kvbridge_lookup_ms", "kvbridge_transfer_ms", "kvbridge_mismatch_block")
+                   "kvbridge_lookup_ms", "kvbridge_transfer_ms", "kvbridge_mismatch_block",
+                   "kvbridge_read_source")
 
 
 class HttpError(Exception):
@@ -322,7 +324,8 @@ class Gateway:
         try:
             route = await self.router.route(
                 turn.tenant, turn.conversation, estimate_prompt_tokens(body, chat), turn.model,
-                excluded, timeout=self.config.route_timeout_s)
+                excluded, pin_read=bool(turn.conversation) and self.config.pin_at_route,
+                pin_ttl=self.config.pin_ttl_s, timeout=self.config.route_timeout_s)
         except NoInstance as err:
             raise HttpError(503, f"no engine available: {err.message}", "service_unavailable",
                             "no_instance") from None
@@ -331,22 +334,36 @@ class Gateway:
         except KvbridgeError as err:
             raise HttpError(503, f"router unavailable: {err.message}", "service_unavailable",
                             "router_unavailable") from None
-        turn.route_ms += (time.perf_counter() - routing) * 1000
+        routed = time.perf_counter()
+        turn.route_ms += (routed - routing) * 1000
         turn.prefill, turn.decode = route.prefill.instance_id, route.decode.instance_id
         turn.decode_reason = (router_pb.DecodeReason.Name(route.decode_reason)
                               .removeprefix("DECODE_REASON_").lower())
-        key = ({CONVERSATION_KEY: {"tenant": turn.tenant,
-                                   "conversation_id": turn.conversation}}
-               if turn.conversation else {})
+        key: dict[str, dict[str, Any]] = (
+            {CONVERSATION_KEY: {"tenant": turn.tenant, "conversation_id": turn.conversation}}
+            if turn.conversation else {})
 
         # Prefill: compute (or read back) the prompt's KV, one token, no streaming.
         prefill_body = {k: v for k, v in body.items()
                         if k not in ("stream", "stream_options", "max_completion_tokens", "n")}
+        prefill_key = key
+        if turn.conversation and route.HasField("read"):
+            prefill_key = {CONVERSATION_KEY: {
+                **key[CONVERSATION_KEY],
+                READ_KEY: routed_read(route.read, time.perf_counter() - routed)}}
         prefill_body.update(max_tokens=1, stream=False, kv_transfer_params={
-            "do_remote_decode": True, "do_remote_prefill": False, **key})
+            "do_remote_decode": True, "do_remote_prefill": False, **prefill_key})
         start = time.perf_counter()
-        status, prefill = await self._post_json(route.prefill.http_url + path, prefill_body,
-                                                "prefill", turn.prefill)
+        try:
+            status, prefill = await self._post_json(route.prefill.http_url + path,
+                                                    prefill_body, "prefill", turn.prefill)
+        except _EngineDown:
+            # The engine never took the request: give its pinned read back now rather than
+            # hold decode's blocks until the pin runs out.
+            pin_id = route.read.read.pin.pin_id if route.HasField("read") else ""
+            if pin_id and self.registry is not None:
+                self._in_background(self.registry.release_read(pin_id))
+            raise
         turn.prefill_ms = (time.perf_counter() - start) * 1000
         self.metrics.prefill.observe(turn.prefill_ms / 1000)
         if status >= 400:

@@ -33,6 +33,12 @@ class GatewayConfig:
         0.3, "when a conversation's next turn arrives this soon after its previous turn ended "
         "and the conversation has no lease yet (decode grants it in the background), wait up "
         "to this long for it, so that fast follow-ups (tool results) reuse KV; 0 disables")
+    pin_at_route: bool = setting(
+        True, "pin the conversation's lease when the turn is routed and hand the read (block "
+        "ids and the lease's hashes) to prefill with the request: prefill verifies it locally "
+        "and makes no lookup call on its path. Off: prefill looks the lease up itself")
+    pin_ttl_s: float = setting(10.0, "how long a read pinned at route time holds decode's "
+                               "blocks at most (released as soon as prefill has read them)")
     retries: int = setting(
         1, "times a turn is sent to another instance when an engine cannot be reached before "
         "anything was streamed")
@@ -41,7 +47,7 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         for name in ("route_timeout_s", "request_timeout_s", "connect_timeout_s",
-                     "max_body_bytes"):
+                     "max_body_bytes", "pin_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.lease_wait_s <= 5.0:

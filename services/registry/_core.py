@@ -507,13 +507,11 @@ class LeaseTable:
 
     # ---- reads ------------------------------------------------------------------------------
 
-    def acquire_read(self, tenant: str, conversation_id: str, hashes: bytes, min_tokens: int = 0,
-                     pin_ttl: float = 0.0, reader_id: str = "", request_id: str = "") -> Read:
-        """Match a prompt's full-block hashes against the conversation's lease; pin on a hit."""
+    def _check_read(self, tenant: str, conversation_id: str, min_tokens: int, pin_ttl: float,
+                    reader_id: str, request_id: str) -> None:
         cfg = self.config
         check.identifier("tenant", tenant, cfg.max_id_length)
         check.identifier("conversation_id", conversation_id, cfg.max_id_length)
-        check.hashes("block_hashes", hashes, cfg.max_blocks_per_lease * 4)
         check.in_range("min_tokens", min_tokens, 0, 2**31)
         if not pin_ttl >= 0:  # also rejects NaN
             raise check.InvalidArgument("pin_ttl", "must not be negative")
@@ -522,7 +520,8 @@ class LeaseTable:
         if request_id:
             check.identifier("request_id", request_id, cfg.max_id_length)
 
-        now = self.clock.monotonic()
+    def _readable(self, tenant: str, conversation_id: str, now: float) -> Lease | Read:
+        """The conversation's lease if it can be read, else the miss."""
         lease = self._conversations.get(tenant, {}).get(conversation_id)
         if lease is None:
             return Read(MissReason.NO_LEASE, 0, None)
@@ -531,7 +530,17 @@ class LeaseTable:
             return Read(_MISS_FOR_STATE[lease.state], 0, lease)
         if lease.holder.state is not HolderState.ACTIVE:
             return Read(MissReason.HOLDER_GONE, 0, lease)
+        return lease
 
+    def acquire_read(self, tenant: str, conversation_id: str, hashes: bytes, min_tokens: int = 0,
+                     pin_ttl: float = 0.0, reader_id: str = "", request_id: str = "") -> Read:
+        """Match a prompt's full-block hashes against the conversation's lease; pin on a hit."""
+        self._check_read(tenant, conversation_id, min_tokens, pin_ttl, reader_id, request_id)
+        check.hashes("block_hashes", hashes, self.config.max_blocks_per_lease * 4)
+        now = self.clock.monotonic()
+        lease = self._readable(tenant, conversation_id, now)
+        if isinstance(lease, Read):
+            return lease
         block_size = lease.holder.block_size
         full = lease.token_count // block_size
         k = blockhash.matching_prefix(lease.hash_view(full), hashes)
@@ -540,9 +549,31 @@ class LeaseTable:
         if reusable == 0:
             reason = MissReason.HASH_MISMATCH if full and hashes else MissReason.BELOW_MINIMUM
             return Read(reason, k, lease)
+        return self._pin(lease, k, partial, reusable, min_tokens, pin_ttl, reader_id, request_id,
+                         now)
+
+    def pin_lease(self, tenant: str, conversation_id: str, min_tokens: int = 0,
+                  pin_ttl: float = 0.0, reader_id: str = "", request_id: str = "") -> Read:
+        """Pin the conversation's whole lease for a reader that verifies the blocks itself
+        against the lease's hashes: every full block counts as matched, and the partial block
+        is listed too."""
+        self._check_read(tenant, conversation_id, min_tokens, pin_ttl, reader_id, request_id)
+        now = self.clock.monotonic()
+        lease = self._readable(tenant, conversation_id, now)
+        if isinstance(lease, Read):
+            return lease
+        full = lease.token_count // lease.holder.block_size
+        partial = lease.token_count % lease.holder.block_size != 0
+        if lease.token_count == 0:
+            return Read(MissReason.BELOW_MINIMUM, 0, lease)
+        return self._pin(lease, full, partial, lease.token_count, min_tokens, pin_ttl, reader_id,
+                         request_id, now)
+
+    def _pin(self, lease: Lease, k: int, partial: bool, reusable: int, min_tokens: int,
+             pin_ttl: float, reader_id: str, request_id: str, now: float) -> Read:
+        cfg = self.config
         if reusable < min_tokens:
             return Read(MissReason.BELOW_MINIMUM, k, lease, k, partial)
-
         pin_id = _derived_id("p", reader_id, request_id) if request_id else ""
         pin = self._pins.get(pin_id) if pin_id else None
         if pin is not None and pin.lease is not lease:

@@ -45,8 +45,8 @@ class RegistryMetrics:
         self._event_children = {t: self.lease_events.labels(t.name.lower()) for t in EventType}
         self.renewals = Counter("kvbridge_registry_renewals", "Leases renewed",
                                 registry=self.registry)
-        self.reads = Counter("kvbridge_registry_reads", "AcquireRead outcomes", ["outcome"],
-                             registry=self.registry)
+        self.reads = Counter("kvbridge_registry_reads", "AcquireRead and PinLease outcomes",
+                             ["outcome"], registry=self.registry)
         self._read_children = {
             r: self.reads.labels("hit" if r is MissReason.HIT else r.name.lower())
             for r in MissReason

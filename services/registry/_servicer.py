@@ -26,6 +26,7 @@ from kvbridge.services.registry._core import (
     GrantSpec,
     HolderSpec,
     LeaseTable,
+    Read,
     Snapshot,
 )
 from kvbridge.services.registry._metrics import RegistryMetrics
@@ -264,8 +265,23 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             request.tenant, request.conversation_id, request.block_hashes, request.min_tokens,
             _seconds(request.pin_ttl, "pin_ttl"), request.reader_id, request.request_id)
         self.metrics.read(read.miss)
-        out = pb.AcquireReadResponse(miss_reason=cast(pb.MissReason.ValueType, int(read.miss)),
-                                     mismatch_block=read.mismatch_block)
+        return self._read_response(read, pb.AcquireReadResponse())
+
+    @_rpc
+    async def PinLease(self, request: pb.PinLeaseRequest, context: Ctx) -> pb.PinLeaseResponse:
+        read = self.table.pin_lease(
+            request.tenant, request.conversation_id, request.min_tokens,
+            _seconds(request.pin_ttl, "pin_ttl"), request.reader_id, request.request_id)
+        self.metrics.read(read.miss)
+        out = pb.PinLeaseResponse()
+        self._read_response(read, out.read)
+        if read.pin is not None and read.lease is not None:
+            out.block_hashes = bytes(read.lease.hash_view(read.matched_blocks))
+        return out
+
+    def _read_response(self, read: Read, out: pb.AcquireReadResponse) -> pb.AcquireReadResponse:
+        out.miss_reason = cast(pb.MissReason.ValueType, int(read.miss))
+        out.mismatch_block = read.mismatch_block
         lease = read.lease
         if lease is None:
             return out

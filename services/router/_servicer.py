@@ -44,8 +44,9 @@ class RouterMetrics:
         self.routes = Counter("kvbridge_router_routes", "Turns routed, by decode reason",
                               ["decode_reason"], registry=r)
         self.reads = Counter("kvbridge_router_reads",
-                             "AcquireRead forwarded, by outcome (hit, miss, refused_dead_holder, "
-                             "error)", ["outcome"], registry=r)
+                             "Reads (AcquireRead forwarded, leases pinned at route time), by "
+                             "outcome (hit, miss, refused_dead_holder, error)", ["outcome"],
+                             registry=r)
         self.rpc_duration = Histogram(
             "kvbridge_router_rpc_duration_seconds", "RPC handling time", ["method"],
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
@@ -165,30 +166,84 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 return lease.holder_id
         return ""
 
+    async def _pin_read(self, request: pb.RouteRequest
+                        ) -> tuple[str | None, reg_pb.PinLeaseResponse | None]:
+        """Pin the conversation's lease for the turn's prefill: (the lease holder as
+        `_lease_holder` gives it, the pinned read or its miss; None when the registry could
+        not answer in time)."""
+        if self.registry is None:
+            return "", None
+        try:
+            pinned = await self.registry.pin_lease(
+                request.tenant, request.conversation_id,
+                pin_ttl=_seconds(request.pin_ttl, "pin_ttl"), reader_id="router",
+                timeout=self.config.registry_timeout_s)
+        except KvbridgeError as err:
+            log.warning("lease_pin_failed", tenant=request.tenant,
+                        conversation=request.conversation_id, error=str(err))
+            self.metrics.reads.labels("error").inc()
+            return None, None
+        read = pinned.read
+        if not read.pin.pin_id:
+            self.metrics.reads.labels("miss").inc()
+            active = read.lease.state == reg_pb.LEASE_STATE_ACTIVE
+            return (read.lease.holder_id if active and read.miss_reason
+                    == reg_pb.MISS_REASON_BELOW_MINIMUM else ""), pinned
+        holder = read.holder.holder_id
+        if self.table.engine_is_dead(holder):
+            self.metrics.reads.labels("refused_dead_holder").inc()
+            log.warning("read_refused_dead_holder", holder=holder,
+                        conversation=request.conversation_id)
+            await self._release_quietly(read.pin.pin_id)
+            return "", reg_pb.PinLeaseResponse(read=reg_pb.AcquireReadResponse(
+                miss_reason=reg_pb.MISS_REASON_HOLDER_GONE, lease=read.lease))
+        self.metrics.reads.labels("hit").inc()
+        return holder, pinned
+
+    async def _release_quietly(self, pin_id: str) -> None:
+        try:
+            release = self._registry_stub().ReleaseRead
+            await release(reg_pb.ReleaseReadRequest(pin_id=pin_id),  # type: ignore[misc]
+                          timeout=self.config.read_timeout_s)
+        except grpc.aio.AioRpcError as err:  # the pin runs out on its own
+            log.warning("release_failed", pin_id=pin_id, error=err.details())
+
     @_rpc
     async def Route(self, request: pb.RouteRequest, context: Ctx) -> pb.RouteResponse:
         cfg = self.config
         holder: str | None = ""
+        pinned: reg_pb.PinLeaseResponse | None = None
         if request.conversation_id:
             check.identifier("tenant", request.tenant, cfg.max_id_length)
             check.identifier("conversation_id", request.conversation_id, cfg.max_id_length)
-            holder = await self._lease_holder(request.tenant, request.conversation_id)
+            if request.pin_read:
+                _seconds(request.pin_ttl, "pin_ttl")  # bad input fails before any pin
+                holder, pinned = await self._pin_read(request)
+            else:
+                holder = await self._lease_holder(request.tenant, request.conversation_id)
         elif request.tenant:
             check.identifier("tenant", request.tenant, cfg.max_id_length)
-        decision = self.table.route(request.prompt_tokens, request.model, holder,
-                                    frozenset(request.exclude_instance_ids))
+        try:
+            decision = self.table.route(request.prompt_tokens, request.model, holder,
+                                        frozenset(request.exclude_instance_ids))
+        except BaseException:
+            if pinned is not None and pinned.read.pin.pin_id:
+                await self._release_quietly(pinned.read.pin.pin_id)
+            raise
         self.metrics.routes.labels(decision.decode_reason.name.lower()).inc()
         log.info("routed", tenant=request.tenant or None,
                  conversation=request.conversation_id or None,
                  prompt_tokens=request.prompt_tokens, prefill=decision.prefill.instance_id,
                  decode=decision.decode.instance_id,
                  decode_reason=decision.decode_reason.name.lower(),
-                 lease_holder=decision.lease_holder or None)
+                 lease_holder=decision.lease_holder or None,
+                 pinned=bool(pinned and pinned.read.pin.pin_id) if request.pin_read else None)
         return pb.RouteResponse(
             prefill=self._instance(decision.prefill), decode=self._instance(decision.decode),
             prefill_reason=pb.PREFILL_REASON_LEAST_LOADED,
             decode_reason=cast(pb.DecodeReason.ValueType, int(decision.decode_reason)),
-            lease_holder_id=decision.lease_holder, explanation=decision.explanation)
+            lease_holder_id=decision.lease_holder, explanation=decision.explanation,
+            read=pinned)
 
     @_rpc
     async def GetServerInfo(self, request: pb.GetServerInfoRequest,
@@ -235,12 +290,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             self.metrics.reads.labels("refused_dead_holder").inc()
             log.warning("read_refused_dead_holder", holder=holder,
                         conversation=request.conversation_id)
-            try:
-                release = self._registry_stub().ReleaseRead
-                await release(reg_pb.ReleaseReadRequest(pin_id=resp.pin.pin_id),  # type: ignore[misc]
-                              timeout=self.config.read_timeout_s)
-            except grpc.aio.AioRpcError as err:  # the pin runs out on its own
-                log.warning("release_failed", pin_id=resp.pin.pin_id, error=err.details())
+            await self._release_quietly(resp.pin.pin_id)
             return reg_pb.AcquireReadResponse(miss_reason=reg_pb.MISS_REASON_HOLDER_GONE,
                                               lease=resp.lease)
         self.metrics.reads.labels("hit").inc()

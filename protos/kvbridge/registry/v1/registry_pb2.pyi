@@ -1126,6 +1126,77 @@ class AcquireReadResponse(_message.Message):
 Global___AcquireReadResponse: _TypeAlias = AcquireReadResponse  # noqa: Y015
 
 @_typing.final
+class PinLeaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    CONVERSATION_ID_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    PIN_TTL_FIELD_NUMBER: _builtins.int
+    READER_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    conversation_id: _builtins.str
+    min_tokens: _builtins.int
+    """Miss with BELOW_MINIMUM when the lease holds fewer tokens."""
+    reader_id: _builtins.str
+    """The prefill engine that will read, for logs and metrics."""
+    request_id: _builtins.str
+    """Makes retries idempotent: a retried pin returns the same pin."""
+    @_builtins.property
+    def pin_ttl(self) -> _duration_pb2.Duration:
+        """Zero means the registry default; capped at the maximum pin TTL."""
+
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        conversation_id: _builtins.str = ...,
+        min_tokens: _builtins.int = ...,
+        pin_ttl: _duration_pb2.Duration | None = ...,
+        reader_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pin_ttl", b"pin_ttl"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "min_tokens", b"min_tokens", "pin_ttl", b"pin_ttl", "reader_id", b"reader_id", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinLeaseRequest: _TypeAlias = PinLeaseRequest  # noqa: Y015
+
+@_typing.final
+class PinLeaseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    READ_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    block_hashes: _builtins.bytes
+    """The lease's 16-byte chained hashes of the blocks in `read.remote_block_ids`, in order.
+    The reader reuses only its prompt's leading blocks whose own hashes equal these (and the
+    partial block only when `read.partial_block_hash` equals its own).
+    """
+    @_builtins.property
+    def read(self) -> Global___AcquireReadResponse:
+        """As AcquireRead's, with every full block of the lease counted as matched (and its partial
+        block, if any, listed): the reader has not been checked against yet.
+        """
+
+    def __init__(
+        self,
+        *,
+        read: Global___AcquireReadResponse | None = ...,
+        block_hashes: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["read", b"read"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "read", b"read"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinLeaseResponse: _TypeAlias = PinLeaseResponse  # noqa: Y015
+
+@_typing.final
 class ReleaseReadRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -85,6 +85,11 @@ class RegistryServiceStub:
                 request_serializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.AcquireReadRequest.SerializeToString,
                 response_deserializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.AcquireReadResponse.FromString,
                 _registered_method=True)
+        self.PinLease = channel.unary_unary(
+                '/kvbridge.registry.v1.RegistryService/PinLease',
+                request_serializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.PinLeaseRequest.SerializeToString,
+                response_deserializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.PinLeaseResponse.FromString,
+                _registered_method=True)
         self.ReleaseRead = channel.unary_unary(
                 '/kvbridge.registry.v1.RegistryService/ReleaseRead',
                 request_serializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.ReleaseReadRequest.SerializeToString,
@@ -180,6 +185,16 @@ class RegistryServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinLease(self, request, context):
+        """Pins a conversation's whole lease for a reader that verifies the blocks itself: the reply
+        carries every block id and the lease's chained hashes, so the reader matches its own
+        prompt against them locally. The router calls this when it routes a turn, so the prefill
+        engine gets a verified read with the request and makes no call of its own.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReleaseRead(self, request, context):
         """Releases a read's pin. Idempotent.
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
@@ -254,6 +269,11 @@ def add_RegistryServiceServicer_to_server(servicer, server):
                     servicer.AcquireRead,
                     request_deserializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.AcquireReadRequest.FromString,
                     response_serializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.AcquireReadResponse.SerializeToString,
+            ),
+            'PinLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinLease,
+                    request_deserializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.PinLeaseRequest.FromString,
+                    response_serializer=kvbridge_dot_registry_dot_v1_dot_registry__pb2.PinLeaseResponse.SerializeToString,
             ),
             'ReleaseRead': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseRead,
@@ -542,6 +562,33 @@ class RegistryService:
             '/kvbridge.registry.v1.RegistryService/AcquireRead',
             kvbridge_dot_registry_dot_v1_dot_registry__pb2.AcquireReadRequest.SerializeToString,
             kvbridge_dot_registry_dot_v1_dot_registry__pb2.AcquireReadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvbridge.registry.v1.RegistryService/PinLease',
+            kvbridge_dot_registry_dot_v1_dot_registry__pb2.PinLeaseRequest.SerializeToString,
+            kvbridge_dot_registry_dot_v1_dot_registry__pb2.PinLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,6 +72,12 @@ class RegistryServiceStub:
     that a prefill connector can point at either service.)
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
+    PinLease: _grpc.UnaryUnaryMultiCallable[_registry_pb2.PinLeaseRequest, _registry_pb2.PinLeaseResponse]
+    """Pins a conversation's whole lease for a reader that verifies the blocks itself: the reply
+    carries every block id and the lease's chained hashes, so the reader matches its own
+    prompt against them locally. The router calls this when it routes a turn, so the prefill
+    engine gets a verified read with the request and makes no call of its own.
+    """
     ReleaseRead: _grpc.UnaryUnaryMultiCallable[_registry_pb2.ReleaseReadRequest, _registry_pb2.ReleaseReadResponse]
     """Releases a read's pin. Idempotent.
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
@@ -111,6 +117,12 @@ class RegistryServiceAsyncStub(RegistryServiceStub):
     matching blocks: one round trip. (kvbridge.router.v1.RouterService serves the same call, so
     that a prefill connector can point at either service.)
     buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+    """
+    PinLease: _aio.UnaryUnaryMultiCallable[_registry_pb2.PinLeaseRequest, _registry_pb2.PinLeaseResponse]  # type: ignore[assignment]
+    """Pins a conversation's whole lease for a reader that verifies the blocks itself: the reply
+    carries every block id and the lease's chained hashes, so the reader matches its own
+    prompt against them locally. The router calls this when it routes a turn, so the prefill
+    engine gets a verified read with the request and makes no call of its own.
     """
     ReleaseRead: _aio.UnaryUnaryMultiCallable[_registry_pb2.ReleaseReadRequest, _registry_pb2.ReleaseReadResponse]  # type: ignore[assignment]
     """Releases a read's pin. Idempotent.
@@ -208,6 +220,18 @@ class RegistryServiceServicer(metaclass=_abc_1.ABCMeta):
         matching blocks: one round trip. (kvbridge.router.v1.RouterService serves the same call, so
         that a prefill connector can point at either service.)
         buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
+
+    @_abc_1.abstractmethod
+    def PinLease(
+        self,
+        request: _registry_pb2.PinLeaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_registry_pb2.PinLeaseResponse, _abc.Awaitable[_registry_pb2.PinLeaseResponse]]:
+        """Pins a conversation's whole lease for a reader that verifies the blocks itself: the reply
+        carries every block id and the lease's chained hashes, so the reader matches its own
+        prompt against them locally. The router calls this when it routes a turn, so the prefill
+        engine gets a verified read with the request and makes no call of its own.
         """
 
     @_abc_1.abstractmethod

@@ -23,6 +23,7 @@ from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from kvbridge.registry.v1 import registry_pb2 as _registry_pb2
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -401,6 +402,8 @@ class RouteRequest(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
     EXCLUDE_INSTANCE_IDS_FIELD_NUMBER: _builtins.int
+    PIN_READ_FIELD_NUMBER: _builtins.int
+    PIN_TTL_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     conversation_id: _builtins.str
     """Empty for a request outside any conversation."""
@@ -408,9 +411,17 @@ class RouteRequest(_message.Message):
     """The turn's prompt length, in tokens (an estimate is fine)."""
     model: _builtins.str
     """The model requested; empty means any."""
+    pin_read: _builtins.bool
+    """Also pin the conversation's lease for the chosen prefill instance (PinLease) and return
+    the read in the response, so that the prefill engine needs no lookup of its own.
+    """
     @_builtins.property
     def exclude_instance_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Instances not to pick (e.g. one that just failed this turn)."""
+
+    @_builtins.property
+    def pin_ttl(self) -> _duration_pb2.Duration:
+        """The pin's duration; zero means the registry default."""
 
     def __init__(
         self,
@@ -420,10 +431,12 @@ class RouteRequest(_message.Message):
         prompt_tokens: _builtins.int = ...,
         model: _builtins.str = ...,
         exclude_instance_ids: _abc.Iterable[_builtins.str] | None = ...,
+        pin_read: _builtins.bool = ...,
+        pin_ttl: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pin_ttl", b"pin_ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "exclude_instance_ids", b"exclude_instance_ids", "model", b"model", "prompt_tokens", b"prompt_tokens", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "exclude_instance_ids", b"exclude_instance_ids", "model", b"model", "pin_read", b"pin_read", "pin_ttl", b"pin_ttl", "prompt_tokens", b"prompt_tokens", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -439,6 +452,7 @@ class RouteResponse(_message.Message):
     DECODE_REASON_FIELD_NUMBER: _builtins.int
     LEASE_HOLDER_ID_FIELD_NUMBER: _builtins.int
     EXPLANATION_FIELD_NUMBER: _builtins.int
+    READ_FIELD_NUMBER: _builtins.int
     prefill_reason: Global___PrefillReason.ValueType
     decode_reason: Global___DecodeReason.ValueType
     lease_holder_id: _builtins.str
@@ -449,6 +463,13 @@ class RouteResponse(_message.Message):
     def prefill(self) -> Global___Instance: ...
     @_builtins.property
     def decode(self) -> Global___Instance: ...
+    @_builtins.property
+    def read(self) -> _registry_pb2.PinLeaseResponse:
+        """With `pin_read`: the pinned read of the conversation's lease for the chosen prefill
+        instance, or its miss reason. Unset when no read was asked for, or when the registry could
+        not answer in time (the prefill engine then looks up for itself).
+        """
+
     def __init__(
         self,
         *,
@@ -458,10 +479,11 @@ class RouteResponse(_message.Message):
         decode_reason: Global___DecodeReason.ValueType = ...,
         lease_holder_id: _builtins.str = ...,
         explanation: _builtins.str = ...,
+        read: _registry_pb2.PinLeaseResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "prefill", b"prefill"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "prefill", b"prefill", "read", b"read"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "decode_reason", b"decode_reason", "explanation", b"explanation", "lease_holder_id", b"lease_holder_id", "prefill", b"prefill", "prefill_reason", b"prefill_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "decode_reason", b"decode_reason", "explanation", b"explanation", "lease_holder_id", b"lease_holder_id", "prefill", b"prefill", "prefill_reason", b"prefill_reason", "read", b"read"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
