@@ -46,7 +46,7 @@ from typing import Any
 import click
 
 LEGS = ("off", "upstream", "kvbridge", "local", "floor")
-DEFAULT_LENGTHS = (512, 1024, 2048, 3072, 4096)
+DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
 QUICK_LENGTHS = (256,)
 _METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 
@@ -79,6 +79,7 @@ class ModelShape:
 class Workload:
     lengths: tuple[int, ...]
     conversations: int = 2
+    off_conversations: int = 1  # OFF recomputes everything: its TTFT is compute, steady
     turns: int = 5
     new_tokens: int = 150
     answer_tokens: int = 16
@@ -116,6 +117,7 @@ class Record:
     load_ms: float | None = None
     client_ttft_ms: float | None = None
     decision: str | None = None
+    read_source: str | None = None  # kvbridge: "route" (pinned by the router) or "lookup"
 
 
 # ---- talking to engines -------------------------------------------------------------------------
@@ -383,13 +385,16 @@ class GatewayRunner:
             "reused_tokens": reused, "recomputed_tokens": len(prompt) - reused,
             "lookup_ms": optional("x-kvbridge-lookup-ms"),
             "load_ms": optional("x-kvbridge-transfer-ms"),
-            "client_ttft_ms": client_ttft, "decision": h.get("x-kvbridge-decision")}
+            "client_ttft_ms": client_ttft, "decision": h.get("x-kvbridge-decision"),
+            "read_source": h.get("x-kvbridge-read-source")}
 
 
 def run_leg(leg: str, runner: TwoStepRunner | GatewayRunner, workload: Workload,
             records: list[Record], sink: Any) -> None:
+    per_length = (min(workload.conversations, workload.off_conversations) if leg == "off"
+                  else workload.conversations)
     for length in workload.lengths:
-        for index in range(workload.conversations):
+        for index in range(per_length):
             rng, history = workload.conversation(length, index)
             runner.begin_conversation()
             previous: list[int] | None = None
@@ -412,7 +417,7 @@ def run_leg(leg: str, runner: TwoStepRunner | GatewayRunner, workload: Workload,
                     lookup_ms=m.get("lookup_ms"), load_ms=m.get("load_ms"),
                     client_ttft_ms=(round(m["client_ttft_ms"], 2)
                                     if m.get("client_ttft_ms") else None),
-                    decision=m.get("decision"))
+                    decision=m.get("decision"), read_source=m.get("read_source"))
                 records.append(record)
                 sink.write(json.dumps(asdict(record)) + "\n")
                 sink.flush()
@@ -478,7 +483,8 @@ def summary_markdown(summary: dict[str, dict[str, dict[str, float]]], shape: Mod
     lines = [
         f"Model: {shape.layers} layers, hidden {shape.hidden}, {shape.heads} heads "
         f"({shape.kv_heads} KV), vocab {shape.vocab}, {shape.params() / 1e6:.0f}M parameters, "
-        f"float32. Workload: {workload.conversations} conversation(s) per length, "
+        f"float32. Workload: {workload.conversations} conversation(s) per length "
+        f"({min(workload.conversations, workload.off_conversations)} in OFF), "
         f"{workload.turns} turns, {workload.new_tokens} new tokens and a "
         f"{workload.answer_tokens}-token answer per turn. Means over turns 2-{workload.turns}.",
         "",
@@ -619,6 +625,11 @@ def _ints(value: str) -> tuple[int, ...]:
               help="first-turn history lengths to sweep (tokens, comma-separated)")
 @click.option("--conversations", default=2, show_default=True, type=click.IntRange(min=1),
               help="conversations per length")
+@click.option("--off-conversations", default=1, show_default=True,
+              type=click.IntRange(min=1),
+              help="conversations per length in the OFF leg (at most --conversations): it "
+                   "recomputes every turn, so its TTFT is steady compute, and it is the "
+                   "slowest leg by far")
 @click.option("--turns", default=5, show_default=True, type=click.IntRange(min=2))
 @click.option("--new-tokens", default=150, show_default=True, type=click.IntRange(min=1),
               help="new user tokens per turn after the first")
@@ -640,7 +651,8 @@ def _ints(value: str) -> tuple[int, ...]:
 @click.option("--from-records", type=click.Path(path_type=Path, dir_okay=False, exists=True),
               default=None, help="run nothing: remake summary and figures in OUT from an "
                                  "earlier run's records.jsonl")
-def multiturn_bench(out_dir: Path, lengths: str, conversations: int, turns: int,
+def multiturn_bench(out_dir: Path, lengths: str, conversations: int, off_conversations: int,
+                    turns: int,
                     new_tokens: int, answer_tokens: int, legs: str, layers: int, hidden: int,
                     heads: int, kv_heads: int, max_len: int, quick: bool,
                     work_dir: Path | None, engine_timeout_s: float,
@@ -659,7 +671,8 @@ def multiturn_bench(out_dir: Path, lengths: str, conversations: int, turns: int,
                             answer_tokens=8)
     else:
         shape = ModelShape(layers, hidden, heads, kv_heads, max_len=max_len)
-        workload = Workload(_ints(lengths), conversations, turns, new_tokens, answer_tokens)
+        workload = Workload(_ints(lengths), conversations, off_conversations, turns,
+                            new_tokens, answer_tokens)
     if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
         raise click.BadParameter("hidden must divide by heads, and heads by kv-heads")
     if workload.longest_sequence() > shape.max_len:

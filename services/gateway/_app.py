@@ -440,6 +440,7 @@ class Gateway:
                  total_ms=round(total_ms, 1), reused_tokens=reused,
                  recomputed_tokens=recomputed,
                  lookup_ms=turn.outcome.get("kvbridge_lookup_ms"),
+                 read_source=turn.outcome.get("kvbridge_read_source"),
                  transfer_ms=turn.outcome.get("kvbridge_transfer_ms"),
                  attempts=turn.attempts)
 
