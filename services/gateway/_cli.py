@@ -24,8 +24,9 @@ def serve_command(**options: Any) -> None:
     /metrics until SIGTERM/SIGINT.
 
     \b
-    Each turn: the router picks a prefill and a decode instance; prefill runs with the
-    conversation key; decode reads prefill's KV and streams the answer back.
+    Each turn: the router picks a prefill and a decode instance and pins the conversation's
+    KV on decode; prefill runs with the conversation key and that read, verifies it against
+    its prompt and reads back what matches; decode reads prefill's KV and streams the answer.
     Conversation id: body field "conversation_id" or header X-Conversation-Id.
     Tenant: from "Authorization: Bearer API_KEY" (see --api-keys-file).
     Conversations: POST /v1/conversations/ID/keepalive keeps a paused conversation's KV;
