@@ -5,8 +5,9 @@ them from this one, so that the registry is measured against the limit of this m
 stack in the same run (ratios, not absolute numbers, are what transfer between machines):
 
 - acquire-read latency (p50/p99) at a fixed offered rate (open loop), against 64-block leases,
-  and the echo service's at the same rate, offered at the same time and interleaved request
-  by request (so that a stall of the machine falls on both);
+  and the echo service's at the same rate: each offered alone in 0.25 s windows taken in turn
+  (so that each sees the offered rate, and a stall of the machine falls on both), requests
+  built ahead of time for both; the same through the client library beside them;
 - the highest sustained AcquireRead rate (closed loop, many calls in flight), and the echo's;
 - lease renewals per second through the batched RenewLeases;
 - resident memory per lease, from the registry's RSS before and after granting N leases;
@@ -136,29 +137,26 @@ async def _open_loop(call: Callable[[int], Awaitable[Any]], rate: float, duratio
     return latencies
 
 
-async def _open_loop_pair(calls: tuple[Callable[[int], Awaitable[Any]], ...], rate: float,
-                          duration: float) -> list[list[float]]:
-    """Offer each call `rate` per second, interleaved request by request (A, B, A, B, ...),
-    so that whatever the machine does meanwhile falls on all of them alike; returns each
-    call's latencies in ms."""
+async def _open_loop_alternating(calls: tuple[Callable[[int], Awaitable[Any]], ...],
+                                 rate: float, duration: float, window: float = 0.25
+                                 ) -> list[list[float]]:
+    """Offer each call `rate` per second for `duration` seconds in all, in short windows taken
+    in turn (A for `window` s, then B, then A, ...): each service sees exactly the offered
+    rate with the other idle, and a stall of this machine that lasts longer than a window
+    falls on both. Returns each call's latencies in ms."""
     latencies: list[list[float]] = [[] for _ in calls]
-    loop = asyncio.get_running_loop()
+    windows = max(round(duration / window), 1)
+    first = [0] * len(calls)
+    for _ in range(windows):
+        for which, call in enumerate(calls):
+            base = first[which]
 
-    async def one(which: int, i: int) -> None:
-        start = time.perf_counter()
-        await calls[which](i)
-        latencies[which].append((time.perf_counter() - start) * 1000)
+            def numbered(i: int, call: Callable[[int], Awaitable[Any]] = call,
+                         base: int = base) -> Awaitable[Any]:
+                return call(base + i)
 
-    tasks = []
-    n = int(rate * duration) * len(calls)
-    step = 1.0 / (rate * len(calls))
-    t0 = loop.time()
-    for j in range(n):
-        delay = t0 + j * step - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one(j % len(calls), j // len(calls))))
-    await asyncio.gather(*tasks)
+            latencies[which] += await _open_loop(numbered, rate, window)
+            first[which] += int(rate * window)
     return latencies
 
 
@@ -323,24 +321,33 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         async def ping(i: int) -> None:
             await echo_call(payload, timeout=30)
 
-        # name: (call for latency, call for throughput, process)
-        targets = {"acquire": (acquire, acquire_raw, registry), "echo": (ping, ping, echo)}
-        latencies: dict[str, list[float]] = {"acquire": [], "echo": []}
+        # Latency probes, registry and echo alike: requests built ahead of time, replies left
+        # as bytes, so that this process's own cost (it shares the machine's two cores) is the
+        # same for both. The client library's latency is reported beside them.
+        probe_base = 1 << 40  # request ids of their own: no probe is a retry of another call
+
+        async def acquire_probe(i: int) -> None:
+            await acquire_raw(probe_base + i)
+
+        # name: (call for throughput, process)
+        targets = {"acquire": (acquire_raw, registry), "echo": (ping, echo)}
+        latencies: dict[str, list[float]] = {"acquire": [], "echo": [], "client": []}
         rates: dict[str, list[float]] = {"acquire": [], "echo": [], "client": []}
         cpu: dict[str, list[float]] = {"acquire": [], "echo": []}
-        for _, call, _ in targets.values():
+        for call, _ in targets.values():
             await _closed_loop(call, concurrency, 1.0)  # warm-up
         await _closed_loop(acquire, concurrency, 0.5)
         per_round = max(duration / rounds, 0.5)
         run_offset = 10_000_000  # past the warm-up's request ids
         for r in range(rounds):
-            # Latency: registry and echo offered the same rate at once, interleaved request by
-            # request, so that a stall of this shared machine hits both alike.
-            pair = await _open_loop_pair((targets["acquire"][0], targets["echo"][0]), rate,
-                                         per_round)
-            latencies["acquire"] += pair[0]
-            latencies["echo"] += pair[1]
-            for name, (_, call, proc) in targets.items():
+            # Latency: each service offered `rate` in short windows taken in turn, so each
+            # sees the offered rate alone and a stall of this shared machine hits all alike.
+            probes = await _open_loop_alternating((acquire_probe, ping, acquire), rate,
+                                                  per_round)
+            probe_base += 10_000_000
+            for name, values in zip(("acquire", "echo", "client"), probes, strict=True):
+                latencies[name] += values
+            for name, (call, proc) in targets.items():
                 cpu0 = proc.cpu_seconds()
                 rps = await _closed_loop(call, concurrency, per_round, first=run_offset)
                 run_offset += 10_000_000
@@ -349,12 +356,16 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             rates["client"].append(await _closed_loop(acquire, concurrency, per_round))
             log(f"  round {r + 1}/{rounds}: acquire {rates['acquire'][-1]:.0f} RPC/s "
                 f"(through the client library {rates['client'][-1]:.0f}), "
-                f"echo {rates['echo'][-1]:.0f} RPC/s")
+                f"echo {rates['echo'][-1]:.0f} RPC/s; p99 so far: acquire "
+                f"{_pct(latencies['acquire'], 0.99):.2f} ms, echo "
+                f"{_pct(latencies['echo'], 0.99):.2f} ms")
         await client.close()
         await channel.close()
         await raw_channel.close()
         out["acquire_read_p50_ms"] = round(_pct(latencies["acquire"], 0.5), 3)
         out["acquire_read_p99_ms"] = round(_pct(latencies["acquire"], 0.99), 3)
+        out["client_acquire_read_p50_ms"] = round(_pct(latencies["client"], 0.5), 3)
+        out["client_acquire_read_p99_ms"] = round(_pct(latencies["client"], 0.99), 3)
         out["echo_p50_ms"] = round(_pct(latencies["echo"], 0.5), 3)
         out["echo_p99_ms"] = round(_pct(latencies["echo"], 0.99), 3)
         out["max_rps"] = round(statistics.median(rates["acquire"]))
