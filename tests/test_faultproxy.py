@@ -95,11 +95,11 @@ def test_reset_new_and_open_connections(proxy: ThreadedFaultProxy) -> None:
             sock.sendall(b"b")
             sock.recv(1)
     proxy.set(reset=True)
-    with pytest.raises((ConnectionResetError, BrokenPipeError)):
-        with socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
-            sock.sendall(b"c")
-            if not sock.recv(1):
-                raise ConnectionResetError("closed")
+    with pytest.raises((ConnectionResetError, BrokenPipeError)), \
+            socket.create_connection(("127.0.0.1", proxy.port), timeout=5) as sock:
+        sock.sendall(b"c")
+        if not sock.recv(1):
+            raise ConnectionResetError("closed")
 
 
 def test_target_down_looks_like_a_reset() -> None:
