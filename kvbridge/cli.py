@@ -27,7 +27,7 @@ def main(log_level: str) -> None:
     Operations: kvbridge doctor, kvbridge leases list|show|renew|revoke|watch,
                 kvbridge holders list, kvbridge instances list
     Benchmarks: kvbridge bench registry, kvbridge bench multiturn,
-                kvbridge bench lease-policy
+                kvbridge bench lease-policy, kvbridge bench soak
     Demo:       kvbridge demo (through a gateway), kvbridge registry demo (leases only)
     Models:     kvbridge model make-tiny PATH
     Testing:    kvbridge fault-proxy (delay, drop or reset traffic between components)
@@ -44,10 +44,12 @@ def _register_benchmarks() -> None:
     from kvbridge.benchmarks.lease_policy import lease_policy_bench
     from kvbridge.benchmarks.multiturn import multiturn_bench
     from kvbridge.benchmarks.registry_bench import registry_bench
+    from kvbridge.benchmarks.soak import soak_bench
 
     bench_group.add_command(registry_bench)
     bench_group.add_command(multiturn_bench)
     bench_group.add_command(lease_policy_bench)
+    bench_group.add_command(soak_bench)
 
 
 _register_benchmarks()
