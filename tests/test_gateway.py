@@ -382,11 +382,22 @@ async def test_huge_body_is_refused(registry_server: RegistryServer, tmp_path: P
         await close(s)
 
 
-async def test_no_engine_for_the_model(stack: Stack) -> None:
-    with pytest.raises(openai.InternalServerError) as raised:
-        await client(stack).completions.create(model="unknown-model", prompt="hi")
-    assert raised.value.status_code == 503
-    assert "no live prefill instance serves 'unknown-model'" in str(raised.value)
+async def test_unknown_model_is_404_and_a_model_without_prefill_503(
+        registry_server: RegistryServer, tmp_path: Path) -> None:
+    s = await make_stack(registry_server, tmp_path, engines=(("decode", "d0"),))
+    try:
+        with pytest.raises(openai.NotFoundError) as raised:
+            await client(s).completions.create(model="unknown-model", prompt="hi")
+        assert raised.value.status_code == 404
+        assert "'unknown-model' does not exist" in str(raised.value)
+        assert raised.value.body["code"] == "model_not_found"  # type: ignore[index]
+        # The model exists (d0 serves it) but no prefill instance is up: a 503, retryable.
+        with pytest.raises(openai.InternalServerError) as unavailable:
+            await client(s).completions.create(model=MODEL, prompt="hi")
+        assert unavailable.value.status_code == 503
+        assert "no live prefill instance" in str(unavailable.value)
+    finally:
+        await close(s)
 
 
 # ==== conversations, models, health ==============================================================

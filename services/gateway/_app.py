@@ -327,6 +327,10 @@ class Gateway:
                 excluded, pin_read=bool(turn.conversation) and self.config.pin_at_route,
                 pin_ttl=self.config.pin_ttl_s, timeout=self.config.route_timeout_s)
         except NoInstance as err:
+            if not excluded and not await self._model_known(turn.model):
+                raise HttpError(404, f"the model {turn.model!r} does not exist: no engine "
+                                     "serves it (GET /v1/models lists those that do)",
+                                "invalid_request_error", "model_not_found") from None
             raise HttpError(503, f"no engine available: {err.message}", "service_unavailable",
                             "no_instance") from None
         except InvalidArgument as err:
@@ -566,6 +570,15 @@ class Gateway:
         return web.json_response({"conversation_id": conversation, "released": released})
 
     # ---- the rest ---------------------------------------------------------------------------
+
+    async def _model_known(self, model: str) -> bool:
+        """Whether any instance (live or not yet expired, any role) serves `model`; True when
+        the router cannot say, so that an outage is not reported as a missing model."""
+        try:
+            return bool(await self.router.list_instances(
+                model=model, timeout=self.config.route_timeout_s))
+        except KvbridgeError:
+            return True
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         self.tenants.tenant_of(request.headers.get("Authorization"))
