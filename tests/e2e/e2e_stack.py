@@ -39,16 +39,20 @@ class Registry:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        offset = self.log.stat().st_size if self.log.exists() else 0
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kvbridge.cli", "registry", "serve",
              "--listen", self.address, "--metrics-listen", "", "--max-pin-ttl-s", "10",
              "--default-pin-ttl-s", "5", "--recovery-grace-s", "10", "--log-level", "info"],
             stdout=subprocess.DEVNULL, stderr=self.log.open("ab"))
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if "registry_started" in self.log.read_text(errors="replace").split(
-                    "registry_stopped")[-1]:
-                return
+        while time.monotonic() < deadline:  # this start's lines only (a killed one logs none)
+            with self.log.open("rb") as f:
+                f.seek(offset)
+                if b"registry_started" in f.read():
+                    return
+            if self.process.poll() is not None:
+                break
             time.sleep(0.1)
         raise RuntimeError(f"registry did not start: {self.log.read_text()[-2000:]}")
 

@@ -124,6 +124,7 @@ def test_slow_registry_costs_at_most_the_read_deadline(stack: Stack) -> None:
         assert stack.reused() == reused
     finally:
         stack.proxy.clear()
+    time.sleep(2.5)  # bytes already held back by the delay still arrive late, in order
     assert output == stack.turn(history, None)[0]
     no_reuse = statistics.median(plain)
     print(f"\nslow registry: TTFT {slow * 1000:.0f} ms against {no_reuse * 1000:.0f} ms "
@@ -135,7 +136,7 @@ def test_slow_registry_costs_at_most_the_read_deadline(stack: Stack) -> None:
     history = history + answer + _more(rng)
     reused = stack.reused()
     assert stack.turn(history, "slow")[0] == stack.turn(history, None)[0]
-    assert stack.reused() > reused
+    assert stack.reused() > reused, f"no reuse once healthy: {stack.decisions()}"
 
 
 def test_unreachable_registry_means_recompute(stack: Stack) -> None:
