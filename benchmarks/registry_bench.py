@@ -342,10 +342,10 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         for r in range(rounds):
             # Latency: each service offered `rate` in short windows taken in turn, so each
             # sees the offered rate alone and a stall of this shared machine hits all alike.
-            probes = await _open_loop_alternating((acquire_probe, ping, acquire), rate,
-                                                  per_round)
+            windows = await _open_loop_alternating((acquire_probe, ping, acquire), rate,
+                                                   per_round)
             probe_base += 10_000_000
-            for name, values in zip(("acquire", "echo", "client"), probes, strict=True):
+            for name, values in zip(("acquire", "echo", "client"), windows, strict=True):
                 latencies[name] += values
             for name, (call, proc) in targets.items():
                 cpu0 = proc.cpu_seconds()

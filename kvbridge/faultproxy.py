@@ -69,7 +69,7 @@ class FaultProxy:
         self.bytes_forwarded = 0
         self._server: asyncio.Server | None = None
         self._open: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     @property
     def address(self) -> str:
@@ -203,13 +203,15 @@ class ThreadedFaultProxy:
         return self.proxy.port
 
     def set(self, **changes: Any) -> Faults:
-        return self._call(self.proxy.set, **changes)
+        faults: Faults = self._call(self.proxy.set, **changes)
+        return faults
 
     def clear(self) -> Faults:
-        return self._call(self.proxy.set, delay_s=0.0, drop=False, reset=False)
+        return self.set(delay_s=0.0, drop=False, reset=False)
 
     def reset_all(self) -> int:
-        return self._call(self.proxy.reset_all)
+        count: int = self._call(self.proxy.reset_all)
+        return count
 
     def _call(self, fn: Any, **kwargs: Any) -> Any:
         async def run() -> Any:

@@ -16,9 +16,9 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from kvbridge import aio, logs
+from kvbridge._grpc_handlers import add_servicer
 from kvbridge.clock import Clock, SystemClock
 from kvbridge.registry.v1 import registry_pb2 as pb
-from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
 from kvbridge.services.registry._config import RegistryConfig
 from kvbridge.services.registry._core import LeaseTable
 from kvbridge.services.registry._metrics import RegistryMetrics
@@ -110,7 +110,9 @@ async def create_server(config: RegistryConfig, *, clock: Clock | None = None,
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ])
-    pb_grpc.add_RegistryServiceServicer_to_server(RegistryServicer(table, metrics), server)
+    # Requests are parsed by the handlers: bytes that are not the request message get
+    # INVALID_ARGUMENT with a reason, not gRPC's UNKNOWN.
+    add_servicer(server, RegistryServicer(table, metrics), pb, "RegistryService")
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -13,10 +13,10 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from kvbridge import aio, logs
+from kvbridge._grpc_handlers import add_servicer
 from kvbridge.clients._registry import AsyncRegistryClient
 from kvbridge.clock import Clock, SystemClock
 from kvbridge.router.v1 import router_pb2 as pb
-from kvbridge.router.v1 import router_pb2_grpc as pb_grpc
 from kvbridge.services.registry._server import split_hostport
 from kvbridge.services.router._config import RouterConfig
 from kvbridge.services.router._policy import InstanceTable
@@ -86,8 +86,7 @@ async def create_server(config: RouterConfig, *, clock: Clock | None = None) -> 
     registry = (AsyncRegistryClient(config.registry, timeout=config.read_timeout_s, retries=1)
                 if config.registry else None)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_RouterServiceServicer_to_server(RouterServicer(table, metrics, registry),
-                                                server)
+    add_servicer(server, RouterServicer(table, metrics, registry), pb, "RouterService")
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

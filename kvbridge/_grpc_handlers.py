@@ -1,0 +1,83 @@
+"""Registering a grpc.aio servicer so that a request that does not parse is a clear
+INVALID_ARGUMENT (with an ErrorInfo), not gRPC's UNKNOWN and a traceback in the server's log.
+
+`add_servicer(server, servicer, pb_module, "RegistryService")` replaces the generated
+`add_RegistryServiceServicer_to_server`: the same methods, registered the same way, with the
+request bytes parsed inside the handler instead of by gRPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from types import ModuleType
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvbridge._grpc_status import to_status
+from kvbridge.errors import InvalidArgument
+
+Ctx = grpc.aio.ServicerContext[Any, Any]
+
+
+def _identity(raw: bytes) -> bytes:
+    return raw
+
+
+async def _parse(raw: bytes, cls: Any, context: Ctx) -> Any:
+    try:
+        return cls.FromString(raw)
+    except DecodeError as err:
+        error = InvalidArgument("request", f"not a valid {cls.DESCRIPTOR.full_name}: {err}")
+        await context.abort_with_status(to_status(error))
+        raise  # unreachable: abort_with_status raises
+
+
+def _unary(fn: Callable[[Any, Ctx], Awaitable[Any]], cls: Any
+           ) -> Callable[[bytes, Ctx], Awaitable[Any]]:
+    async def handle(raw: bytes, context: Ctx) -> Any:
+        return await fn(await _parse(raw, cls, context), context)
+
+    return handle
+
+
+def _streaming(fn: Callable[[Any, Ctx], AsyncIterator[Any]], cls: Any
+               ) -> Callable[[bytes, Ctx], AsyncIterator[Any]]:
+    async def handle(raw: bytes, context: Ctx) -> AsyncIterator[Any]:
+        async for item in fn(await _parse(raw, cls, context), context):
+            yield item
+
+    return handle
+
+
+def add_servicer(server: grpc.aio.Server, servicer: Any, messages: ModuleType,
+                 service_name: str) -> None:
+    """Register every method of `service_name` (from the `_pb2` module `messages`) on
+    `server`, served by the same-named methods of `servicer`."""
+    service = messages.DESCRIPTOR.services_by_name[service_name]
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+    for method in service.methods:
+        if method.client_streaming:
+            raise ValueError(f"{method.full_name}: client streaming is not supported here")
+        request_cls = _message_class(messages, method.input_type)
+        response_cls = _message_class(messages, method.output_type)
+        fn = getattr(servicer, method.name)
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _streaming(fn, request_cls), _identity, response_cls.SerializeToString)
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _unary(fn, request_cls), _identity, response_cls.SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def _message_class(messages: ModuleType, descriptor: Any) -> Any:
+    if descriptor.file is messages.DESCRIPTOR:
+        return getattr(messages, descriptor.name)
+    # A message of another file (e.g. the router serving the registry's AcquireRead).
+    from google.protobuf import message_factory
+
+    return message_factory.GetMessageClass(descriptor)
