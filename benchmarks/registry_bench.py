@@ -22,13 +22,16 @@ import gc
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,21 +193,44 @@ async def _bounded(coros: Callable[[int], Awaitable[Any]], n: int, concurrency: 
     await asyncio.gather(*(one(i) for i in range(n)))
 
 
+@dataclass
+class _Registries:
+    """The registry processes measured (one, or replicas sharing a Redis) and how to read the
+    memory their leases take (the process's RSS, or Redis's used_memory)."""
+
+    procs: list[_Proc]
+    memory_bytes: Callable[[], int]
+    cpu_seconds: Callable[[], float]
+
+    @property
+    def ports(self) -> list[int]:
+        return [p.port for p in self.procs]
+
+
+def _registry_proc(leases: int, extra: Sequence[str] = ()) -> _Proc:
+    proc = _spawn([sys.executable, "-m", "kvbridge.cli", "registry", "serve",
+                   "--listen", "127.0.0.1:0", "--metrics-listen", "",
+                   "--log-level", "info", "--log-format", "json",
+                   "--max-leases", str(leases * 2 + 100000), *extra])
+    # The registry logs nothing per RPC; drain its output so a burst of warnings cannot block.
+    assert proc.popen.stdout is not None
+    threading.Thread(target=proc.popen.stdout.read, daemon=True).start()
+    return proc
+
+
 async def _run(leases: int, blocks: int, rate: float, duration: float, concurrency: int,
-               rounds: int, log: Callable[[str], None]) -> dict[str, Any]:
+               rounds: int, log: Callable[[str], None],
+               registries: _Registries | None = None) -> dict[str, Any]:
     block_size = 16
-    registry = _spawn([sys.executable, "-m", "kvbridge.cli", "registry", "serve",
-                       "--listen", "127.0.0.1:0", "--metrics-listen", "",
-                       "--log-level", "info", "--log-format", "json",
-                       "--max-leases", str(leases * 2 + 100000)])
+    if registries is None:
+        single = _registry_proc(leases)
+        registries = _Registries([single], single.rss_bytes, single.cpu_seconds)
+    registry = registries.procs[0]
     echo = _spawn([sys.executable, "-c",
                    "from kvbridge import aio; from kvbridge.benchmarks.registry_bench import"
                    " _echo_main; aio.run(_echo_main())"])
-    # The registry logs nothing per RPC; drain its output so a burst of warnings cannot block.
-    assert registry.popen.stdout is not None
-    asyncio.get_running_loop().run_in_executor(None, registry.popen.stdout.read)
     out: dict[str, Any] = {"leases": leases, "blocks_per_lease": blocks,
-                           "offered_rate_rps": rate}
+                           "offered_rate_rps": rate, "replicas": len(registries.procs)}
     try:
         client = AsyncRegistryClient(f"127.0.0.1:{registry.port}", timeout=30, retries=0)
         await client.register_holder("bench-decode", "127.0.0.1", 5600, block_size,
@@ -223,7 +249,7 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         # Warm up code paths and the allocator, then measure memory per lease.
         await _bounded(lambda i: grant(i, "warmup"), 2000, concurrency)
         await asyncio.sleep(0.5)
-        rss0 = registry.rss_bytes()
+        rss0 = registries.memory_bytes()
         log(f"granting {leases} leases of {blocks} blocks ...")
         t = time.perf_counter()
         lease_ids: list[str] = [""] * leases
@@ -234,8 +260,9 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         await _bounded(grant_into, leases, concurrency)
         out["grants_per_s"] = round(leases / (time.perf_counter() - t))
         await asyncio.sleep(0.5)
-        out["rss_mb"] = round(registry.rss_bytes() / 2**20, 1)
-        out["bytes_per_lease"] = round((registry.rss_bytes() - rss0) / leases)
+        mem = registries.memory_bytes()
+        out["rss_mb"] = round(mem / 2**20, 1)
+        out["bytes_per_lease"] = round((mem - rss0) / leases)
         log(f"  {out['grants_per_s']} grants/s, {out['bytes_per_lease']} bytes/lease")
 
         # Batched renewals.
@@ -293,9 +320,11 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         # (each with a request id of its own, so that no read is answered from the retry
         # cache), replies left as bytes; every 16th is parsed and must be a hit. The client
         # library's own cost is measured separately (client_max_rps).
-        raw_channel = grpc.aio.insecure_channel(f"127.0.0.1:{registry.port}")
-        raw_call = raw_channel.unary_unary(ACQUIRE_METHOD, request_serializer=_identity,
-                                           response_deserializer=_identity)
+        # With replicas, calls go round robin over them.
+        raw_channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+                        for port in registries.ports]
+        raw_calls = [ch.unary_unary(ACQUIRE_METHOD, request_serializer=_identity,
+                                    response_deserializer=_identity) for ch in raw_channels]
         templates = [pb.AcquireReadRequest(
             tenant="bench", conversation_id=f"conv-{k}", block_hashes=prompts[k % 256],
             min_tokens=64, pin_ttl=duration_pb(1.0), reader_id="bench").SerializeToString()
@@ -304,8 +333,8 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
 
         async def acquire_raw(i: int) -> None:
             request_id = f"{run}{i:016x}".encode()  # field 7 (request_id), 32 bytes
-            reply = await raw_call(templates[i % len(templates)] + b"\x3a\x20" + request_id,
-                                   timeout=30)
+            reply = await raw_calls[i % len(raw_calls)](
+                templates[i % len(templates)] + b"\x3a\x20" + request_id, timeout=30)
             if i % 16 == 0:
                 resp = pb.AcquireReadResponse.FromString(reply)
                 if resp.miss_reason != pb.MISS_REASON_UNSPECIFIED or not resp.pin.pin_id:
@@ -330,7 +359,8 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             await acquire_raw(probe_base + i)
 
         # name: (call for throughput, process)
-        targets = {"acquire": (acquire_raw, registry), "echo": (ping, echo)}
+        targets: dict[str, tuple[Callable[[int], Awaitable[Any]], Callable[[], float]]] = {
+            "acquire": (acquire_raw, registries.cpu_seconds), "echo": (ping, echo.cpu_seconds)}
         latencies: dict[str, list[float]] = {"acquire": [], "echo": [], "client": []}
         rates: dict[str, list[float]] = {"acquire": [], "echo": [], "client": []}
         cpu: dict[str, list[float]] = {"acquire": [], "echo": []}
@@ -347,12 +377,12 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             probe_base += 10_000_000
             for name, values in zip(("acquire", "echo", "client"), windows, strict=True):
                 latencies[name] += values
-            for name, (call, proc) in targets.items():
-                cpu0 = proc.cpu_seconds()
+            for name, (call, cpu_seconds) in targets.items():
+                cpu0 = cpu_seconds()
                 rps = await _closed_loop(call, concurrency, per_round, first=run_offset)
                 run_offset += 10_000_000
                 rates[name].append(rps)
-                cpu[name].append((proc.cpu_seconds() - cpu0) / (rps * per_round) * 1e6)
+                cpu[name].append((cpu_seconds() - cpu0) / (rps * per_round) * 1e6)
             rates["client"].append(await _closed_loop(acquire, concurrency, per_round))
             log(f"  round {r + 1}/{rounds}: acquire {rates['acquire'][-1]:.0f} RPC/s "
                 f"(through the client library {rates['client'][-1]:.0f}), "
@@ -361,7 +391,8 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
                 f"{_pct(latencies['echo'], 0.99):.2f} ms")
         await client.close()
         await channel.close()
-        await raw_channel.close()
+        for ch in raw_channels:
+            await ch.close()
         out["acquire_read_p50_ms"] = round(_pct(latencies["acquire"], 0.5), 3)
         out["acquire_read_p99_ms"] = round(_pct(latencies["acquire"], 0.99), 3)
         out["client_acquire_read_p50_ms"] = round(_pct(latencies["client"], 0.5), 3)
@@ -379,7 +410,8 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         out["acquire_p99_vs_echo"] = round(out["acquire_read_p99_ms"] / out["echo_p99_ms"], 2)
         out["max_rps_vs_echo"] = round(out["max_rps"] / out["echo_max_rps"], 2)
     finally:
-        registry.stop()
+        for proc in registries.procs:
+            proc.stop()
         echo.stop()
     return out
 
@@ -392,6 +424,81 @@ TARGETS = [
     ("bytes_per_lease", "<=", 2048, "resident bytes per 64-block lease"),
     ("expiry_late_p99_ms", "<=", 50, "expiry lateness p99 (ms)"),
 ]
+REDIS_TARGETS = [
+    ("acquire_read_p99_ms", "<=", 2.0, "acquire-read p99 at 1,000 RPC/s on Redis (ms)"),
+]
+
+
+class _RedisServer:
+    """The Redis the replicas share: one given by URL, or a redis-server started here on a
+    free 127.0.0.1 port (no persistence) and stopped by its PID."""
+
+    def __init__(self, url: str) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+        if not url:
+            exe = shutil.which("redis-server")
+            if exe is None:
+                raise click.ClickException(
+                    "--backend redis needs redis-server on PATH (apt-get install -y "
+                    "redis-server) or --redis-url")
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            self.proc = subprocess.Popen(
+                [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            url = f"redis://127.0.0.1:{port}/0"
+        self.url = url
+        import redis
+
+        self.client = redis.Redis.from_url(url)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                self.client.ping()
+                break
+            except redis.RedisError as exc:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise click.ClickException(f"Redis at {url} does not answer: {exc}") from None
+                time.sleep(0.1)
+
+    def used_memory(self) -> int:
+        return int(self.client.info("memory")["used_memory"])
+
+    def cpu_seconds(self) -> float:
+        if self.proc is None:  # someone else's Redis: its CPU is not ours to read
+            return 0.0
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(15)
+
+
+def _run_redis(leases: int, replicas: int, redis: _RedisServer, namespace: str,
+               run: Callable[[_Registries], dict[str, Any]]) -> dict[str, Any]:
+    procs = [_registry_proc(leases, ["--backend", "redis", "--redis-url", redis.url,
+                                     "--redis-namespace", namespace])
+             for _ in range(replicas)]
+
+    def cpu() -> float:  # the replicas and Redis together serve each call
+        return sum(p.cpu_seconds() for p in procs) + redis.cpu_seconds()
+
+    return run(_Registries(procs, redis.used_memory, cpu))
+
+
+def _report(result: dict[str, Any], targets: list[tuple[str, str, float, str]]) -> None:
+    for key, value in result.items():
+        click.echo(f"{key:<26} {value}")
+    click.echo("targets:")
+    for key, op, bound, what in targets:
+        value = result[key]
+        ok = value <= bound if op == "<=" else value >= bound
+        click.echo(f"  {'met ' if ok else 'MISS'} {what}: {value} (target {op} {bound})")
 
 
 @click.command("registry")
@@ -407,22 +514,57 @@ TARGETS = [
               help="registry and echo phases alternate this many times")
 @click.option("--concurrency", default=64, show_default=True, type=click.IntRange(1, 4096),
               help="calls in flight for the closed-loop phases")
+@click.option("--backend", type=click.Choice(["memory", "redis"]), default="memory",
+              show_default=True,
+              help="redis: also measure 1..--replicas registry replicas sharing one Redis, "
+                   "beside the memory backend, in the same run")
+@click.option("--replicas", default=2, show_default=True, type=click.IntRange(1, 4),
+              help="with --backend redis: the most replicas measured")
+@click.option("--redis-url", default="", help="with --backend redis: an existing Redis to use "
+                                              "(default: start redis-server on a free port)")
+@click.option("--redis-leases", default=20_000, show_default=True,
+              type=click.IntRange(min=1000),
+              help="with --backend redis: live leases in each Redis configuration (each is "
+                   "granted through a Lua script; memory and expiry figures are per lease)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def registry_bench(leases: int, blocks: int, rate: float, duration: float, concurrency: int,
-                   rounds: int, as_json: bool) -> None:
-    """Measure the registry beside a trivial gRPC echo service (about a minute)."""
+                   rounds: int, backend: str, replicas: int, redis_url: str,
+                   redis_leases: int, as_json: bool) -> None:
+    """Measure the registry beside a trivial gRPC echo service (about a minute; with
+    --backend redis, a few more). Memory backend: one JSON object. Redis: one object per
+    configuration, keyed memory, redis_1, ..., redis_N."""
 
     def log(msg: str) -> None:
         click.echo(msg, err=True)
 
-    result = aio.run(_run(leases, blocks, rate, duration, concurrency, rounds, log))
-    if as_json:
-        click.echo(json.dumps(result, sort_keys=True))
+    if backend == "memory":
+        result = aio.run(_run(leases, blocks, rate, duration, concurrency, rounds, log))
+        if as_json:
+            click.echo(json.dumps(result, sort_keys=True))
+        else:
+            _report(result, TARGETS)
         return
-    for key, value in result.items():
-        click.echo(f"{key:<22} {value}")
-    click.echo("\ntargets:")
-    for key, op, bound, what in TARGETS:
-        value = result[key]
-        ok = value <= bound if op == "<=" else value >= bound
-        click.echo(f"  {'met ' if ok else 'MISS'} {what}: {value} (target {op} {bound})")
+
+    results: dict[str, dict[str, Any]] = {}
+    log("== memory backend")
+    results["memory"] = aio.run(_run(leases, blocks, rate, duration, concurrency, rounds, log))
+    redis = _RedisServer(redis_url)
+    try:
+        for n in range(1, replicas + 1):
+            log(f"== redis, {n} replica(s)")
+
+            def measure(registries: _Registries) -> dict[str, Any]:
+                return aio.run(_run(redis_leases, blocks, rate, duration, concurrency, rounds,
+                                    log, registries))
+
+            namespace = f"kvbridge-bench-{uuid.uuid4().hex[:8]}"
+            results[f"redis_{n}"] = _run_redis(redis_leases, n, redis, namespace, measure)
+            results[f"redis_{n}"]["redis_url"] = redis.url
+    finally:
+        redis.stop()
+    if as_json:
+        click.echo(json.dumps(results, sort_keys=True))
+        return
+    for name, result in results.items():
+        click.echo(f"\n[{name}]")
+        _report(result, TARGETS if name == "memory" else REDIS_TARGETS)
