@@ -153,7 +153,7 @@ async def wait_for_watchers(server: RegistryServer, count: int, timeout: float =
     """Wait until `count` WatchLeases streams are subscribed (the metrics listener excluded)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while len(server.table._listeners) - 1 < count:
+    while server.store.listener_count() - 1 < count:
         if loop.time() > deadline:
             raise TimeoutError(f"{count} watcher(s) did not subscribe within {timeout}s")
         await asyncio.sleep(0.005)
@@ -207,7 +207,9 @@ class ThreadedRegistry:
         return self.call(move)
 
     def watcher_count(self) -> int:
-        return self.call(lambda: len(self.table._listeners) - 1)
+        assert self.server is not None
+        store = self.server.store
+        return self.call(lambda: store.listener_count() - 1)
 
     def stop(self) -> None:
         if self.server is not None:
