@@ -115,8 +115,11 @@ async def open_store(config: RegistryConfig, clock: Clock | None = None) -> Leas
     """The store `config.backend` names, connected. Raises OSError when Redis is unreachable."""
     clock = clock or SystemClock()
     if config.backend == "redis":
-        raise OSError("the redis backend is not built yet")
-    store: LeaseStore = MemoryStore.create(config, clock)
+        from kvbridge.services.registry._redis import RedisStore  # needs the redis extra
+
+        store: LeaseStore = RedisStore(config, clock)
+    else:
+        store = MemoryStore.create(config, clock)
     await store.start()
     return store
 
