@@ -240,3 +240,75 @@ def threaded_registry() -> Iterator[ThreadedRegistry]:
 def sync_client(threaded_registry: ThreadedRegistry) -> Iterator[RegistryClient]:
     with RegistryClient(threaded_registry.target) as client:
         yield client
+
+
+# ==== a real redis-server on a free 127.0.0.1 port ============================================
+import shutil  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+
+
+class RedisProcess:
+    """A `redis-server` this test session started (no persistence), stopped by its PID."""
+
+    def __init__(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.skip("redis-server is not installed (apt-get install -y redis-server; "
+                        ".ci/run installs it)")
+        for _attempt in range(5):  # the free port may be taken between probe and bind
+            probe = socket.socket()
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+            probe.close()
+            self.proc = subprocess.Popen(
+                [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--loglevel", "warning"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if self._wait_ready(5.0):
+                return
+            self.stop()
+        raise RuntimeError("could not start redis-server")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return True
+            except OSError:
+                pass
+            time.sleep(0.05)
+        return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisProcess]:
+    """One redis-server for the session; tests keep apart by namespace (`redis_namespace`)."""
+    server = RedisProcess()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_namespace() -> str:
+    return "t-" + uuid.uuid4().hex[:12]

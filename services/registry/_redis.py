@@ -83,7 +83,7 @@ from kvbridge.services.registry._redis_lua import LUA
 log = structlog.get_logger("kvbridge.registry")
 
 _EVENT_BATCH = 1000
-_EVENT_BLOCK_MS = 1000
+_EVENT_BLOCK_MS = 200  # also bounds how long close() waits for the tail to stop
 _RENEW_WATCH_MS = 5000  # replicas watching renewals re-announce it at least this often
 _UNREACHABLE_LOG_EVERY = 5.0
 
@@ -111,6 +111,7 @@ class RedisStore:
         self._reader: asyncio.Task[None] | None = None
         self._chores: set[asyncio.Task[Any]] = set()
         self._last_unreachable_log = 0.0
+        self._closing = False
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -133,11 +134,18 @@ class RedisStore:
         log.info("redis_store_started", url=_redacted(url), namespace=self.config.redis_namespace)
 
     async def close(self) -> None:
+        self._closing = True
+        if self._reader is not None:
+            # A blocked XREAD does not always end on cancellation (redis-py retries it):
+            # closing its connection ends it, and the loop sees `_closing`.
+            if self._tail is not None:
+                await self._tail.connection_pool.disconnect()
+            done, _ = await asyncio.wait([self._reader], timeout=2.0)
+            if not done:
+                self._reader.cancel()
         for task in (self._reader, *self._chores):
             if task is not None:
                 task.cancel()
-        for task in (self._reader, *self._chores):
-            if task is not None:
                 with contextlib.suppress(asyncio.CancelledError, Exception):  # closing anyway
                     await task
         self._reader = None
@@ -432,11 +440,13 @@ class RedisStore:
         """Tail the fleet's event stream and hand each event to this replica's listeners."""
         assert self._tail is not None
         announced = 0.0
-        while True:
+        while not self._closing:
             try:
                 reply: Any = await self._tail.xread({self._events_key: last_id},
                                                count=_EVENT_BATCH, block=_EVENT_BLOCK_MS)
             except (RedisError, OSError) as exc:
+                if self._closing:
+                    return
                 self._unreachable("events", exc)
                 await asyncio.sleep(0.5)
                 continue

@@ -115,7 +115,11 @@ async def open_store(config: RegistryConfig, clock: Clock | None = None) -> Leas
     """The store `config.backend` names, connected. Raises OSError when Redis is unreachable."""
     clock = clock or SystemClock()
     if config.backend == "redis":
-        from kvbridge.services.registry._redis import RedisStore  # needs the redis extra
+        try:
+            from kvbridge.services.registry._redis import RedisStore
+        except ImportError as exc:
+            raise OSError(f"the redis backend needs redis-py: pip install 'kvbridge[redis]' "
+                          f"({exc})") from exc
 
         store: LeaseStore = RedisStore(config, clock)
     else:
