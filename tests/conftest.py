@@ -253,19 +253,24 @@ import uuid  # noqa: E402
 class RedisProcess:
     """A `redis-server` this test session started (no persistence), stopped by its PID."""
 
-    def __init__(self) -> None:
+    def __init__(self, *extra: str, port: int = 0) -> None:
+        """Start one on `port` (0: a free one). `extra` redis-server arguments replace the
+        defaults `--save '' --appendonly no` (no persistence)."""
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.skip("redis-server is not installed (apt-get install -y redis-server; "
                         ".ci/run installs it)")
         for _attempt in range(5):  # the free port may be taken between probe and bind
-            probe = socket.socket()
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-            probe.close()
+            self.port = port
+            if not port:
+                probe = socket.socket()
+                probe.bind(("127.0.0.1", 0))
+                self.port = probe.getsockname()[1]
+                probe.close()
+            persistence = () if extra else ("--save", "", "--appendonly", "no")
             self.proc = subprocess.Popen(
-                [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                 "--appendonly", "no", "--loglevel", "warning"],
+                [exe, "--port", str(self.port), "--bind", "127.0.0.1", *persistence,
+                 "--loglevel", "warning", *extra],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             if self._wait_ready(5.0):
                 return

@@ -437,6 +437,21 @@ async def test_a_read_renews_the_lease(b: Backend, kv: Any) -> None:
     assert (await b.store.get_lease(lease.lease_id)).state is LeaseState.ACTIVE
 
 
+async def test_renewal_events_go_to_renewal_listeners_only(b: Backend, kv: Any) -> None:
+    renewals: list[LeaseEvent] = []
+    b.store.add_listener(renewals.append, renewals=True)
+    await b.store.register_holder(holder())
+    lease = (await b.store.grant(grant_spec(kv, kv.tokens(8)))).lease
+    deadline = time.monotonic() + 5
+    while not any(e.type is EventType.RENEWED for e in renewals):  # Redis: once announced
+        assert time.monotonic() < deadline
+        await b.store.renew([lease.lease_id])
+        await asyncio.sleep(0.02)
+    assert renewals[-1].lease_id == lease.lease_id
+    assert not any(e.type is EventType.RENEWED for e in b.events)
+    b.store.remove_listener(renewals.append, renewals=True)
+
+
 # ---- bad input: the same error for the same input, and nothing changes ------------------------
 
 BAD_CALLS: dict[str, tuple[Callable[[LeaseStore, Any], Awaitable[Any]], type, str]] = {
@@ -524,6 +539,36 @@ async def test_bad_input_is_refused_alike_and_changes_nothing(b: Backend, kv: An
     if field:
         assert caught.value.metadata["field"] == field
     assert await _state(s) == before
+
+
+# ---- Redis down, Redis back --------------------------------------------------------------
+
+
+async def test_redis_outage_fails_fast_and_service_resumes(tmp_path: Path, kv: Any) -> None:
+    from conftest import RedisProcess
+
+    durable = ("--dir", str(tmp_path), "--appendonly", "yes", "--appendfsync", "always",
+               "--save", "")
+    server = RedisProcess(*durable)
+    config = RegistryConfig(backend="redis", redis_url=server.url, redis_namespace="outage")
+    store = RedisStore(config, SystemClock())
+    await store.start()
+    try:
+        await store.register_holder(holder(ttl=300.0))
+        lease = (await store.grant(grant_spec(kv, kv.tokens(8)))).lease
+        server.stop()
+        started = time.monotonic()
+        with pytest.raises(errors.Unavailable):
+            await store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
+        assert await store.tick() == 0  # the scheduler keeps going
+        assert time.monotonic() - started < 2.0  # readers fail open, they do not wait
+        server = RedisProcess(*durable, port=server.port)  # back, with its append-only file
+        read = await store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
+        assert read.miss is MissReason.HIT and read.lease is not None
+        assert read.lease.lease_id == lease.lease_id
+    finally:
+        await store.close()
+        server.stop()
 
 
 # ---- two registry replicas on one Redis, over real gRPC --------------------------------------

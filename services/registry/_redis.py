@@ -30,6 +30,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -119,9 +121,10 @@ class RedisStore:
         url = self.config.redis_url
         try:
             self._redis = aioredis.Redis.from_url(url, socket_connect_timeout=2.0,
-                                                  socket_timeout=5.0)
+                                                  socket_timeout=5.0, retry=_retry())
             self._tail = aioredis.Redis.from_url(url, socket_connect_timeout=2.0,
-                                                 socket_timeout=_EVENT_BLOCK_MS / 1000 + 5.0)
+                                                 socket_timeout=_EVENT_BLOCK_MS / 1000 + 5.0,
+                                                 retry=_retry())
             await self._redis.ping()
             last = await self._redis.xrevrange(self._events_key, count=1)
         except (RedisError, OSError, ValueError) as exc:
@@ -517,6 +520,13 @@ class RedisStore:
             raise ValueError("a clock cannot go backwards")
         assert self._redis is not None
         await self._redis.incrbyfloat(self.prefix + "clock_offset", seconds)
+
+
+def _retry() -> Retry:
+    """One immediate retry when a pooled connection turns out dead (Redis restarted), and no
+    more: with Redis down, calls must fail fast so readers fail open. Never on a timeout: the
+    script may have run, and a grant must not run twice."""
+    return Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
 
 
 def _redacted(url: str) -> str:
