@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -726,38 +728,44 @@ def test_serve_redis_backend_needs_a_url() -> None:
     assert "backend redis needs redis_url" in result.stderr
 
 
-@pytest.mark.slow
-def test_serve_subprocess_on_redis(redis_server: Any, redis_namespace: str, kv: Any) -> None:
-    import json
-    import signal
-
-    from kvbridge.clients import RegistryClient
-
+def _spawn_replica(redis_url: str, namespace: str) -> tuple[subprocess.Popen[str], str]:
+    """`kvbridge registry serve --backend redis` as a process (configured by environment);
+    returns it and its gRPC address once it logged `registry_started`."""
     proc = subprocess.Popen(
         [*_kvbridge(), "registry", "serve", "--listen", "127.0.0.1:0", "--metrics-listen", ""],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env=_clean_env(KVBRIDGE_REGISTRY_BACKEND="redis",
-                       KVBRIDGE_REGISTRY_REDIS_URL=redis_server.url,
-                       KVBRIDGE_REGISTRY_REDIS_NAMESPACE=redis_namespace))
+        env=_clean_env(KVBRIDGE_REGISTRY_BACKEND="redis", KVBRIDGE_REGISTRY_REDIS_URL=redis_url,
+                       KVBRIDGE_REGISTRY_REDIS_NAMESPACE=namespace))
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        event = json.loads(line)
+        if event.get("event") == "registry_started":
+            assert event["backend"] == "redis"
+            return proc, event["listen"]
+    raise AssertionError(f"the replica exited with {proc.wait(5)} before it started")
+
+
+def _end(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(5)
+
+
+@pytest.mark.slow
+def test_serve_subprocess_on_redis(redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    from kvbridge.clients import RegistryClient
+
+    proc, target = _spawn_replica(redis_server.url, redis_namespace)
     try:
-        assert proc.stderr is not None
-        started: dict[str, Any] = {}
-        for line in proc.stderr:
-            event = json.loads(line)
-            if event.get("event") == "registry_started":
-                started = event
-                break
-        assert started["backend"] == "redis"
-        with RegistryClient(started["listen"]) as client:
+        with RegistryClient(target) as client:
             client.register_holder(**kv.holder_args("h1"))
             lease = client.grant_lease(**kv.grant_args("h1", "t1", "c1", kv.tokens(8))).lease
         proc.send_signal(signal.SIGTERM)
+        assert proc.stderr is not None
         rest = proc.stderr.read()  # the pipe must not fill up while the replica shuts down
         assert proc.wait(timeout=10) == 0, rest
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
+        _end(proc)
 
     async def check() -> None:  # the lease outlives the replica: it lives in Redis
         config = RegistryConfig(backend="redis", redis_url=redis_server.url,
@@ -770,3 +778,32 @@ def test_serve_subprocess_on_redis(redis_server: Any, redis_namespace: str, kv: 
             await store.close()
 
     asyncio.run(check())
+
+
+@pytest.mark.slow
+async def test_a_replica_killed_mid_pin_loses_no_lease_and_no_pin(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    proc, target = _spawn_replica(redis_server.url, redis_namespace)
+    other = await _replica(redis_server.url, redis_namespace)
+    try:
+        async with AsyncRegistryClient(target) as client:
+            await client.register_holder(**kv.holder_args("h1", ttl=300.0))
+            lease = (await client.grant_lease(**kv.grant_args("h1", "t1", "c1",
+                                                              kv.tokens(8)))).lease
+            read = await client.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)),
+                                             pin_ttl=25.0)
+            assert read.pin.pin_id
+        proc.send_signal(signal.SIGKILL)  # mid-pin: the reader is still reading
+        proc.wait(5)
+        async with AsyncRegistryClient(f"127.0.0.1:{other.port}") as client:
+            kept = await client.get_lease(lease.lease_id)
+            assert (kept.state, kept.pin_count) == (pb.LEASE_STATE_ACTIVE, 1)
+            await client.revoke_lease(lease.lease_id, "memory pressure", holder_id="h1")
+            # The pin granted by the dead replica still holds the blocks.
+            assert list((await client.heartbeat("h1")).reclaimable_lease_ids) == []
+            assert await client.release_read(read.pin.pin_id)
+            assert list((await client.heartbeat("h1")).reclaimable_lease_ids) == [
+                lease.lease_id]
+    finally:
+        _end(proc)
+        await other.stop(0)
