@@ -62,6 +62,11 @@ class _Replicas:
     def _stub(self) -> Any:
         return self._stubs[self._active]
 
+    def report_failure(self, code: grpc.StatusCode) -> None:
+        """A raw call through the active stub failed with `code`: on UNAVAILABLE or a
+        deadline, the next call goes to the next replica (callers of `stub` use this)."""
+        self._failed(self._active, code)
+
     def _failed(self, index: int, code: grpc.StatusCode) -> bool:
         """Move off replica `index` after `code`; True when another replica is there to try."""
         if code not in FAILOVER or len(self._stubs) == 1:

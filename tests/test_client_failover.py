@@ -82,3 +82,32 @@ async def test_failover_between_redis_replicas(redis_server: Any, redis_namespac
     finally:
         for r in replicas:
             await r.stop(0)
+
+
+async def test_router_forwarding_moves_to_the_next_registry_replica(
+        registry_server: RegistryServer, kv: Any) -> None:
+    import grpc
+
+    from kvbridge.clock import FakeClock
+    from kvbridge.registry.v1 import registry_pb2 as reg_pb
+    from kvbridge.router.v1 import router_pb2_grpc
+    from kvbridge.services.router import RouterConfig
+    from kvbridge.services.router import create_server as create_router
+
+    registry = f"127.0.0.1:{_closed_port()},127.0.0.1:{registry_server.port}"
+    router = await create_router(RouterConfig(listen="127.0.0.1:0", metrics_listen="",
+                                              registry=registry), clock=FakeClock())
+    await router.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
+    stub = router_pb2_grpc.RouterServiceStub(channel)
+    request = reg_pb.AcquireReadRequest(tenant="t1", conversation_id="c1",
+                                        block_hashes=kv.prompt_hashes(kv.tokens(8)))
+    try:
+        with pytest.raises(grpc.RpcError) as raised:  # the dead replica: prefill fails open
+            await stub.AcquireRead(request)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        resp = await stub.AcquireRead(request)  # the next call goes to the live replica
+        assert resp.miss_reason == reg_pb.MISS_REASON_NO_LEASE
+    finally:
+        await channel.close()
+        await router.stop(0)
