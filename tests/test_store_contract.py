@@ -85,21 +85,22 @@ Factory = Callable[..., Awaitable[Backend]]
 
 @pytest.fixture(params=["memory", "redis"])
 async def make_backend(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
-    """`await make_backend(**config_overrides)`: a fresh store of the parametrized backend."""
+    """`await make_backend(recovering=False, **config_overrides)`: a fresh store of the
+    parametrized backend (`recovering`: hold reclaims for the grace, as after a restart)."""
     stores: list[LeaseStore] = []
 
-    async def make(**overrides: Any) -> Backend:
+    async def make(recovering: bool = False, **overrides: Any) -> Backend:
         if request.param == "memory":
             clock = FakeClock()
             store: LeaseStore = MemoryStore.create(RegistryConfig(**overrides), clock,
-                                                   recovering=False)
+                                                   recovering=recovering)
             backend = Backend("memory", store, clock)
         else:
             redis_server = request.getfixturevalue("redis_server")
             namespace = request.getfixturevalue("redis_namespace") + f"-{len(stores)}"
             config = RegistryConfig(backend="redis", redis_url=redis_server.url,
                                     redis_namespace=namespace, **overrides)
-            store = RedisStore(config, SystemClock())
+            store = RedisStore(config, SystemClock(), recovering=recovering)
             backend = Backend("redis", store, None)
         await store.start()
         stores.append(store)
@@ -454,6 +455,19 @@ async def test_renewal_events_go_to_renewal_listeners_only(b: Backend, kv: Any) 
     b.store.remove_listener(renewals.append, renewals=True)
 
 
+async def test_fresh_state_reports_nothing_reclaimable_for_the_grace(make_backend: Factory,
+                                                                     kv: Any) -> None:
+    b = await make_backend(recovering=True, max_pin_ttl_s=5.0, default_pin_ttl_s=5.0)
+    await b.store.register_holder(holder(ttl=300.0))
+    old = (await b.store.grant(grant_spec(kv, kv.tokens(8)))).lease
+    await b.store.grant(grant_spec(kv, kv.tokens(12)))  # supersedes `old`, unpinned
+    assert await b.store.heartbeat("h1") == ([], 300.0)  # a pin from before may be live
+    await b.advance(5.5)  # the grace: max pin TTL + 1
+    assert await b.store.heartbeat("h1") == ([], 300.0)
+    await b.advance(0.6)
+    assert await b.store.heartbeat("h1") == ([old.lease_id], 300.0)
+
+
 # ---- bad input: the same error for the same input, and nothing changes ------------------------
 
 BAD_CALLS: dict[str, tuple[Callable[[LeaseStore, Any], Awaitable[Any]], type, str]] = {
@@ -543,6 +557,37 @@ async def test_bad_input_is_refused_alike_and_changes_nothing(b: Backend, kv: An
     assert await _state(s) == before
 
 
+async def test_redis_that_lost_its_data_holds_reclaims_again(redis_server: Any,
+                                                             redis_namespace: str,
+                                                             kv: Any) -> None:
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace, max_pin_ttl_s=5.0,
+                            default_pin_ttl_s=5.0)
+    store = RedisStore(config, SystemClock())
+    await store.start()
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await store.advance_clock(10.0)  # past the first start's grace
+        await store.register_holder(holder(ttl=300.0))
+        spec = grant_spec(kv, kv.tokens(8))
+        old = (await store.grant(spec)).lease
+        await store.pin_lease("t1", "c1")  # a reader reads...
+        keys = await client.keys(store.prefix + "*")
+        await client.delete(*keys)  # ...when Redis loses everything (no persistence)
+        with pytest.raises(errors.HolderNotFound):
+            await store.heartbeat("h1")
+        reg = await store.register_holder(holder(ttl=300.0), [
+            Snapshot(old.lease_id, spec, old.epoch, 1.0)])  # the holder re-registers
+        assert reg.restored == [old.lease_id]
+        await store.grant(grant_spec(kv, kv.tokens(12)))  # supersedes it
+        assert (await store.heartbeat("h1"))[0] == []  # the lost pin may still be read
+        await store.advance_clock(6.5)
+        assert (await store.heartbeat("h1"))[0] == [old.lease_id]
+    finally:
+        await client.aclose()
+        await store.close()
+
+
 # ---- Redis down, Redis back --------------------------------------------------------------
 
 
@@ -577,10 +622,13 @@ async def test_redis_outage_fails_fast_and_service_resumes(tmp_path: Path, kv: A
 
 
 async def _replica(redis_url: str, namespace: str) -> RegistryServer:
+    """A registry on Redis, its (shared) clock moved past the grace after a first start."""
     config = RegistryConfig(listen="127.0.0.1:0", metrics_listen="", backend="redis",
                             redis_url=redis_url, redis_namespace=namespace)
     server = await create_server(config)
     await server.start()
+    assert isinstance(server.store, RedisStore)
+    await server.store.advance_clock(config.effective_recovery_grace_s)
     return server
 
 

@@ -97,9 +97,12 @@ def _s(value: bytes) -> str:
 class RedisStore:
     """Leases in Redis under `{config.redis_namespace}:`; see the module docstring."""
 
-    def __init__(self, config: RegistryConfig, clock: Clock) -> None:
+    def __init__(self, config: RegistryConfig, clock: Clock, *, recovering: bool = True
+                 ) -> None:
         self.config = config
         self.clock = clock
+        # When the shared state is found empty, hold reclaims for the grace (0: tests).
+        self._grace = config.effective_recovery_grace_s if recovering else 0.0
         self.prefix = f"{{{config.redis_namespace}}}:"
         self._events_key = self.prefix + "events"
         self._redis: aioredis.Redis | None = None
@@ -164,7 +167,7 @@ class RedisStore:
         try:
             reply: list[Any] = await self._script(
                 keys=[self._events_key], args=[args[0], self.config.redis_events_maxlen,
-                                               *args[1:]])
+                                               self._grace, *args[1:]])
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             # Only unreachability: a script error is a bug and must not look like an outage.
             raise Unavailable(f"Redis unreachable: {exc}", backend="redis") from exc

@@ -1,8 +1,9 @@
 """The Lua script behind `RedisStore`: every read and mutation of the shared state, atomically.
 
-One script, dispatched on ARGV[1] (the command), ARGV[2] the event stream's MAXLEN, command
-arguments from ARGV[3]. KEYS[1] is `<prefix>events`; every key starts with `<prefix>`, which
-is a Redis Cluster hash tag (`{namespace}:`), so all keys of a fleet live in one slot.
+One script, dispatched on ARGV[1] (the command), ARGV[2] the event stream's MAXLEN, ARGV[3]
+the recovery grace (seconds), command arguments from ARGV[4] (ARGS[3] in the script).
+KEYS[1] is `<prefix>events`; every key starts with `<prefix>`, which is a Redis Cluster hash
+tag (`{namespace}:`), so all keys of a fleet live in one slot.
 
 Time is Redis's own (`TIME`, plus `<prefix>clock_offset`, a number of seconds that tests
 raise to move every replica's time at once; absent in production), so replicas need no clock
@@ -25,6 +26,8 @@ Keys (P = prefix):
   P pexp             zset: pin -> expire time
   P events           stream: lease events (t l tn c h e w lt), read by every replica
   P renew_watch      string with a TTL: set while some replica watches renewals
+  P started, P hold_until  when this state began (empty), and until when nothing is reported
+                     reclaimable (pins granted before a loss of Redis data may still be read)
 """
 
 LUA = r"""
@@ -32,9 +35,21 @@ local EV = KEYS[1]
 local P = string.sub(EV, 1, -7)
 local cmd = ARGV[1]
 local MAXLEN = ARGV[2]
+local GRACE = tonumber(ARGV[3])
+-- The command's arguments: ARGS[3] onwards (ARGV without the grace).
+local ARGS = {ARGV[1], ARGV[2]}
+for i = 4, #ARGV do ARGS[#ARGS + 1] = ARGV[i] end
 local t = redis.call('TIME')
 local NOW = tonumber(t[1]) + tonumber(t[2]) / 1000000
   + tonumber(redis.call('GET', P .. 'clock_offset') or '0')
+
+-- State that starts empty (a new namespace, or a Redis that lost its data) may be a restarted
+-- one: readers may hold pins from before. Report nothing reclaimable for the grace.
+if redis.call('EXISTS', P .. 'started') == 0 then
+  redis.call('SET', P .. 'started', string.format('%.6f', NOW))
+  redis.call('SET', P .. 'hold_until', string.format('%.6f', NOW + GRACE))
+end
+local HOLD_UNTIL = tonumber(redis.call('GET', P .. 'hold_until') or '0')
 
 local ACTIVE, EXPIRED, REVOKED, SUPERSEDED, HOLDER_LOST = 1, 2, 3, 4, 5
 local H_ACTIVE, H_DRAINING, H_LOST = 1, 2, 3
@@ -126,6 +141,7 @@ end
 -- Dead leases no pin holds: the holder may free them. Sorted, for stable replies.
 local function reclaimable_of(hid)
   local out = {}
+  if NOW < HOLD_UNTIL then return out end
   for _, lid in ipairs(redis.call('SMEMBERS', P .. 'hd:' .. hid)) do
     if pins_of(lid) == 0 then out[#out + 1] = lid end
   end
@@ -161,14 +177,14 @@ local function add_lease(lid, hid, tenant, conv, rrid, payload, tokens, blocks, 
   return x
 end
 
--- A lease a re-registering holder still retains (11 arguments from ARGV[b]).
+-- A lease a re-registering holder still retains (11 arguments from ARGS[b]).
 local function restore(hid, b)
-  local lid, tenant, conv = ARGV[b], ARGV[b + 1], ARGV[b + 2]
-  local epoch, age = tonumber(ARGV[b + 7]), tonumber(ARGV[b + 8])
+  local lid, tenant, conv = ARGS[b], ARGS[b + 1], ARGS[b + 2]
+  local epoch, age = tonumber(ARGS[b + 7]), tonumber(ARGS[b + 8])
   local created = NOW - age
-  local x = add_lease(lid, hid, tenant, conv, ARGV[b + 3], ARGV[b + 4], ARGV[b + 5],
-                      tonumber(ARGV[b + 6]), epoch, tonumber(ARGV[b + 9]),
-                      tonumber(ARGV[b + 10]), created)
+  local x = add_lease(lid, hid, tenant, conv, ARGS[b + 3], ARGS[b + 4], ARGS[b + 5],
+                      tonumber(ARGS[b + 6]), epoch, tonumber(ARGS[b + 9]),
+                      tonumber(ARGS[b + 10]), created)
   if x <= NOW then
     kill(lid, EXPIRED, 0)
     return
@@ -203,8 +219,8 @@ local function matching(ours, theirs, blocks)
 end
 
 if cmd == 'register' then
-  local hid, bs, fp, tp = ARGV[3], ARGV[7], ARGV[8], ARGV[6]
-  local ttl, max_leases, nsnap = tonumber(ARGV[9]), tonumber(ARGV[11]), tonumber(ARGV[12])
+  local hid, bs, fp, tp = ARGS[3], ARGS[7], ARGS[8], ARGS[6]
+  local ttl, max_leases, nsnap = tonumber(ARGS[9]), tonumber(ARGS[11]), tonumber(ARGS[12])
   local H = P .. 'h:' .. hid
   local s = holder_state(hid)
   if s and s ~= H_LOST then
@@ -215,7 +231,7 @@ if cmd == 'register' then
   end
   local unknown = 0
   for j = 0, nsnap - 1 do
-    if redis.call('EXISTS', P .. 'l:' .. ARGV[13 + j * 11]) == 0 then unknown = unknown + 1 end
+    if redis.call('EXISTS', P .. 'l:' .. ARGS[13 + j * 11]) == 0 then unknown = unknown + 1 end
   end
   if redis.call('ZCARD', P .. 'leases') + unknown > max_leases then
     return {'ERR', 'CAPACITY_EXHAUSTED'}
@@ -229,20 +245,20 @@ if cmd == 'register' then
     redis.call('ZREM', P .. 'lost', hid)
   end
   local x = NOW + ttl
-  redis.call('HSET', H, 'host', ARGV[4], 'port', ARGV[5], 'ver', ARGV[10], 'ttl', F(ttl),
+  redis.call('HSET', H, 'host', ARGS[4], 'port', ARGS[5], 'ver', ARGS[10], 'ttl', F(ttl),
              'x', F(x), 's', H_ACTIVE)
   redis.call('ZADD', P .. 'holders', F(x), hid)
   -- The holder is the source of truth for its memory: an active lease it no longer lists
   -- must never be read again.
   local held = {}
-  for j = 0, nsnap - 1 do held[ARGV[13 + j * 11]] = true end
+  for j = 0, nsnap - 1 do held[ARGS[13 + j * 11]] = true end
   for _, lid in ipairs(redis.call('SMEMBERS', P .. 'ha:' .. hid)) do
     if not held[lid] then kill(lid, REVOKED, 0) end
   end
   local restored = {}
   for j = 0, nsnap - 1 do
     local b = 13 + j * 11
-    local lid = ARGV[b]
+    local lid = ARGS[b]
     local L = P .. 'l:' .. lid
     if redis.call('EXISTS', L) == 0 then
       restore(hid, b)
@@ -255,7 +271,7 @@ if cmd == 'register' then
   return {'OK', F(NOW), holder_enc(hid), restored, reclaimable_of(hid), event}
 
 elseif cmd == 'heartbeat' then
-  local hid = ARGV[3]
+  local hid = ARGS[3]
   local s = holder_state(hid)
   if not s or s == H_LOST then return {'ERR', 'HOLDER_NOT_FOUND'} end
   local H = P .. 'h:' .. hid
@@ -263,8 +279,8 @@ elseif cmd == 'heartbeat' then
   local x = NOW + tonumber(ttl)
   redis.call('HSET', H, 'x', F(x))
   redis.call('ZADD', P .. 'holders', F(x), hid)
-  for j = 4, #ARGV do
-    local lid = ARGV[j]
+  for j = 4, #ARGS do
+    local lid = ARGS[j]
     if redis.call('SISMEMBER', P .. 'hd:' .. hid, lid) == 1 and pins_of(lid) == 0 then
       forget(lid)
     end
@@ -272,7 +288,7 @@ elseif cmd == 'heartbeat' then
   return {'OK', F(NOW), reclaimable_of(hid), ttl}
 
 elseif cmd == 'deregister' then
-  local hid = ARGV[3]
+  local hid = ARGS[3]
   local s = holder_state(hid)
   if not s or s == H_LOST then return {'ERR', 'HOLDER_NOT_FOUND'} end
   redis.call('HSET', P .. 'h:' .. hid, 's', H_DRAINING)
@@ -294,27 +310,27 @@ elseif cmd == 'holders' then
   return {'OK', F(NOW), out}
 
 elseif cmd == 'get_holder' then
-  local s = holder_state(ARGV[3])
+  local s = holder_state(ARGS[3])
   if not s or s == H_LOST then return {'ERR', 'HOLDER_NOT_FOUND'} end
-  return {'OK', F(NOW), holder_enc(ARGV[3])}
+  return {'OK', F(NOW), holder_enc(ARGS[3])}
 
 elseif cmd == 'grant' then
-  local hid, lid = ARGV[3], ARGV[5]
+  local hid, lid = ARGS[3], ARGS[5]
   local s = holder_state(hid)
   if not s or s == H_LOST then return {'ERR', 'HOLDER_NOT_FOUND'} end
   local bs = redis.call('HGET', P .. 'h:' .. hid, 'bs')
-  if bs ~= ARGV[4] then return {'STALE', bs} end
+  if bs ~= ARGS[4] then return {'STALE', bs} end
   if s == H_DRAINING then return {'ERR', 'HOLDER_DRAINING'} end
-  local tenant, conv, rrid = ARGV[7], ARGV[8], ARGV[9]
+  local tenant, conv, rrid = ARGS[7], ARGS[8], ARGS[9]
   local L = P .. 'l:' .. lid
-  if ARGV[6] == '1' and redis.call('EXISTS', L) == 1 then
+  if ARGS[6] == '1' and redis.call('EXISTS', L) == 1 then
     local f = redis.call('HMGET', L, 't', 'c', 'r')
     if f[1] ~= tenant or f[2] ~= conv or f[3] ~= rrid then
       return {'ERR', 'REQUEST_ID_REUSED'}
     end
     return {'OK', F(NOW), lease_enc(lid), holder_enc(hid), {}}
   end
-  if redis.call('ZCARD', P .. 'leases') >= tonumber(ARGV[15]) then
+  if redis.call('ZCARD', P .. 'leases') >= tonumber(ARGS[15]) then
     return {'ERR', 'CAPACITY_EXHAUSTED'}
   end
   local C = P .. 'c:' .. tenant .. ' ' .. conv
@@ -329,15 +345,15 @@ elseif cmd == 'grant' then
       sup = {lease_enc(cur), holder_enc(f[3])}
     end
   end
-  local x = add_lease(lid, hid, tenant, conv, rrid, ARGV[10], ARGV[11], tonumber(ARGV[12]),
-                      epoch, tonumber(ARGV[13]), tonumber(ARGV[14]), NOW)
+  local x = add_lease(lid, hid, tenant, conv, rrid, ARGS[10], ARGS[11], tonumber(ARGS[12]),
+                      epoch, tonumber(ARGS[13]), tonumber(ARGS[14]), NOW)
   redis.call('SET', C, lid)
   redis.call('ZADD', P .. 'lexp', F(x), lid)
   emit(1, lid, tenant, conv, hid, epoch, 0)
   return {'OK', F(NOW), lease_enc(lid), holder_enc(hid), sup}
 
 elseif cmd == 'renew' then
-  local nids = tonumber(ARGV[3])
+  local nids = tonumber(ARGS[3])
   local watch = redis.call('EXISTS', P .. 'renew_watch') == 1
   local out = {}
   local function one(name, lid)
@@ -358,16 +374,16 @@ elseif cmd == 'renew' then
     out[#out + 1] = {lid, 1, ACTIVE, F(x - NOW)}
     if watch then emit(2, lid, f[4], f[5], f[6], f[7], 0) end
   end
-  for i = 1, nids do one(ARGV[3 + i], ARGV[3 + i]) end
+  for i = 1, nids do one(ARGS[3 + i], ARGS[3 + i]) end
   local k = 4 + nids
-  while k + 1 <= #ARGV do
-    one('', redis.call('GET', P .. 'c:' .. ARGV[k] .. ' ' .. ARGV[k + 1]))
+  while k + 1 <= #ARGS do
+    one('', redis.call('GET', P .. 'c:' .. ARGS[k] .. ' ' .. ARGS[k + 1]))
     k = k + 2
   end
   return {'OK', F(NOW), out}
 
 elseif cmd == 'revoke' then
-  local lid, hid = ARGV[3], ARGV[4]
+  local lid, hid = ARGS[3], ARGS[4]
   if redis.call('EXISTS', P .. 'l:' .. lid) == 0 then return {'ERR', 'LEASE_NOT_FOUND'} end
   local s = refresh(lid)
   local owner = redis.call('HGET', P .. 'l:' .. lid, 'h')
@@ -380,14 +396,14 @@ elseif cmd == 'revoke' then
   return {'OK', F(NOW), lease_enc(lid), holder_enc(owner), revoked}
 
 elseif cmd == 'get_lease' then
-  local lid = ARGV[3]
+  local lid = ARGS[3]
   if redis.call('EXISTS', P .. 'l:' .. lid) == 0 then return {'ERR', 'LEASE_NOT_FOUND'} end
   refresh(lid)
   return {'OK', F(NOW), lease_enc(lid), holder_enc(redis.call('HGET', P .. 'l:' .. lid, 'h'))}
 
 elseif cmd == 'list' then
-  local tenant, conv, hid = ARGV[3], ARGV[4], ARGV[5]
-  local inactive, after, limit = ARGV[6] == '1', ARGV[7], tonumber(ARGV[8])
+  local tenant, conv, hid = ARGS[3], ARGS[4], ARGS[5]
+  local inactive, after, limit = ARGS[6] == '1', ARGS[7], tonumber(ARGS[8])
   local out, holders, seen = {}, {}, {}
   local function consider(lid)
     if lid <= after then return end
@@ -419,6 +435,7 @@ elseif cmd == 'list' then
       consider(lid)
     end
   else
+    -- No per-tenant index: a tenant filter walks lease ids in order until the page is full.
     local start = '-'
     if after ~= '' then start = '(' .. after end
     while #out < limit do
@@ -434,9 +451,9 @@ elseif cmd == 'list' then
   return {'OK', F(NOW), out, holders}
 
 elseif cmd == 'read' then
-  local mode, tenant, conv, prompt = ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-  local min_tokens, pin_ttl, pin_id = tonumber(ARGV[7]), tonumber(ARGV[8]), ARGV[9]
-  local idem, max_pin = ARGV[10] == '1', tonumber(ARGV[11])
+  local mode, tenant, conv, prompt = ARGS[3], ARGS[4], ARGS[5], ARGS[6]
+  local min_tokens, pin_ttl, pin_id = tonumber(ARGS[7]), tonumber(ARGS[8]), ARGS[9]
+  local idem, max_pin = ARGS[10] == '1', tonumber(ARGS[11])
   local lid = redis.call('GET', P .. 'c:' .. tenant .. ' ' .. conv)
   if not lid then return {'OK', F(NOW), 1, 0, 0, 0} end
   local s = refresh(lid)
@@ -489,7 +506,7 @@ elseif cmd == 'read' then
   return {'OK', F(NOW), 0, k, k, pflag, lease_enc(lid), holder_enc(hid), pin_id, F(deadline)}
 
 elseif cmd == 'release' then
-  local pin = ARGV[3]
+  local pin = ARGS[3]
   local PK = P .. 'p:' .. pin
   local lid = redis.call('HGET', PK, 'l')
   if not lid then return {'OK', F(NOW), 0} end
@@ -499,7 +516,7 @@ elseif cmd == 'release' then
   return {'OK', F(NOW), 1}
 
 elseif cmd == 'tick' then
-  local batch, retention = tonumber(ARGV[3]), tonumber(ARGV[4])
+  local batch, retention = tonumber(ARGS[3]), tonumber(ARGS[4])
   local lost = {}
   local due_holders = redis.call('ZRANGEBYSCORE', P .. 'holders', '-inf', F(NOW),
                                  'LIMIT', 0, batch)
