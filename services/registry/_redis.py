@@ -140,24 +140,24 @@ class RedisStore:
         log.info("redis_store_started", url=_redacted(url), namespace=self.config.redis_namespace)
 
     async def close(self) -> None:
+        """Stop the event tail and close connections; every wait is bounded (a blocked XREAD
+        does not always end on cancellation: redis-py may retry it)."""
         self._closing = True
-        if self._reader is not None:
-            # A blocked XREAD does not always end on cancellation (redis-py retries it):
-            # closing its connection ends it, and the loop sees `_closing`.
-            if self._tail is not None:
-                await self._tail.connection_pool.disconnect()
-            done, _ = await asyncio.wait([self._reader], timeout=2.0)
-            if not done:
-                self._reader.cancel()
-        for task in (self._reader, *self._chores):
-            if task is not None:
+        tasks = [t for t in (self._reader, *self._chores) if t is not None]
+        if self._tail is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._tail.connection_pool.disconnect(), 1.0)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=2.0)
+            for task in pending:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):  # closing anyway
-                    await task
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
         self._reader = None
         for client in (self._redis, self._tail):
             if client is not None:
-                await client.aclose()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(client.aclose(), 2.0)
         self._redis = self._tail = None
 
     async def _run(self, *args: Any) -> list[Any]:
@@ -450,7 +450,7 @@ class RedisStore:
             try:
                 reply: Any = await self._tail.xread({self._events_key: last_id},
                                                count=_EVENT_BATCH, block=_EVENT_BLOCK_MS)
-            except (RedisError, OSError) as exc:
+            except Exception as exc:  # the tail must outlive any one failure
                 if self._closing:
                     return
                 self._unreachable("events", exc)

@@ -51,6 +51,7 @@ class RegistryServer:
     health: health.aio.HealthServicer
     metrics_port: int | None = None
     _scheduler: asyncio.Task[None] | None = None
+    _stopping: bool = False
     _http: object | None = field(default=None, repr=False)
 
     @property
@@ -82,7 +83,7 @@ class RegistryServer:
 
     async def _run_expiry(self) -> None:
         store, clock = self.store, self.store.clock
-        while True:
+        while not self._stopping:
             try:
                 expired = await store.tick()
             except Exception:  # the scheduler must outlive any single bad tick
@@ -100,9 +101,12 @@ class RegistryServer:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.shutdown_grace_s if grace is None else grace)
         if self._scheduler is not None:
+            # A flag as well as a cancellation: a Redis call may swallow the cancellation
+            # (redis-py retries the command), and the loop must end all the same.
+            self._stopping = True
             self._scheduler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._scheduler
+                await asyncio.wait([self._scheduler], timeout=5.0)
         if self._http is not None:
             self._http.shutdown()  # type: ignore[attr-defined]
             self._http.server_close()  # type: ignore[attr-defined]
