@@ -3,6 +3,10 @@
 A call's `timeout` is its whole budget: retries (on UNAVAILABLE, idempotent calls only, with
 jittered backoff) happen inside it, and a status that comes back is raised as the domain error
 it carries (`kvbridge.errors`), so callers never handle grpc.RpcError.
+
+A client may name several addresses of replicas that serve the same state (`"a:50051,b:50051"`
+or a list): calls go to one of them, and when it answers UNAVAILABLE or runs out of time the
+client moves to the next, retrying an idempotent call there at once (within the same budget).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import grpc
@@ -30,25 +35,66 @@ CHANNEL_OPTIONS = [
 ]
 
 
+FAILOVER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 def backoff(attempt: int) -> float:
     return float(min(0.05 * 2**attempt, 0.5) * (0.5 + random.random() / 2))
 
 
-class SyncClient:
-    """Blocking client over one channel. Thread-safe."""
+def split_targets(target: str | Sequence[str]) -> list[str]:
+    """`"a:1,b:2"` or `["a:1", "b:2"]` -> `["a:1", "b:2"]` (at least one)."""
+    items = target.split(",") if isinstance(target, str) else list(target)
+    targets = [t.strip() for t in items if t.strip()]
+    if not targets:
+        raise ValueError(f"no address in {target!r}")
+    return targets
+
+
+class _Replicas:
+    """The addresses a client may use, and the one it uses now."""
+
+    targets: list[str]
+    _stubs: list[Any]
+    _active: int
+
+    @property
+    def _stub(self) -> Any:
+        return self._stubs[self._active]
+
+    def report_failure(self, code: grpc.StatusCode) -> None:
+        """A raw call through the active stub failed with `code`: on UNAVAILABLE or a
+        deadline, the next call goes to the next replica (callers of `stub` use this)."""
+        self._failed(self._active, code)
+
+    def _failed(self, index: int, code: grpc.StatusCode) -> bool:
+        """Move off replica `index` after `code`; True when another replica is there to try."""
+        if code not in FAILOVER or len(self._stubs) == 1:
+            return False
+        if self._active == index:  # another thread or task may have moved on already
+            self._active = (index + 1) % len(self._stubs)
+        return True
+
+
+class SyncClient(_Replicas):
+    """Blocking client over one channel per replica address. Thread-safe."""
 
     stub_class: ClassVar[Any]
 
-    def __init__(self, target: str, *, timeout: float = DEFAULT_TIMEOUT, retries: int = 3,
-                 channel: grpc.Channel | None = None) -> None:
-        self.target = target
+    def __init__(self, target: str | Sequence[str], *, timeout: float = DEFAULT_TIMEOUT,
+                 retries: int = 3, channel: grpc.Channel | None = None) -> None:
+        self.targets = split_targets(target)
+        self.target = ",".join(self.targets)
         self.timeout = timeout
         self.retries = retries
-        self._channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self._stub = self.stub_class(self._channel)
+        self._channels = [channel] if channel is not None else [
+            grpc.insecure_channel(t, options=CHANNEL_OPTIONS) for t in self.targets]
+        self._stubs = [self.stub_class(c) for c in self._channels]
+        self._active = 0
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> Any:
         return self
@@ -60,15 +106,21 @@ class SyncClient:
               timeout: float | None = None) -> Any:
         budget = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
-        attempt = 0
+        attempt, tried = 0, 1
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DeadlineExceeded(f"{method} to {self.target}: no reply within {budget:g}s")
+            index = self._active
             try:
-                return getattr(self._stub, method)(request, timeout=left)
+                return getattr(self._stubs[index], method)(request, timeout=left)
             except grpc.RpcError as err:
-                if (idempotent and attempt < self.retries and err.code() in RETRYABLE
+                code = err.code()
+                if (self._failed(index, code) and idempotent and code in RETRYABLE
+                        and tried < len(self._stubs)):
+                    tried += 1  # another replica, at once
+                    continue
+                if (idempotent and attempt < self.retries and code in RETRYABLE
                         and deadline - time.monotonic() > backoff(attempt)):
                     time.sleep(backoff(attempt))
                     attempt += 1
@@ -76,21 +128,25 @@ class SyncClient:
                 raise from_rpc_error(err) from None
 
 
-class AsyncClient:
-    """asyncio client over one channel."""
+class AsyncClient(_Replicas):
+    """asyncio client over one channel per replica address."""
 
     stub_class: ClassVar[Any]
 
-    def __init__(self, target: str, *, timeout: float = DEFAULT_TIMEOUT, retries: int = 3,
-                 channel: grpc.aio.Channel | None = None) -> None:
-        self.target = target
+    def __init__(self, target: str | Sequence[str], *, timeout: float = DEFAULT_TIMEOUT,
+                 retries: int = 3, channel: grpc.aio.Channel | None = None) -> None:
+        self.targets = split_targets(target)
+        self.target = ",".join(self.targets)
         self.timeout = timeout
         self.retries = retries
-        self._channel = channel or grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-        self._stub = self.stub_class(self._channel)
+        self._channels = [channel] if channel is not None else [
+            grpc.aio.insecure_channel(t, options=CHANNEL_OPTIONS) for t in self.targets]
+        self._stubs = [self.stub_class(c) for c in self._channels]
+        self._active = 0
 
     async def close(self) -> None:
-        await self._channel.close()
+        for channel in self._channels:
+            await channel.close()
 
     async def __aenter__(self) -> Any:
         return self
@@ -103,15 +159,21 @@ class AsyncClient:
         budget = self.timeout if timeout is None else timeout
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
-        attempt = 0
+        attempt, tried = 0, 1
         while True:
             left = deadline - loop.time()
             if left <= 0:
                 raise DeadlineExceeded(f"{method} to {self.target}: no reply within {budget:g}s")
+            index = self._active
             try:
-                return await getattr(self._stub, method)(request, timeout=left)
+                return await getattr(self._stubs[index], method)(request, timeout=left)
             except grpc.RpcError as err:
-                if (idempotent and attempt < self.retries and err.code() in RETRYABLE
+                code = err.code()
+                if (self._failed(index, code) and idempotent and code in RETRYABLE
+                        and tried < len(self._stubs)):
+                    tried += 1  # another replica, at once
+                    continue
+                if (idempotent and attempt < self.retries and code in RETRYABLE
                         and deadline - loop.time() > backoff(attempt)):
                     await asyncio.sleep(backoff(attempt))
                     attempt += 1

@@ -26,7 +26,8 @@ class ConnectorSettings:
     """What an operator sets per engine (all durations in seconds)."""
 
     registry: str = ""
-    """Registry address HOST:PORT. Empty: no control plane (the engine behaves as NIXL)."""
+    """Registry address HOST:PORT, or several replicas' addresses comma-separated (failover).
+    Empty: no control plane (the engine behaves as NIXL)."""
     router: str = ""
     """Prefill: ask this routing service (HOST:PORT) for reads instead of the registry; it
     also refuses KV held by engines it knows are dead. Decode always talks to the registry."""

@@ -57,7 +57,8 @@ def engine_group() -> None:
 @click.option("--engine-id", default="", help="default: ROLE-HOSTNAME-PORT")
 @click.option("--nixl-port", default=5600, show_default=True, type=click.IntRange(1, 65535),
               help="NIXL side-channel port")
-@click.option("--registry", default="", help="registry HOST:PORT (decode engines need it)")
+@click.option("--registry", default="", help="registry HOST:PORT, or replicas' comma-separated "
+              "(decode engines need it)")
 @click.option("--router", default="",
               help="router HOST:PORT: register there and heartbeat load; prefill also reads "
                    "through it")

@@ -153,7 +153,7 @@ async def wait_for_watchers(server: RegistryServer, count: int, timeout: float =
     """Wait until `count` WatchLeases streams are subscribed (the metrics listener excluded)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while len(server.table._listeners) - 1 < count:
+    while server.store.listener_count() - 1 < count:
         if loop.time() > deadline:
             raise TimeoutError(f"{count} watcher(s) did not subscribe within {timeout}s")
         await asyncio.sleep(0.005)
@@ -207,7 +207,9 @@ class ThreadedRegistry:
         return self.call(move)
 
     def watcher_count(self) -> int:
-        return self.call(lambda: len(self.table._listeners) - 1)
+        assert self.server is not None
+        store = self.server.store
+        return self.call(lambda: store.listener_count() - 1)
 
     def stop(self) -> None:
         if self.server is not None:
@@ -238,3 +240,80 @@ def threaded_registry() -> Iterator[ThreadedRegistry]:
 def sync_client(threaded_registry: ThreadedRegistry) -> Iterator[RegistryClient]:
     with RegistryClient(threaded_registry.target) as client:
         yield client
+
+
+# ==== a real redis-server on a free 127.0.0.1 port ============================================
+import shutil  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
+
+
+class RedisProcess:
+    """A `redis-server` this test session started (no persistence), stopped by its PID."""
+
+    def __init__(self, *extra: str, port: int = 0) -> None:
+        """Start one on `port` (0: a free one). `extra` redis-server arguments replace the
+        defaults `--save '' --appendonly no` (no persistence)."""
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.skip("redis-server is not installed (apt-get install -y redis-server; "
+                        ".ci/run installs it)")
+        for _attempt in range(5):  # the free port may be taken between probe and bind
+            self.port = port
+            if not port:
+                probe = socket.socket()
+                probe.bind(("127.0.0.1", 0))
+                self.port = probe.getsockname()[1]
+                probe.close()
+            persistence = () if extra else ("--save", "", "--appendonly", "no")
+            self.proc = subprocess.Popen(
+                [exe, "--port", str(self.port), "--bind", "127.0.0.1", *persistence,
+                 "--loglevel", "warning", *extra],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            if self._wait_ready(5.0):
+                return
+            self.stop()
+        raise RuntimeError("could not start redis-server")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return True
+            except OSError:
+                pass
+            time.sleep(0.05)
+        return False
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisProcess]:
+    """One redis-server for the session; tests keep apart by namespace (`redis_namespace`)."""
+    server = RedisProcess()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_namespace() -> str:
+    return "t-" + uuid.uuid4().hex[:12]

@@ -47,14 +47,20 @@ SERVICES = sorted(name for name, svc in _compose()["services"].items()
 
 def test_compose_file_is_well_formed() -> None:
     services = _compose()["services"]
-    assert {"redis", "registry", "router", "gateway", "prefill", "decode", "prefill-cpu",
-            "decode-cpu", "tiny-model"} <= set(services)
+    assert {"redis", "registry", "registry-2", "router", "gateway", "prefill", "decode",
+            "prefill-cpu", "decode-cpu", "tiny-model"} <= set(services)
     assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
-    for name in ("registry", "router", "gateway"):
+    for name in ("registry", "registry-2", "router", "gateway"):
         assert services[name]["build"] == "." and "profiles" not in services[name]
         assert services[name]["healthcheck"]["test"][0] == "CMD"
     assert (ROOT / "Dockerfile").is_file()
     assert {p.split(":")[1] for p in services["registry"]["ports"]} == {"50051", "9464"}
+    assert {p.split(":")[0] for p in services["registry-2"]["ports"]} == {"50052", "9466"}
+    for name in ("registry", "registry-2"):  # replicas of one fleet, on the compose Redis
+        command = _command(name)
+        assert command[command.index("--backend") + 1] == "redis"
+        assert command[command.index("--redis-url") + 1] == "redis://redis:6379/0"
+        assert services[name]["depends_on"]["redis"] == {"condition": "service_healthy"}
     assert {p.split(":")[1] for p in services["gateway"]["ports"]} == {"8080"}
     for name in ("prefill", "decode"):
         assert services[name]["profiles"] == ["gpu"]
@@ -66,12 +72,15 @@ def test_compose_file_is_well_formed() -> None:
     for dockerfile in ("Dockerfile.engine", "Dockerfile.cpu"):
         assert 'ENTRYPOINT ["kvbridge"]' in (ROOT / dockerfile).read_text()
     # The services find each other by the addresses the commands name.
-    assert _command("router")[_command("router").index("--registry") + 1] == "registry:50051"
+    replicas = "registry:50051,registry-2:50051"
+    assert _command("router")[_command("router").index("--registry") + 1] == replicas
     gateway = _command("gateway")
     assert gateway[gateway.index("--router") + 1] == "router:50061"
+    assert gateway[gateway.index("--registry") + 1] == replicas
     for engine in ("prefill", "decode", "prefill-cpu", "decode-cpu"):
         command = _command(engine)
         assert command[command.index("--advertise-host") + 1] == engine
+        assert command[command.index("--registry") + 1] == replicas
 
 
 @pytest.mark.parametrize("service", SERVICES)
@@ -109,29 +118,37 @@ def _run_until(command: list[str], env: dict[str, str], event: str) -> tuple[
 
 
 @pytest.mark.slow
-def test_compose_control_plane_commands_serve(unused_tcp_port: int) -> None:
+def test_compose_control_plane_commands_serve(redis_server: Any, redis_namespace: str) -> None:
     services = _compose()["services"]
-    registry_cmd = _command("registry")
-    for flag in ("--listen", "--metrics-listen"):
-        registry_cmd[registry_cmd.index(flag) + 1] = "127.0.0.1:0"
-    env = {**os.environ, **services["registry"]["environment"]}
-    registry, started = _run_until(registry_cmd, env, "registry_started")
-    router = None
+    procs: list[subprocess.Popen[str]] = []
     try:
+        listens = []
+        for name in ("registry", "registry-2"):  # both replicas, on a real redis-server
+            registry_cmd = _command(name)
+            for flag in ("--listen", "--metrics-listen"):
+                registry_cmd[registry_cmd.index(flag) + 1] = "127.0.0.1:0"
+            registry_cmd[registry_cmd.index("--redis-url") + 1] = redis_server.url
+            env = {**os.environ, **services[name]["environment"],
+                   "KVBRIDGE_REGISTRY_REDIS_NAMESPACE": redis_namespace}
+            registry, started = _run_until(registry_cmd, env, "registry_started")
+            procs.append(registry)
+            assert started["backend"] == "redis"
+            listens.append(started["listen"])
         router_cmd = _command("router")
         for flag in ("--listen", "--metrics-listen"):
             router_cmd[router_cmd.index(flag) + 1] = "127.0.0.1:0"
-        router_cmd[router_cmd.index("--registry") + 1] = started["listen"]
+        router_cmd[router_cmd.index("--registry") + 1] = ",".join(listens)
         router, router_started = _run_until(
             router_cmd, {**os.environ, **services["router"]["environment"]}, "router_started")
-        for address, service in ((started["listen"], "kvbridge.registry.v1.RegistryService"),
+        procs.append(router)
+        for address, service in ((listens[0], "kvbridge.registry.v1.RegistryService"),
+                                 (listens[1], "kvbridge.registry.v1.RegistryService"),
                                  (router_started["listen"], "kvbridge.router.v1.RouterService")):
             with grpc.insecure_channel(address) as channel:
                 reply = health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(service=service), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
     finally:
-        for proc in (router, registry):
-            if proc is not None:
-                proc.send_signal(signal.SIGTERM)
-                assert proc.wait(timeout=20) == 0
+        for proc in reversed(procs):
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=20) == 0

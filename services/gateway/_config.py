@@ -18,8 +18,8 @@ class GatewayConfig:
     router: str = setting("127.0.0.1:50061", "routing service host:port")
     registry: str = setting(
         "127.0.0.1:50051",
-        "registry host:port, for renewing a conversation's lease each turn, keepalive and "
-        "DELETE; empty disables those")
+        "registry host:port (replicas: comma-separated, with failover), for renewing a "
+        "conversation's lease each turn, keepalive and DELETE; empty disables those")
     api_keys_file: str = setting(
         "", "file of 'API_KEY TENANT' lines: only these keys are accepted, each mapped to its "
         "tenant. Empty: open mode, any bearer token is accepted and names its own tenant (a "

@@ -1,6 +1,8 @@
 """The lease registry: holders, conversation leases, read pins and reclaim notices.
 
 - `LeaseTable` (`_core`): the transport-free state machine, with an injected clock.
+- `LeaseStore` (`_store`): the storage interface the servicer uses; `MemoryStore` adapts
+  `LeaseTable`, `RedisStore` (`_redis`, needs the `redis` extra) is shared by replicas.
 - `RegistryConfig` (`_config`): limits and defaults, from flags or `KVBRIDGE_*` variables.
 - `RegistryServicer`, `create_server`, `serve` (`_servicer`, `_server`): the gRPC adapter.
 """
@@ -26,6 +28,7 @@ from kvbridge.services.registry._model import (
     MissReason,
     Pin,
 )
+from kvbridge.services.registry._store import LeaseStore, MemoryStore
 
 __all__ = [
     "EventType",
@@ -37,7 +40,9 @@ __all__ = [
     "Lease",
     "LeaseEvent",
     "LeaseState",
+    "LeaseStore",
     "LeaseTable",
+    "MemoryStore",
     "MissReason",
     "Pin",
     "Read",
@@ -50,7 +55,8 @@ __all__ = [
 from kvbridge.services.registry._server import (
     RegistryServer,
     create_server,
+    open_store,
     serve,
 )
 
-__all__ += ["RegistryServer", "create_server", "serve"]
+__all__ += ["RegistryServer", "create_server", "open_store", "serve"]

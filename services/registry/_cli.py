@@ -25,6 +25,10 @@ def serve_command(**options: Any) -> None:
     Serves the gRPC API (kvbridge.registry.v1.RegistryService, plus health and reflection) on
     --listen and Prometheus metrics on --metrics-listen. Every flag can also be set with the
     KVBRIDGE_* environment variable named in its help.
+
+    --backend memory (the default) keeps leases in this process; --backend redis --redis-url
+    URL keeps them in Redis, shared by every replica started with the same URL and namespace
+    (each replica serves any RPC; start fails with exit status 1 if Redis is unreachable).
     """
     config = build_config(RegistryConfig, options)
     try:

@@ -15,6 +15,16 @@ class RegistryConfig:
     env_prefix: ClassVar[str] = "KVBRIDGE_REGISTRY_"
 
     listen: str = setting("127.0.0.1:50051", "host:port for the gRPC API (port 0 picks one)")
+    backend: str = setting(
+        "memory", "where leases live: memory (this process only) or redis (shared by every "
+        "replica that names the same --redis-url and --redis-namespace)")
+    redis_url: str = setting(
+        "", "with --backend redis: the Redis (or Valkey) URL, e.g. redis://127.0.0.1:6379/0")
+    redis_namespace: str = setting(
+        "kvbridge", "with --backend redis: the key prefix (a Redis Cluster hash tag) that "
+        "replicas of one fleet share")
+    redis_events_maxlen: int = setting(
+        100_000, "with --backend redis: lease events kept in the shared stream (approximate)")
     metrics_listen: str = setting(
         "127.0.0.1:9464", "host:port for Prometheus /metrics over HTTP; empty disables it"
     )
@@ -62,7 +72,8 @@ class RegistryConfig:
                     "default_max_lifetime_s", "max_lifetime_cap_s", "default_pin_ttl_s",
                     "max_pin_ttl_s", "default_holder_ttl_s", "min_holder_ttl_s",
                     "max_holder_ttl_s", "max_leases", "max_blocks_per_lease", "max_id_length",
-                    "max_batch", "max_watchers", "max_message_bytes", "expiry_batch")
+                    "max_batch", "max_watchers", "max_message_bytes", "expiry_batch",
+                    "redis_events_maxlen")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -78,6 +89,13 @@ class RegistryConfig:
                 "need min_holder_ttl_s <= default_holder_ttl_s <= max_holder_ttl_s")
         if self.recovery_grace_s != -1.0 and self.recovery_grace_s < self.max_pin_ttl_s:
             raise ValueError("recovery_grace_s must be at least max_pin_ttl_s (or -1 for auto)")
+        if self.backend not in ("memory", "redis"):
+            raise ValueError(f"backend must be memory or redis, got {self.backend!r}")
+        if self.backend == "redis" and not self.redis_url:
+            raise ValueError("backend redis needs redis_url (--redis-url or "
+                             "KVBRIDGE_REGISTRY_REDIS_URL)")
+        if not self.redis_namespace or any(c in self.redis_namespace for c in "{} \t\n"):
+            raise ValueError("redis_namespace must be non-empty, without braces or spaces")
         check_logging(self.log_level, self.log_format)
 
     @property

@@ -142,6 +142,108 @@ class Read:
         return self.matched_blocks * self.lease.holder.block_size if self.lease else 0
 
 
+# ---- request checks -------------------------------------------------------------------------
+# Shared by every store: each raises `InvalidArgument` before any state is read or changed, so
+# all backends refuse the same bad input the same way.
+
+
+def check_registration(cfg: RegistryConfig, spec: HolderSpec, snapshots: Sequence[Snapshot]
+                       ) -> float:
+    """Check a holder registration; return the holder's TTL."""
+    check.identifier("holder_id", spec.holder_id, cfg.max_id_length)
+    check.identifier("nixl_host", spec.nixl_host, cfg.max_id_length)
+    check.in_range("nixl_port", spec.nixl_port, 0, 65535)
+    check.in_range("tp_size", spec.tp_size, 1, 4096)
+    check.in_range("block_size", spec.block_size, 1, 65536)
+    check.identifier("engine_fingerprint", spec.fingerprint, cfg.max_id_length)
+    ttl = spec.ttl or cfg.default_holder_ttl_s
+    check.duration("ttl", ttl, cfg.min_holder_ttl_s, cfg.max_holder_ttl_s)
+    if spec.version:
+        check.text("software_version", spec.version, 128)
+    seen: set[str] = set()
+    for i, snap in enumerate(snapshots):
+        check.identifier(f"held_leases[{i}].lease_id", snap.lease_id, cfg.max_id_length)
+        if snap.lease_id in seen:
+            raise check.InvalidArgument(f"held_leases[{i}].lease_id", "duplicate lease id")
+        seen.add(snap.lease_id)
+        check.duration(f"held_leases[{i}].age", snap.age, 0.0, cfg.max_lifetime_cap_s * 2)
+        check.in_range(f"held_leases[{i}].epoch", snap.epoch, 1, 2**63 - 1)
+        check_grant(cfg, snap.grant, spec.block_size, f"held_leases[{i}].")
+    return ttl
+
+
+def check_heartbeat(cfg: RegistryConfig, holder_id: str, acked: Sequence[str]) -> None:
+    check.identifier("holder_id", holder_id, cfg.max_id_length)
+    if len(acked) > cfg.max_batch:
+        raise check.InvalidArgument("reclaimed_lease_ids", f"at most {cfg.max_batch}")
+
+
+def check_grant(cfg: RegistryConfig, g: GrantSpec, block_size: int, prefix: str = "") -> None:
+    """Check a grant's fields against the holder's block size (holder_id is checked apart)."""
+    check.identifier(prefix + "tenant", g.tenant, cfg.max_id_length)
+    check.identifier(prefix + "conversation_id", g.conversation_id, cfg.max_id_length)
+    check.identifier(prefix + "remote_request_id", g.remote_request_id, cfg.max_id_length)
+    check.blocks(prefix, g.block_ids, g.token_count, g.hashes, block_size,
+                 cfg.max_blocks_per_lease)
+    idle, life = grant_ttls(cfg, g)
+    check.duration(prefix + "idle_ttl", idle, cfg.min_idle_ttl_s, cfg.max_idle_ttl_s)
+    check.duration(prefix + "max_lifetime", life, idle, cfg.max_lifetime_cap_s)
+    if g.request_id:
+        check.identifier(prefix + "request_id", g.request_id, cfg.max_id_length)
+
+
+def grant_ttls(cfg: RegistryConfig, g: GrantSpec) -> tuple[float, float]:
+    """(idle TTL, maximum lifetime) of a grant, defaults applied."""
+    idle = g.idle_ttl or cfg.default_idle_ttl_s
+    return idle, g.max_lifetime or max(cfg.default_max_lifetime_s, idle)
+
+
+def check_renewal(cfg: RegistryConfig, ids: Sequence[str],
+                  convs: Sequence[tuple[str, str]]) -> None:
+    if len(ids) + len(convs) > cfg.max_batch:
+        raise check.InvalidArgument("lease_ids", f"at most {cfg.max_batch} items per call")
+    for i, lid in enumerate(ids):
+        check.identifier(f"lease_ids[{i}]", lid, cfg.max_id_length)
+    for i, (tenant, conv) in enumerate(convs):
+        check.identifier(f"conversations[{i}].tenant", tenant, cfg.max_id_length)
+        check.identifier(f"conversations[{i}].conversation_id", conv, cfg.max_id_length)
+
+
+def check_revocation(cfg: RegistryConfig, lease_id: str, holder_id: str, reason: str) -> None:
+    check.identifier("lease_id", lease_id, cfg.max_id_length)
+    if holder_id:
+        check.identifier("holder_id", holder_id, cfg.max_id_length)
+    if len(reason) > 1024:
+        raise check.InvalidArgument("reason", "at most 1024 characters")
+
+
+def check_listing(cfg: RegistryConfig, tenant: str, conversation_id: str, holder_id: str) -> None:
+    for name, value in (("tenant", tenant), ("conversation_id", conversation_id),
+                        ("holder_id", holder_id)):
+        if value:
+            check.identifier(name, value, cfg.max_id_length)
+    if conversation_id and not tenant:
+        raise check.InvalidArgument("conversation_id", "filtering by conversation needs tenant")
+
+
+def check_read(cfg: RegistryConfig, tenant: str, conversation_id: str, min_tokens: int,
+               pin_ttl: float, reader_id: str, request_id: str) -> None:
+    check.identifier("tenant", tenant, cfg.max_id_length)
+    check.identifier("conversation_id", conversation_id, cfg.max_id_length)
+    check.in_range("min_tokens", min_tokens, 0, 2**31)
+    if not pin_ttl >= 0:  # also rejects NaN
+        raise check.InvalidArgument("pin_ttl", "must not be negative")
+    if reader_id:
+        check.identifier("reader_id", reader_id, cfg.max_id_length)
+    if request_id:
+        check.identifier("request_id", request_id, cfg.max_id_length)
+
+
+def check_prompt_hashes(cfg: RegistryConfig, hashes: bytes) -> None:
+    check.hashes("block_hashes", hashes, cfg.max_blocks_per_lease * 4)
+
+
+
 class LeaseTable:
     """Holders, leases and pins of one registry (the in-memory backend's state)."""
 
@@ -189,26 +291,8 @@ class LeaseTable:
     def register_holder(self, spec: HolderSpec, held: Iterable[Snapshot] = ()) -> Registration:
         """Register or re-register a holder; restore `held` leases this registry does not know."""
         cfg = self.config
-        check.identifier("holder_id", spec.holder_id, cfg.max_id_length)
-        check.identifier("nixl_host", spec.nixl_host, cfg.max_id_length)
-        check.in_range("nixl_port", spec.nixl_port, 0, 65535)
-        check.in_range("tp_size", spec.tp_size, 1, 4096)
-        check.in_range("block_size", spec.block_size, 1, 65536)
-        check.identifier("engine_fingerprint", spec.fingerprint, cfg.max_id_length)
-        ttl = spec.ttl or cfg.default_holder_ttl_s
-        check.duration("ttl", ttl, cfg.min_holder_ttl_s, cfg.max_holder_ttl_s)
-        if spec.version:
-            check.text("software_version", spec.version, 128)
         snapshots = list(held)
-        seen: set[str] = set()
-        for i, snap in enumerate(snapshots):
-            check.identifier(f"held_leases[{i}].lease_id", snap.lease_id, cfg.max_id_length)
-            if snap.lease_id in seen:
-                raise check.InvalidArgument(f"held_leases[{i}].lease_id", "duplicate lease id")
-            seen.add(snap.lease_id)
-            check.duration(f"held_leases[{i}].age", snap.age, 0.0, cfg.max_lifetime_cap_s * 2)
-            check.in_range(f"held_leases[{i}].epoch", snap.epoch, 1, 2**63 - 1)
-            self._check_grant(snap.grant, spec.block_size, f"held_leases[{i}].")
+        ttl = check_registration(cfg, spec, snapshots)
 
         now = self.clock.monotonic()
         holder = self._holders.get(spec.holder_id)
@@ -288,10 +372,8 @@ class LeaseTable:
 
     def heartbeat(self, holder_id: str, reclaimed: Iterable[str] = ()) -> tuple[list[str], float]:
         """Keep a holder alive; forget leases it freed; return its reclaimable leases."""
-        check.identifier("holder_id", holder_id, self.config.max_id_length)
         acked = list(reclaimed)
-        if len(acked) > self.config.max_batch:
-            raise check.InvalidArgument("reclaimed_lease_ids", f"at most {self.config.max_batch}")
+        check_heartbeat(self.config, holder_id, acked)
         now = self.clock.monotonic()
         holder = self._live_holder(holder_id, now)
         holder.expire_at = now + holder.ttl
@@ -348,31 +430,17 @@ class LeaseTable:
 
     # ---- leases -----------------------------------------------------------------------------
 
-    def _check_grant(self, g: GrantSpec, block_size: int, prefix: str = "") -> None:
-        cfg = self.config
-        check.identifier(prefix + "tenant", g.tenant, cfg.max_id_length)
-        check.identifier(prefix + "conversation_id", g.conversation_id, cfg.max_id_length)
-        check.identifier(prefix + "remote_request_id", g.remote_request_id, cfg.max_id_length)
-        check.blocks(prefix, g.block_ids, g.token_count, g.hashes, block_size,
-                     cfg.max_blocks_per_lease)
-        idle = g.idle_ttl or cfg.default_idle_ttl_s
-        check.duration(prefix + "idle_ttl", idle, cfg.min_idle_ttl_s, cfg.max_idle_ttl_s)
-        life = g.max_lifetime or max(cfg.default_max_lifetime_s, idle)
-        check.duration(prefix + "max_lifetime", life, idle, cfg.max_lifetime_cap_s)
-        if g.request_id:
-            check.identifier(prefix + "request_id", g.request_id, cfg.max_id_length)
-
     def grant(self, g: GrantSpec) -> Grant:
         """Grant a lease; supersede the conversation's current one. Idempotent by request id."""
         cfg = self.config
         check.identifier("holder_id", g.holder_id, cfg.max_id_length)
         now = self.clock.monotonic()
         holder = self._live_holder(g.holder_id, now)
-        self._check_grant(g, holder.block_size)
+        check_grant(cfg, g, holder.block_size)
         if holder.state is HolderState.DRAINING:
             raise HolderDraining(f"holder {g.holder_id!r} is draining", holder=g.holder_id)
         if g.request_id:
-            lease_id = _derived_id("l", g.holder_id, g.request_id)
+            lease_id = derived_id("l", g.holder_id, g.request_id)
             existing = self._leases.get(lease_id)
             if existing is not None:
                 if (existing.tenant, existing.conversation_id, existing.remote_request_id) != (
@@ -411,15 +479,8 @@ class LeaseTable:
     def renew(self, lease_ids: Iterable[str], conversations: Iterable[tuple[str, str]] = ()
               ) -> list[Renewal]:
         """Renew leases by id and conversations' current leases; one result per item."""
-        cfg = self.config
         ids, convs = list(lease_ids), list(conversations)
-        if len(ids) + len(convs) > cfg.max_batch:
-            raise check.InvalidArgument("lease_ids", f"at most {cfg.max_batch} items per call")
-        for i, lid in enumerate(ids):
-            check.identifier(f"lease_ids[{i}]", lid, cfg.max_id_length)
-        for i, (tenant, conv) in enumerate(convs):
-            check.identifier(f"conversations[{i}].tenant", tenant, cfg.max_id_length)
-            check.identifier(f"conversations[{i}].conversation_id", conv, cfg.max_id_length)
+        check_renewal(self.config, ids, convs)
         now = self.clock.monotonic()
         leases = [self._leases.get(lid) for lid in ids]
         leases += [self._conversations.get(t, {}).get(c) for t, c in convs]
@@ -441,11 +502,7 @@ class LeaseTable:
 
     def revoke(self, lease_id: str, holder_id: str = "", reason: str = "") -> Lease:
         """Revoke a lease (no-op if already dead). With `holder_id`, it must be that holder's."""
-        check.identifier("lease_id", lease_id, self.config.max_id_length)
-        if holder_id:
-            check.identifier("holder_id", holder_id, self.config.max_id_length)
-        if len(reason) > 1024:
-            raise check.InvalidArgument("reason", "at most 1024 characters")
+        check_revocation(self.config, lease_id, holder_id, reason)
         lease = self.get_lease(lease_id)
         if holder_id and lease.holder.holder_id != holder_id:
             raise NotLeaseHolder(f"lease {lease_id!r} belongs to another holder",
@@ -468,13 +525,7 @@ class LeaseTable:
     def leases(self, tenant: str = "", conversation_id: str = "", holder_id: str = "",
                include_inactive: bool = False, after: str = "") -> Iterator[Lease]:
         """Leases matching the filters, in lease id order, starting after lease id `after`."""
-        cfg = self.config
-        for name, value in (("tenant", tenant), ("conversation_id", conversation_id),
-                            ("holder_id", holder_id)):
-            if value:
-                check.identifier(name, value, cfg.max_id_length)
-        if conversation_id and not tenant:
-            raise check.InvalidArgument("conversation_id", "filtering by conversation needs tenant")
+        check_listing(self.config, tenant, conversation_id, holder_id)
         source: Iterable[Lease]
         if holder_id:
             holder = self._holders.get(holder_id)
@@ -507,19 +558,6 @@ class LeaseTable:
 
     # ---- reads ------------------------------------------------------------------------------
 
-    def _check_read(self, tenant: str, conversation_id: str, min_tokens: int, pin_ttl: float,
-                    reader_id: str, request_id: str) -> None:
-        cfg = self.config
-        check.identifier("tenant", tenant, cfg.max_id_length)
-        check.identifier("conversation_id", conversation_id, cfg.max_id_length)
-        check.in_range("min_tokens", min_tokens, 0, 2**31)
-        if not pin_ttl >= 0:  # also rejects NaN
-            raise check.InvalidArgument("pin_ttl", "must not be negative")
-        if reader_id:
-            check.identifier("reader_id", reader_id, cfg.max_id_length)
-        if request_id:
-            check.identifier("request_id", request_id, cfg.max_id_length)
-
     def _readable(self, tenant: str, conversation_id: str, now: float) -> Lease | Read:
         """The conversation's lease if it can be read, else the miss."""
         lease = self._conversations.get(tenant, {}).get(conversation_id)
@@ -535,8 +573,9 @@ class LeaseTable:
     def acquire_read(self, tenant: str, conversation_id: str, hashes: bytes, min_tokens: int = 0,
                      pin_ttl: float = 0.0, reader_id: str = "", request_id: str = "") -> Read:
         """Match a prompt's full-block hashes against the conversation's lease; pin on a hit."""
-        self._check_read(tenant, conversation_id, min_tokens, pin_ttl, reader_id, request_id)
-        check.hashes("block_hashes", hashes, self.config.max_blocks_per_lease * 4)
+        check_read(self.config, tenant, conversation_id, min_tokens, pin_ttl, reader_id,
+                   request_id)
+        check_prompt_hashes(self.config, hashes)
         now = self.clock.monotonic()
         lease = self._readable(tenant, conversation_id, now)
         if isinstance(lease, Read):
@@ -557,7 +596,8 @@ class LeaseTable:
         """Pin the conversation's whole lease for a reader that verifies the blocks itself
         against the lease's hashes: every full block counts as matched, and the partial block
         is listed too."""
-        self._check_read(tenant, conversation_id, min_tokens, pin_ttl, reader_id, request_id)
+        check_read(self.config, tenant, conversation_id, min_tokens, pin_ttl, reader_id,
+                   request_id)
         now = self.clock.monotonic()
         lease = self._readable(tenant, conversation_id, now)
         if isinstance(lease, Read):
@@ -574,7 +614,7 @@ class LeaseTable:
         cfg = self.config
         if reusable < min_tokens:
             return Read(MissReason.BELOW_MINIMUM, k, lease, k, partial)
-        pin_id = _derived_id("p", reader_id, request_id) if request_id else ""
+        pin_id = derived_id("p", reader_id, request_id) if request_id else ""
         pin = self._pins.get(pin_id) if pin_id else None
         if pin is not None and pin.lease is not lease:
             raise IdempotencyConflict(f"request_id {request_id!r} was used for another read",
@@ -719,7 +759,7 @@ class LeaseTable:
         }
 
 
-def _derived_id(prefix: str, scope: str, request_id: str) -> str:
+def derived_id(prefix: str, scope: str, request_id: str) -> str:
     """A stable id for a retried request: the same (scope, request id) gives the same id."""
     digest = hashlib.blake2b(f"{scope}\x00{request_id}".encode(), digest_size=8).hexdigest()
     return f"{prefix}-{digest}"

@@ -9,8 +9,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvbridge.services.registry._core import LeaseTable
 from kvbridge.services.registry._model import EventType, LeaseEvent, MissReason
+from kvbridge.services.registry._store import LeaseStore
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                     0.1, 0.25, 1.0)
@@ -18,7 +18,7 @@ _LATENESS_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0)
 
 
 class _TableCollector(Collector):
-    def __init__(self, table: LeaseTable) -> None:
+    def __init__(self, table: LeaseStore) -> None:
         self._table = table
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
@@ -36,7 +36,7 @@ class _TableCollector(Collector):
 class RegistryMetrics:
     """All metrics of one registry instance, in their own CollectorRegistry."""
 
-    def __init__(self, table: LeaseTable) -> None:
+    def __init__(self, table: LeaseStore) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_TableCollector(table))
         self.lease_events = Counter(

@@ -1,6 +1,7 @@
 """The registry's records: holders, leases, pins, and the events their changes emit.
 
-Records are plain slotted objects owned by `LeaseTable`; nothing outside the core mutates them.
+Records are plain slotted objects owned by a store (`LeaseTable`, or built from a Redis reply by
+`RedisStore`); nothing outside the stores mutates them.
 A lease keeps its block ids packed as uint32 `bytes` and its hashes as one `bytes`, and derives
 what it can (maximum lifetime, pin bound) instead of storing it: a lease of 64 blocks costs about
 1.3 KiB of payload plus a few hundred bytes of bookkeeping.
@@ -109,6 +110,32 @@ class Lease:
         self.state = LeaseState.ACTIVE
         self.pin_count = 0
 
+    @classmethod
+    def from_payload(
+        cls, lease_id: str, tenant: str, conversation_id: str, holder: Holder,
+        remote_request_id: str, payload: bytes, token_count: int, epoch: int, idle_ttl: float,
+        max_lifetime: float, created_at: float, expire_at: float, state: LeaseState,
+        pin_count: int,
+    ) -> Lease:
+        """A lease as a shared backend stored it: the packed payload as is, times already on
+        the local clock."""
+        lease = cls.__new__(cls)
+        lease.lease_id = lease_id
+        lease.tenant = tenant
+        lease.conversation_id = conversation_id
+        lease.holder = holder
+        lease.remote_request_id = remote_request_id
+        lease.payload = payload
+        lease.token_count = token_count
+        lease.epoch = epoch
+        lease.idle_ttl = idle_ttl
+        lease.max_lifetime = max_lifetime
+        lease.max_expire_at = created_at + max_lifetime
+        lease.expire_at = expire_at
+        lease.state = state
+        lease.pin_count = pin_count
+        return lease
+
     @property
     def created_at(self) -> float:
         return self.max_expire_at - self.max_lifetime
@@ -158,3 +185,18 @@ class LeaseEvent:
         self.epoch = lease.epoch
         self.wall = wall
         self.lateness = lateness
+
+    @classmethod
+    def of(cls, type: EventType, lease_id: str, tenant: str, conversation_id: str,
+           holder_id: str, epoch: int, wall: float, lateness: float = 0.0) -> LeaseEvent:
+        """An event read back from a shared backend's event stream (no `Lease` at hand)."""
+        event = cls.__new__(cls)
+        event.type = type
+        event.lease_id = lease_id
+        event.tenant = tenant
+        event.conversation_id = conversation_id
+        event.holder_id = holder_id
+        event.epoch = epoch
+        event.wall = wall
+        event.lateness = lateness
+        return event

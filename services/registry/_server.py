@@ -23,6 +23,7 @@ from kvbridge.services.registry._config import RegistryConfig
 from kvbridge.services.registry._core import LeaseTable
 from kvbridge.services.registry._metrics import RegistryMetrics
 from kvbridge.services.registry._servicer import RegistryServicer
+from kvbridge.services.registry._store import LeaseStore, MemoryStore
 
 log = structlog.get_logger("kvbridge.registry")
 
@@ -43,14 +44,22 @@ class RegistryServer:
     """A bound (and, after `start`, serving) registry."""
 
     config: RegistryConfig
-    table: LeaseTable
+    store: LeaseStore
     metrics: RegistryMetrics
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
     metrics_port: int | None = None
     _scheduler: asyncio.Task[None] | None = None
+    _stopping: bool = False
     _http: object | None = field(default=None, repr=False)
+
+    @property
+    def table(self) -> LeaseTable:
+        """The lease table of a memory-backed registry (tests and embedding)."""
+        if not isinstance(self.store, MemoryStore):
+            raise TypeError(f"a {type(self.store).__name__} has no in-process lease table")
+        return self.store.table
 
     @property
     def address(self) -> str:
@@ -68,21 +77,22 @@ class RegistryServer:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("registry_started", listen=self.address, metrics_port=self.metrics_port,
+                 backend=self.config.backend,
                  event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
                  recovery_grace_s=self.config.effective_recovery_grace_s)
 
     async def _run_expiry(self) -> None:
-        table, clock = self.table, self.table.clock
-        while True:
+        store, clock = self.store, self.store.clock
+        while not self._stopping:
             try:
-                expired = table.tick()
+                expired = await store.tick()
             except Exception:  # the scheduler must outlive any single bad tick
                 log.exception("expiry_tick_failed")
                 expired = 0
             if expired >= self.config.expiry_batch:
                 await asyncio.sleep(0)  # more are due: let RPCs in, then continue
                 continue
-            deadline = table.next_deadline()
+            deadline = store.next_deadline()
             delay = _MAX_TICK_SLEEP if deadline is None else deadline - clock.monotonic()
             await asyncio.sleep(min(max(delay, _MIN_TICK_SLEEP), _MAX_TICK_SLEEP))
 
@@ -91,20 +101,54 @@ class RegistryServer:
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.shutdown_grace_s if grace is None else grace)
         if self._scheduler is not None:
+            # A flag as well as a cancellation: a Redis call may swallow the cancellation
+            # (redis-py retries the command), and the loop must end all the same.
+            self._stopping = True
             self._scheduler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._scheduler
+                await asyncio.wait([self._scheduler], timeout=5.0)
         if self._http is not None:
             self._http.shutdown()  # type: ignore[attr-defined]
             self._http.server_close()  # type: ignore[attr-defined]
-        log.info("registry_stopped", counts=self.table.counts())
+        counts = self.store.counts()
+        await self.store.close()
+        log.info("registry_stopped", backend=self.config.backend, counts=counts)
+
+
+async def open_store(config: RegistryConfig, clock: Clock | None = None) -> LeaseStore:
+    """The store `config.backend` names, connected. Raises OSError when Redis is unreachable."""
+    clock = clock or SystemClock()
+    if config.backend == "redis":
+        try:
+            from kvbridge.services.registry._redis import RedisStore
+        except ImportError as exc:
+            raise OSError(f"the redis backend needs redis-py: pip install 'kvbridge[redis]' "
+                          f"({exc})") from exc
+
+        store: LeaseStore = RedisStore(config, clock)
+    else:
+        store = MemoryStore.create(config, clock)
+    await store.start()
+    return store
 
 
 async def create_server(config: RegistryConfig, *, clock: Clock | None = None,
-                        table: LeaseTable | None = None) -> RegistryServer:
-    """Build a registry bound to `config.listen` (not started). Port 0 picks a free port."""
-    table = table or LeaseTable(config, clock or SystemClock())
-    metrics = RegistryMetrics(table)
+                        table: LeaseTable | None = None,
+                        store: LeaseStore | None = None) -> RegistryServer:
+    """Build a registry bound to `config.listen` (not started). Port 0 picks a free port.
+    The store is `store`, else a `MemoryStore` over `table`, else what `config.backend`
+    names (connected here: OSError when unreachable)."""
+    if store is None:
+        store = MemoryStore(table) if table is not None else await open_store(config, clock)
+    try:
+        return _bind(config, store)
+    except BaseException:
+        await store.close()
+        raise
+
+
+def _bind(config: RegistryConfig, store: LeaseStore) -> RegistryServer:
+    metrics = RegistryMetrics(store)
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
@@ -112,7 +156,7 @@ async def create_server(config: RegistryConfig, *, clock: Clock | None = None,
     ])
     # Requests are parsed by the handlers: bytes that are not the request message get
     # INVALID_ARGUMENT with a reason, not gRPC's UNKNOWN.
-    add_servicer(server, RegistryServicer(table, metrics), pb, "RegistryService")
+    add_servicer(server, RegistryServicer(store, metrics), pb, "RegistryService")
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -126,7 +170,7 @@ async def create_server(config: RegistryConfig, *, clock: Clock | None = None,
         raise OSError(f"cannot bind the registry to {config.listen}: {exc}") from exc
     if bound == 0:
         raise OSError(f"cannot bind the registry to {config.listen}")
-    return RegistryServer(config, table, metrics, server, bound, health_servicer)
+    return RegistryServer(config, store, metrics, server, bound, health_servicer)
 
 
 async def _tame_gc(freeze_every: float, full_every: float) -> None:

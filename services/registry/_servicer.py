@@ -1,4 +1,4 @@
-"""The gRPC adapter over `LeaseTable`: proto in, domain call, proto out. No policy lives here.
+"""The gRPC adapter over a `LeaseStore`: proto in, domain call, proto out. No policy lives here.
 
 Every method is wrapped by `_rpc`, which times it and turns a domain error into a canonical
 status with an ErrorInfo (the mapping is `kvbridge.errors.STATUS_CODES`).
@@ -25,7 +25,6 @@ from kvbridge.services.registry import _validate as check
 from kvbridge.services.registry._core import (
     GrantSpec,
     HolderSpec,
-    LeaseTable,
     Read,
     Snapshot,
 )
@@ -38,6 +37,7 @@ from kvbridge.services.registry._model import (
     LeaseEvent,
     LeaseState,
 )
+from kvbridge.services.registry._store import LeaseStore
 
 log = structlog.get_logger("kvbridge.registry")
 
@@ -96,10 +96,10 @@ def _rpc(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
 
 
 class RegistryServicer(pb_grpc.RegistryServiceServicer):
-    def __init__(self, table: LeaseTable, metrics: RegistryMetrics) -> None:
-        self.table = table
+    def __init__(self, store: LeaseStore, metrics: RegistryMetrics) -> None:
+        self.store = store
         self.metrics = metrics
-        self.clock = table.clock
+        self.clock = store.clock
         self._watchers = 0
         self._started = time.monotonic()
         self._durations = {
@@ -161,8 +161,8 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                      s.epoch, _seconds(s.age, f"held_leases[{i}].age"))
             for i, s in enumerate(request.held_leases)
         ]
-        reg = self.table.register_holder(spec, held)
-        cfg = self.table.config
+        reg = await self.store.register_holder(spec, held)
+        cfg = self.store.config
         return pb.RegisterHolderResponse(
             holder=self._holder(reg.holder),
             limits=pb.RegistryLimits(
@@ -175,14 +175,15 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     @_rpc
     async def HeartbeatHolder(self, request: pb.HeartbeatHolderRequest,
                               context: Ctx) -> pb.HeartbeatHolderResponse:
-        reclaimable, ttl = self.table.heartbeat(request.holder_id, request.reclaimed_lease_ids)
+        reclaimable, ttl = await self.store.heartbeat(request.holder_id,
+                                                      request.reclaimed_lease_ids)
         return pb.HeartbeatHolderResponse(reclaimable_lease_ids=reclaimable,
                                           expires_in=_duration(ttl))
 
     @_rpc
     async def DeregisterHolder(self, request: pb.DeregisterHolderRequest,
                                context: Ctx) -> pb.DeregisterHolderResponse:
-        reclaimable, pinned = self.table.deregister_holder(request.holder_id)
+        reclaimable, pinned = await self.store.deregister_holder(request.holder_id)
         return pb.DeregisterHolderResponse(reclaimable_lease_ids=reclaimable,
                                            pinned_lease_count=pinned)
 
@@ -190,7 +191,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     async def ListHolders(self, request: pb.ListHoldersRequest,
                           context: Ctx) -> pb.ListHoldersResponse:
         size = _page(request.page_size)
-        holders = [h for h in self.table.holders() if h.holder_id > request.page_token]
+        holders = [h for h in (await self.store.holders()) if h.holder_id > request.page_token]
         page = holders[:size]
         token = page[-1].holder_id if len(holders) > size else ""
         return pb.ListHoldersResponse(holders=[self._holder(h) for h in page],
@@ -201,7 +202,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     @_rpc
     async def GrantLease(self, request: pb.GrantLeaseRequest,
                          context: Ctx) -> pb.GrantLeaseResponse:
-        grant = self.table.grant(self._grant_spec(request, request.holder_id))
+        grant = await self.store.grant(self._grant_spec(request, request.holder_id))
         return pb.GrantLeaseResponse(
             lease=self._lease(grant.lease),
             superseded_lease_id=grant.superseded.lease_id if grant.superseded else "",
@@ -210,7 +211,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     @_rpc
     async def RenewLeases(self, request: pb.RenewLeasesRequest,
                           context: Ctx) -> pb.RenewLeasesResponse:
-        results = self.table.renew(
+        results = await self.store.renew(
             request.lease_ids, [(c.tenant, c.conversation_id) for c in request.conversations])
         out = pb.RenewLeasesResponse()
         renewed = 0
@@ -229,39 +230,35 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     @_rpc
     async def RevokeLease(self, request: pb.RevokeLeaseRequest,
                           context: Ctx) -> pb.RevokeLeaseResponse:
-        lease = self.table.revoke(request.lease_id, request.holder_id, request.reason)
+        lease = await self.store.revoke(request.lease_id, request.holder_id, request.reason)
         return pb.RevokeLeaseResponse(lease=self._lease(lease), reclaimable=lease.reclaimable)
 
     @_rpc
     async def GetLease(self, request: pb.GetLeaseRequest,
                        context: Ctx) -> pb.GetLeaseResponse:
-        return pb.GetLeaseResponse(lease=self._lease(self.table.get_lease(request.lease_id),
-                                                     blocks=True))
+        lease = await self.store.get_lease(request.lease_id)
+        return pb.GetLeaseResponse(lease=self._lease(lease, blocks=True))
 
     @_rpc
     async def ListLeases(self, request: pb.ListLeasesRequest,
                          context: Ctx) -> pb.ListLeasesResponse:
         size = _page(request.page_size)
         if request.page_token:
-            check.identifier("page_token", request.page_token, self.table.config.max_id_length)
-        it = self.table.leases(request.tenant, request.conversation_id, request.holder_id,
-                               request.include_inactive, request.page_token)
-        page: list[Lease] = []
-        for lease in it:
-            if len(page) == size:
-                return pb.ListLeasesResponse(
-                    leases=[self._lease(x, blocks=request.include_blocks) for x in page],
-                    next_page_token=page[-1].lease_id)
-            page.append(lease)
+            check.identifier("page_token", request.page_token, self.store.config.max_id_length)
+        found = await self.store.list_leases(
+            request.tenant, request.conversation_id, request.holder_id,
+            request.include_inactive, request.page_token, size + 1)
+        page: list[Lease] = found[:size]
         return pb.ListLeasesResponse(
-            leases=[self._lease(x, blocks=request.include_blocks) for x in page])
+            leases=[self._lease(x, blocks=request.include_blocks) for x in page],
+            next_page_token=page[-1].lease_id if len(found) > size else "")
 
     # ---- reads ------------------------------------------------------------------------------
 
     @_rpc
     async def AcquireRead(self, request: pb.AcquireReadRequest,
                           context: Ctx) -> pb.AcquireReadResponse:
-        read = self.table.acquire_read(
+        read = await self.store.acquire_read(
             request.tenant, request.conversation_id, request.block_hashes, request.min_tokens,
             _seconds(request.pin_ttl, "pin_ttl"), request.reader_id, request.request_id)
         self.metrics.read(read.miss)
@@ -269,7 +266,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
 
     @_rpc
     async def PinLease(self, request: pb.PinLeaseRequest, context: Ctx) -> pb.PinLeaseResponse:
-        read = self.table.pin_lease(
+        read = await self.store.pin_lease(
             request.tenant, request.conversation_id, request.min_tokens,
             _seconds(request.pin_ttl, "pin_ttl"), request.reader_id, request.request_id)
         self.metrics.read(read.miss)
@@ -332,14 +329,14 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     @_rpc
     async def ReleaseRead(self, request: pb.ReleaseReadRequest,
                           context: Ctx) -> pb.ReleaseReadResponse:
-        return pb.ReleaseReadResponse(released=self.table.release_read(request.pin_id))
+        return pb.ReleaseReadResponse(released=await self.store.release_read(request.pin_id))
 
     # ---- watch ------------------------------------------------------------------------------
 
     async def WatchLeases(self, request: pb.WatchLeasesRequest,
                           context: Ctx
                           ) -> AsyncIterator[pb.WatchLeasesResponse]:
-        cfg = self.table.config
+        cfg = self.store.config
         try:
             for name in ("holder_id", "tenant"):
                 value = getattr(request, name)
@@ -366,7 +363,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                 queue.put_nowait(event)
 
         self._watchers += 1
-        self.table.add_listener(listener, renewals=request.include_renewals)
+        self.store.add_listener(listener, renewals=request.include_renewals)
         log.info("watch_started", holder=holder or "*", tenant=tenant or "*")
         try:
             while True:
@@ -383,5 +380,5 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                     epoch=event.epoch, event_time=_timestamp(event.wall),
                     lateness=_duration(event.lateness)))
         finally:
-            self.table.remove_listener(listener, renewals=request.include_renewals)
+            self.store.remove_listener(listener, renewals=request.include_renewals)
             self._watchers -= 1

@@ -17,8 +17,8 @@ class RouterConfig:
     listen: str = setting("127.0.0.1:50061", "host:port for the gRPC API (port 0 picks one)")
     registry: str = setting(
         "127.0.0.1:50051",
-        "registry host:port, asked where each conversation's KV lives; empty: route by load "
-        "only and refuse AcquireRead")
+        "registry host:port (replicas: comma-separated, with failover), asked where each "
+        "conversation's KV lives; empty: route by load only and refuse AcquireRead")
     metrics_listen: str = setting(
         "127.0.0.1:9465", "host:port for Prometheus /metrics over HTTP; empty disables it")
     default_instance_ttl_s: float = setting(

@@ -267,6 +267,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         try:
             return await getattr(stub, method)(request, timeout=self.config.read_timeout_s)
         except grpc.aio.AioRpcError as err:
+            if self.registry is not None:
+                self.registry.report_failure(err.code())  # registry replicas: fail over
             # The registry's own status (code, message, ErrorInfo) goes back as it came.
             await context.abort(err.code(), err.details() or "",
                                 tuple(err.trailing_metadata() or ()))

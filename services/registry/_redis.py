@@ -1,0 +1,540 @@
+"""`RedisStore`: the lease state in Redis (or Valkey), shared by any number of registry replicas.
+
+Every operation is one call of the Lua script in `_redis_lua` (atomic: a grant and the
+supersession it causes, a pin and the lease activity it records, an expiry and its events
+happen together or not at all). Time is Redis's own clock, read inside the script, so replicas
+need no clock agreement; replies carry durations that this replica puts on its local clock.
+
+- Expiry: every replica runs `tick()`; the script takes due holders, pins and leases and marks
+  them in one step, so each deadline is processed (and its events sent) exactly once however
+  many replicas tick. Deadlines are also applied lazily by any operation that touches a lease.
+- Reclaim notices are pulled, not pushed: a holder's heartbeat returns its dead leases that no
+  pin holds, until the holder confirms freeing them, so a notice can be neither lost (a replica
+  dying) nor given under a live pin.
+- Events go to a Redis Stream in the same script; each replica tails it and hands every event to
+  its listeners (watch streams, metrics), so `WatchLeases` on any replica sees the whole fleet.
+- Input is checked here with the same functions `LeaseTable` uses, before any Redis call; a
+  refused call changes nothing. Redis errors become `Unavailable` (callers fail open).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import sys
+import time
+from array import array
+from collections.abc import Iterable
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from kvbridge.clock import Clock
+from kvbridge.errors import (
+    CapacityExhausted,
+    HolderConflict,
+    HolderDraining,
+    HolderNotFound,
+    IdempotencyConflict,
+    KvbridgeError,
+    LeaseNotFound,
+    NotLeaseHolder,
+    Unavailable,
+)
+from kvbridge.services.registry import _validate as check
+from kvbridge.services.registry._config import RegistryConfig
+from kvbridge.services.registry._core import (
+    Grant,
+    GrantSpec,
+    HolderSpec,
+    Listener,
+    Read,
+    Registration,
+    Renewal,
+    Snapshot,
+    check_grant,
+    check_heartbeat,
+    check_listing,
+    check_prompt_hashes,
+    check_read,
+    check_registration,
+    check_renewal,
+    check_revocation,
+    derived_id,
+    grant_ttls,
+)
+from kvbridge.services.registry._model import (
+    EventType,
+    Holder,
+    HolderState,
+    Lease,
+    LeaseEvent,
+    LeaseState,
+    MissReason,
+    Pin,
+)
+from kvbridge.services.registry._redis_lua import LUA
+
+log = structlog.get_logger("kvbridge.registry")
+
+_EVENT_BATCH = 1000
+_EVENT_BLOCK_MS = 200  # also bounds how long close() waits for the tail to stop
+_RENEW_WATCH_MS = 5000  # replicas watching renewals re-announce it at least this often
+_UNREACHABLE_LOG_EVERY = 5.0
+
+
+def _s(value: bytes) -> str:
+    return value.decode()
+
+
+class RedisStore:
+    """Leases in Redis under `{config.redis_namespace}:`; see the module docstring."""
+
+    def __init__(self, config: RegistryConfig, clock: Clock, *, recovering: bool = True
+                 ) -> None:
+        self.config = config
+        self.clock = clock
+        # When the shared state is found empty, hold reclaims for the grace (0: tests).
+        self._grace = config.effective_recovery_grace_s if recovering else 0.0
+        self.prefix = f"{{{config.redis_namespace}}}:"
+        self._events_key = self.prefix + "events"
+        self._redis: aioredis.Redis | None = None
+        self._tail: aioredis.Redis | None = None  # blocking XREADs get their own connection
+        self._script: Any = None
+        self._listeners: list[Listener] = []
+        self._renewal_listeners: list[Listener] = []
+        self._block_sizes: dict[str, int] = {}  # holder -> block size, to check grants first
+        self._counts = {"leases_active": 0, "leases_total": 0, "holders": 0, "pins": 0}
+        self._next_deadline: float | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._chores: set[asyncio.Task[Any]] = set()
+        self._last_unreachable_log = 0.0
+        self._closing = False
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        url = self.config.redis_url
+        try:
+            self._redis = aioredis.Redis.from_url(url, socket_connect_timeout=2.0,
+                                                  socket_timeout=5.0, retry=_retry())
+            self._tail = aioredis.Redis.from_url(url, socket_connect_timeout=2.0,
+                                                 socket_timeout=_EVENT_BLOCK_MS / 1000 + 5.0,
+                                                 retry=_retry())
+            await self._redis.ping()
+            last = await self._redis.xrevrange(self._events_key, count=1)
+        except (RedisError, OSError, ValueError) as exc:
+            await self.close()
+            raise OSError(f"cannot reach Redis at {url}: {exc}") from exc
+        self._script = self._redis.register_script(LUA)
+        await self.tick()  # loads the script, primes counts
+        last_id: Any = last[0][0] if last else b"0-0"
+        self._reader = asyncio.create_task(self._read_events(last_id), name="registry-events")
+        log.info("redis_store_started", url=_redacted(url), namespace=self.config.redis_namespace)
+
+    async def close(self) -> None:
+        """Stop the event tail and close connections; every wait is bounded (a blocked XREAD
+        does not always end on cancellation: redis-py may retry it)."""
+        self._closing = True
+        tasks = [t for t in (self._reader, *self._chores) if t is not None]
+        if self._tail is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._tail.connection_pool.disconnect(), 1.0)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=2.0)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=1.0)
+        self._reader = None
+        for client in (self._redis, self._tail):
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(client.aclose(), 2.0)
+        self._redis = self._tail = None
+
+    async def _run(self, *args: Any) -> list[Any]:
+        """Run one script command; raise Unavailable when Redis cannot be reached."""
+        if self._script is None:
+            raise Unavailable("the Redis store is not started", backend="redis")
+        try:
+            reply: list[Any] = await self._script(
+                keys=[self._events_key], args=[args[0], self.config.redis_events_maxlen,
+                                               self._grace, *args[1:]])
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            # Only unreachability: a script error is a bug and must not look like an outage.
+            raise Unavailable(f"Redis unreachable: {exc}", backend="redis") from exc
+        return reply
+
+    def _base(self, redis_now: bytes) -> float:
+        """Add to a Redis time to put it on the local clock."""
+        return self.clock.monotonic() - float(redis_now)
+
+    # ---- decoding ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _holder(f: list[Any], base: float) -> Holder:
+        hid, host, port, tp, bs, fp, ttl, x, ver, state, blocks, active = f
+        holder = Holder(_s(hid), _s(host), int(port), int(tp), int(bs), _s(fp), float(ttl),
+                        base + float(x), _s(ver))
+        holder.state = HolderState(int(state))
+        holder.retained_blocks = int(blocks)
+        holder.lease_count = int(active)
+        return holder
+
+    @staticmethod
+    def _lease(f: list[Any], holder: Holder, base: float) -> Lease:
+        lid, tenant, conv, _h, rrid, payload, tokens, epoch, idle, life, created, x, state, k = f
+        return Lease.from_payload(
+            _s(lid), sys.intern(_s(tenant)), _s(conv), holder, _s(rrid), payload, int(tokens),
+            int(epoch), float(idle), float(life), base + float(created), base + float(x),
+            LeaseState(int(state)), int(k))
+
+    def _lease_with_holder(self, lease: list[Any], holder: list[Any], base: float) -> Lease:
+        return self._lease(lease, self._holder(holder, base), base)
+
+    # ---- holders ----------------------------------------------------------------------------
+
+    async def register_holder(self, spec: HolderSpec,
+                              held: Iterable[Snapshot] = ()) -> Registration:
+        cfg = self.config
+        snapshots = list(held)
+        ttl = check_registration(cfg, spec, snapshots)
+        args: list[Any] = ["register", spec.holder_id, spec.nixl_host, spec.nixl_port,
+                           spec.tp_size, spec.block_size, spec.fingerprint, ttl, spec.version,
+                           cfg.max_leases, len(snapshots)]
+        for snap in snapshots:
+            g = snap.grant
+            idle = g.idle_ttl or cfg.default_idle_ttl_s
+            life = g.max_lifetime or cfg.default_max_lifetime_s
+            args += [snap.lease_id, g.tenant, g.conversation_id, g.remote_request_id,
+                     g.hashes + array("I", g.block_ids).tobytes(), g.token_count,
+                     len(g.block_ids), snap.epoch, snap.age, idle, life]
+        reply = await self._run(*args)
+        if reply[0] == b"ERR":
+            reason = _s(reply[1])
+            if reason == "HOLDER_CONFLICT":
+                raise HolderConflict(
+                    f"holder {spec.holder_id!r} is registered with another layout "
+                    f"(block size {_s(reply[2])}, tp {_s(reply[3])}); deregister it first",
+                    holder=spec.holder_id)
+            raise self._refusal(reason)
+        holder = self._holder(reply[2], self._base(reply[1]))
+        self._block_sizes[holder.holder_id] = holder.block_size
+        restored, reclaimable = [_s(x) for x in reply[3]], [_s(x) for x in reply[4]]
+        log.info(_s(reply[5]), holder=holder.holder_id,
+                 nixl=f"{holder.nixl_host}:{holder.nixl_port}", block_size=holder.block_size,
+                 ttl_s=ttl, restored=len(restored), dead=len(reclaimable), backend="redis")
+        return Registration(holder, restored, reclaimable)
+
+    async def heartbeat(self, holder_id: str,
+                        reclaimed: Iterable[str] = ()) -> tuple[list[str], float]:
+        acked = list(reclaimed)
+        check_heartbeat(self.config, holder_id, acked)
+        reply = await self._run("heartbeat", holder_id, *acked)
+        if reply[0] == b"ERR":
+            raise self._refusal(_s(reply[1]), holder=holder_id)
+        return [_s(x) for x in reply[2]], float(reply[3])
+
+    async def deregister_holder(self, holder_id: str) -> tuple[list[str], int]:
+        check.identifier("holder_id", holder_id, self.config.max_id_length)
+        reply = await self._run("deregister", holder_id)
+        if reply[0] == b"ERR":
+            raise self._refusal(_s(reply[1]), holder=holder_id)
+        log.info("holder_draining", holder=holder_id, pinned=int(reply[3]))
+        return [_s(x) for x in reply[2]], int(reply[3])
+
+    async def holders(self) -> list[Holder]:
+        reply = await self._run("holders")
+        base = self._base(reply[1])
+        return sorted((self._holder(f, base) for f in reply[2]), key=lambda h: h.holder_id)
+
+    async def get_holder(self, holder_id: str) -> Holder:
+        check.identifier("holder_id", holder_id, self.config.max_id_length)
+        reply = await self._run("get_holder", holder_id)
+        if reply[0] == b"ERR":
+            self._block_sizes.pop(holder_id, None)
+            raise self._refusal(_s(reply[1]), holder=holder_id)
+        holder = self._holder(reply[2], self._base(reply[1]))
+        self._block_sizes[holder_id] = holder.block_size
+        return holder
+
+    # ---- leases -----------------------------------------------------------------------------
+
+    async def grant(self, g: GrantSpec) -> Grant:
+        cfg = self.config
+        check.identifier("holder_id", g.holder_id, cfg.max_id_length)
+        block_size = self._block_sizes.get(g.holder_id)
+        if block_size is None:
+            block_size = (await self.get_holder(g.holder_id)).block_size
+        if g.request_id:
+            lease_id = derived_id("l", g.holder_id, g.request_id)
+        else:
+            lease_id = "l-" + secrets.token_hex(8)
+        idle, life = grant_ttls(cfg, g)
+        payload = g.hashes + array("I", g.block_ids).tobytes()
+        for _ in range(3):  # the holder re-registered with another block size: check again
+            check_grant(cfg, g, block_size)
+            reply = await self._run(
+                "grant", g.holder_id, block_size, lease_id, 1 if g.request_id else 0, g.tenant,
+                g.conversation_id, g.remote_request_id, payload, g.token_count,
+                len(g.block_ids), idle, life, cfg.max_leases)
+            if reply[0] != b"STALE":
+                break
+            block_size = int(reply[1])
+            self._block_sizes[g.holder_id] = block_size
+        else:
+            raise Unavailable("holder layout kept changing; retry", holder=g.holder_id)
+        if reply[0] == b"ERR":
+            reason = _s(reply[1])
+            if reason == "HOLDER_NOT_FOUND":
+                self._block_sizes.pop(g.holder_id, None)
+            raise self._refusal(reason, holder=g.holder_id, request_id=g.request_id,
+                                what="grant")
+        base = self._base(reply[1])
+        lease = self._lease_with_holder(reply[2], reply[3], base)
+        superseded = self._lease_with_holder(reply[4][0], reply[4][1], base) if reply[4] else None
+        log.debug("lease_granted", lease_id=lease.lease_id, tenant=g.tenant,
+                  conversation=g.conversation_id, holder=g.holder_id, epoch=lease.epoch,
+                  blocks=lease.block_count, tokens=g.token_count)
+        return Grant(lease, superseded)
+
+    async def renew(self, lease_ids: Iterable[str],
+                    conversations: Iterable[tuple[str, str]] = ()) -> list[Renewal]:
+        ids, convs = list(lease_ids), list(conversations)
+        check_renewal(self.config, ids, convs)
+        reply = await self._run("renew", len(ids), *ids, *(x for pair in convs for x in pair))
+        out = []
+        for lid, renewed, state, left in reply[2]:
+            out.append(Renewal(_s(lid), bool(renewed), LeaseState(state) if state else None,
+                               float(left)))
+        return out
+
+    async def revoke(self, lease_id: str, holder_id: str = "", reason: str = "") -> Lease:
+        check_revocation(self.config, lease_id, holder_id, reason)
+        reply = await self._run("revoke", lease_id, holder_id)
+        if reply[0] == b"ERR":
+            raise self._refusal(_s(reply[1]), lease_id=lease_id)
+        lease = self._lease_with_holder(reply[2], reply[3], self._base(reply[1]))
+        if reply[4]:
+            log.info("lease_revoked", lease_id=lease_id, tenant=lease.tenant,
+                     conversation=lease.conversation_id, holder=lease.holder.holder_id,
+                     reason=reason or "unspecified", pins=lease.pin_count)
+        return lease
+
+    async def get_lease(self, lease_id: str) -> Lease:
+        check.identifier("lease_id", lease_id, self.config.max_id_length)
+        reply = await self._run("get_lease", lease_id)
+        if reply[0] == b"ERR":
+            raise self._refusal(_s(reply[1]), lease_id=lease_id)
+        return self._lease_with_holder(reply[2], reply[3], self._base(reply[1]))
+
+    async def list_leases(self, tenant: str = "", conversation_id: str = "",
+                          holder_id: str = "", include_inactive: bool = False,
+                          after: str = "", limit: int = 100) -> list[Lease]:
+        check_listing(self.config, tenant, conversation_id, holder_id)
+        reply = await self._run("list", tenant, conversation_id, holder_id,
+                                1 if include_inactive else 0, after, limit)
+        base = self._base(reply[1])
+        holders = {_s(f[0]): self._holder(f, base) for f in reply[3]}
+        return [self._lease(f, holders[_s(f[3])], base) for f in reply[2]]
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    async def acquire_read(self, tenant: str, conversation_id: str, hashes: bytes,
+                           min_tokens: int = 0, pin_ttl: float = 0.0, reader_id: str = "",
+                           request_id: str = "") -> Read:
+        check_read(self.config, tenant, conversation_id, min_tokens, pin_ttl, reader_id,
+                   request_id)
+        check_prompt_hashes(self.config, hashes)
+        return await self._read("a", tenant, conversation_id, hashes, min_tokens, pin_ttl,
+                                reader_id, request_id)
+
+    async def pin_lease(self, tenant: str, conversation_id: str, min_tokens: int = 0,
+                        pin_ttl: float = 0.0, reader_id: str = "",
+                        request_id: str = "") -> Read:
+        check_read(self.config, tenant, conversation_id, min_tokens, pin_ttl, reader_id,
+                   request_id)
+        return await self._read("p", tenant, conversation_id, b"", min_tokens, pin_ttl,
+                                reader_id, request_id)
+
+    async def _read(self, mode: str, tenant: str, conversation_id: str, hashes: bytes,
+                    min_tokens: int, pin_ttl: float, reader_id: str, request_id: str) -> Read:
+        cfg = self.config
+        if request_id:
+            pin_id = derived_id("p", reader_id, request_id)
+        else:
+            pin_id = "p-" + secrets.token_hex(8)
+        ttl = min(pin_ttl or cfg.default_pin_ttl_s, cfg.max_pin_ttl_s)
+        reply = await self._run("read", mode, tenant, conversation_id, hashes, min_tokens, ttl,
+                                pin_id, 1 if request_id else 0, cfg.max_pin_ttl_s)
+        if reply[0] == b"ERR":
+            raise self._refusal(_s(reply[1]), request_id=request_id, what="read")
+        miss = MissReason(reply[2])
+        if len(reply) == 6:
+            return Read(miss, 0, None)
+        base = self._base(reply[1])
+        lease = self._lease_with_holder(reply[6], reply[7], base)
+        pin = Pin(_s(reply[8]), lease, base + float(reply[9])) if len(reply) > 8 else None
+        return Read(miss, int(reply[3]), lease, int(reply[4]), bool(reply[5]), pin)
+
+    async def release_read(self, pin_id: str) -> bool:
+        check.identifier("pin_id", pin_id, self.config.max_id_length)
+        reply = await self._run("release", pin_id)
+        return bool(reply[2])
+
+    # ---- errors -----------------------------------------------------------------------------
+
+    def _refusal(self, reason: str, *, holder: str = "", lease_id: str = "",
+                 request_id: str = "", what: str = "") -> KvbridgeError:
+        """The domain error (with LeaseTable's wording) for a script's refusal."""
+        if reason == "HOLDER_NOT_FOUND":
+            return HolderNotFound(f"holder {holder!r} is not registered; register it (again)",
+                                  holder=holder)
+        if reason == "HOLDER_DRAINING":
+            return HolderDraining(f"holder {holder!r} is draining", holder=holder)
+        if reason == "CAPACITY_EXHAUSTED":
+            return CapacityExhausted("registry lease capacity reached",
+                                     limit=self.config.max_leases)
+        if reason == "LEASE_NOT_FOUND":
+            return LeaseNotFound(f"no lease {lease_id!r}", lease_id=lease_id)
+        if reason == "NOT_LEASE_HOLDER":
+            return NotLeaseHolder(f"lease {lease_id!r} belongs to another holder",
+                                  lease_id=lease_id)
+        if reason == "REQUEST_ID_REUSED":
+            return IdempotencyConflict(f"request_id {request_id!r} was used for another {what}",
+                                       request_id=request_id)
+        return KvbridgeError(f"Redis store refused: {reason}")
+
+    # ---- events -----------------------------------------------------------------------------
+
+    def add_listener(self, listener: Listener, *, renewals: bool = False) -> None:
+        self._listeners.append(listener)
+        if renewals:
+            self._renewal_listeners.append(listener)
+            self._chore(self._announce_renewal_watch())
+
+    def remove_listener(self, listener: Listener, *, renewals: bool = False) -> None:
+        self._listeners.remove(listener)
+        if renewals:
+            self._renewal_listeners.remove(listener)
+
+    def listener_count(self) -> int:
+        return len(self._listeners)
+
+    def _chore(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._chores.add(task)
+        task.add_done_callback(self._chores.discard)
+
+    async def _announce_renewal_watch(self) -> None:
+        """Renewals are written to the stream only while some replica watches them."""
+        if self._redis is not None:
+            try:
+                await self._redis.set(self.prefix + "renew_watch", 1, px=_RENEW_WATCH_MS * 2)
+            except (RedisError, OSError) as exc:
+                log.warning("redis_unreachable", during="renew_watch", error=str(exc))
+
+    async def _read_events(self, last_id: Any) -> None:
+        """Tail the fleet's event stream and hand each event to this replica's listeners."""
+        assert self._tail is not None
+        announced = 0.0
+        while not self._closing:
+            try:
+                reply: Any = await self._tail.xread({self._events_key: last_id},
+                                               count=_EVENT_BATCH, block=_EVENT_BLOCK_MS)
+            except Exception as exc:  # the tail must outlive any one failure
+                if self._closing:
+                    return
+                self._unreachable("events", exc)
+                await asyncio.sleep(0.5)
+                continue
+            streams = reply.items() if isinstance(reply, dict) else reply or []
+            entries: Any
+            for _key, entries in streams:
+                for event_id, fields in entries:
+                    last_id = event_id
+                    self._deliver(fields)
+            if self._renewal_listeners and time.monotonic() - announced > _RENEW_WATCH_MS / 1e3:
+                announced = time.monotonic()
+                await self._announce_renewal_watch()
+
+    def _deliver(self, fields: dict[bytes, bytes]) -> None:
+        kind = EventType(int(fields[b"t"]))
+        targets = self._renewal_listeners if kind is EventType.RENEWED else self._listeners
+        if not targets:
+            return
+        event = LeaseEvent.of(kind, _s(fields[b"l"]), sys.intern(_s(fields[b"tn"])),
+                              _s(fields[b"c"]), _s(fields[b"h"]), int(fields[b"e"]),
+                              float(fields[b"w"]), float(fields[b"lt"]))
+        for listener in tuple(targets):
+            try:
+                listener(event)
+            except Exception:  # one bad listener must not stop the stream for the others
+                log.exception("event_listener_failed", type=kind.name)
+
+    # ---- expiry, introspection --------------------------------------------------------------
+
+    async def tick(self) -> int:
+        cfg = self.config
+        try:
+            reply = await self._run("tick", cfg.expiry_batch,
+                                    cfg.max_lifetime_cap_s + cfg.max_pin_ttl_s)
+        except Unavailable as exc:
+            self._unreachable("tick", exc)
+            self._next_deadline = None
+            return 0
+        for hid, count in reply[4]:
+            log.warning("holder_lost", holder=_s(hid), leases_lost=int(count), backend="redis")
+            self._block_sizes.pop(_s(hid), None)
+        self._next_deadline = self.clock.monotonic() + float(reply[3]) if reply[3] else None
+        self._counts = {"leases_active": int(reply[5]), "leases_total": int(reply[6]),
+                        "holders": int(reply[7]), "pins": int(reply[8])}
+        expired = int(reply[2])
+        if expired:
+            log.debug("leases_expired", count=expired)
+        return expired
+
+    def _unreachable(self, during: str, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_unreachable_log >= _UNREACHABLE_LOG_EVERY:
+            self._last_unreachable_log = now
+            log.warning("redis_unreachable", during=during, error=str(exc))
+
+    def next_deadline(self) -> float | None:
+        return self._next_deadline
+
+    def counts(self) -> dict[str, int]:
+        return dict(self._counts)
+
+    # ---- tests ------------------------------------------------------------------------------
+
+    async def advance_clock(self, seconds: float) -> None:
+        """Move the fleet's clock (every replica on this namespace) forward: for tests, which
+        advance time instead of sleeping."""
+        if seconds < 0:
+            raise ValueError("a clock cannot go backwards")
+        assert self._redis is not None
+        await self._redis.incrbyfloat(self.prefix + "clock_offset", seconds)
+
+
+def _retry() -> Retry:
+    """One immediate retry when a pooled connection turns out dead (Redis restarted), and no
+    more: with Redis down, calls must fail fast so readers fail open. Never on a timeout: the
+    script may have run, and a grant must not run twice."""
+    return Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+
+
+def _redacted(url: str) -> str:
+    """The URL without a password, for logs."""
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.split("@", 1)[1]
+    return scheme + sep + rest

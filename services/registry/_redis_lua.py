@@ -1,0 +1,567 @@
+"""The Lua script behind `RedisStore`: every read and mutation of the shared state, atomically.
+
+One script, dispatched on ARGV[1] (the command), ARGV[2] the event stream's MAXLEN, ARGV[3]
+the recovery grace (seconds), command arguments from ARGV[4] (ARGS[3] in the script).
+KEYS[1] is `<prefix>events`; every key starts with `<prefix>`, which is a Redis Cluster hash
+tag (`{namespace}:`), so all keys of a fleet live in one slot.
+
+Time is Redis's own (`TIME`, plus `<prefix>clock_offset`, a number of seconds that tests
+raise to move every replica's time at once; absent in production), so replicas need no clock
+agreement: replies carry the script's `now` next to absolute Redis times, and the Python side
+turns each into a duration on its own clock (DESIGN invariant 5). Floats are returned as
+strings (a Lua number in a reply is truncated to an integer).
+
+Keys (P = prefix):
+  P h:<holder>       hash: host port tp bs fp ttl x(expire) ver s(state) la(lost at) rb(blocks)
+  P ha:<holder>      set: the holder's ACTIVE lease ids
+  P hd:<holder>      set: its dead lease ids the holder has not confirmed freeing
+  P holders          zset: live (active, draining) holder -> expire time
+  P lost             zset: lost holder -> lost time (kept until its dead leases are freed)
+  P l:<lease>        hash: t c h r p(hashes + uint32 block ids) n(tokens) b(blocks) e(epoch)
+                     i(idle ttl) m(max lifetime) ct(created) x(expire) s(state) k(pin count)
+  P leases           zset (score 0): every lease id, in id order for listing
+  P lexp             zset: ACTIVE lease -> expire time
+  P c:<tenant> <conv>  string: the conversation's current lease id
+  P p:<pin>          hash: l(lease) x(expire)
+  P pexp             zset: pin -> expire time
+  P events           stream: lease events (t l tn c h e w lt), read by every replica
+  P renew_watch      string with a TTL: set while some replica watches renewals
+  P started, P hold_until  when this state began (empty), and until when nothing is reported
+                     reclaimable (pins granted before a loss of Redis data may still be read)
+"""
+
+LUA = r"""
+local EV = KEYS[1]
+local P = string.sub(EV, 1, -7)
+local cmd = ARGV[1]
+local MAXLEN = ARGV[2]
+local GRACE = tonumber(ARGV[3])
+-- The command's arguments: ARGS[3] onwards (ARGV without the grace).
+local ARGS = {ARGV[1], ARGV[2]}
+for i = 4, #ARGV do ARGS[#ARGS + 1] = ARGV[i] end
+local t = redis.call('TIME')
+local NOW = tonumber(t[1]) + tonumber(t[2]) / 1000000
+  + tonumber(redis.call('GET', P .. 'clock_offset') or '0')
+
+-- State that starts empty (a new namespace, or a Redis that lost its data) may be a restarted
+-- one: readers may hold pins from before. Report nothing reclaimable for the grace.
+if redis.call('EXISTS', P .. 'started') == 0 then
+  redis.call('SET', P .. 'started', string.format('%.6f', NOW))
+  redis.call('SET', P .. 'hold_until', string.format('%.6f', NOW + GRACE))
+end
+local HOLD_UNTIL = tonumber(redis.call('GET', P .. 'hold_until') or '0')
+
+local ACTIVE, EXPIRED, REVOKED, SUPERSEDED, HOLDER_LOST = 1, 2, 3, 4, 5
+local H_ACTIVE, H_DRAINING, H_LOST = 1, 2, 3
+local DEAD_EVENT = {[2] = 4, [3] = 5, [4] = 3, [5] = 6}
+local MISS_FOR_STATE = {[2] = 2, [3] = 6, [4] = 1, [5] = 3}
+local HASH = 16
+
+local function F(x) return string.format('%.6f', x) end
+
+local function emit(etype, lid, tenant, conv, hid, epoch, lateness)
+  redis.call('XADD', EV, 'MAXLEN', '~', MAXLEN, '*', 't', etype, 'l', lid, 'tn', tenant,
+             'c', conv, 'h', hid, 'e', epoch, 'w', F(NOW), 'lt', F(lateness))
+end
+
+local function kill(lid, state, lateness)
+  local L = P .. 'l:' .. lid
+  local f = redis.call('HMGET', L, 't', 'c', 'h', 'e', 'k')
+  redis.call('HSET', L, 's', state)
+  redis.call('ZREM', P .. 'lexp', lid)
+  redis.call('SREM', P .. 'ha:' .. f[3], lid)
+  redis.call('SADD', P .. 'hd:' .. f[3], lid)
+  emit(DEAD_EVENT[state], lid, f[1], f[2], f[3], f[4], lateness)
+  if tonumber(f[5]) == 0 then emit(7, lid, f[1], f[2], f[3], f[4], 0) end
+end
+
+local function lose_holder(hid)
+  redis.call('HSET', P .. 'h:' .. hid, 's', H_LOST, 'la', F(NOW))
+  redis.call('ZREM', P .. 'holders', hid)
+  redis.call('ZADD', P .. 'lost', F(NOW), hid)
+  local active = redis.call('SMEMBERS', P .. 'ha:' .. hid)
+  for _, lid in ipairs(active) do kill(lid, HOLDER_LOST, 0) end
+  return #active
+end
+
+-- The holder's state after applying a missed TTL; nil when unknown.
+local function holder_state(hid)
+  local f = redis.call('HMGET', P .. 'h:' .. hid, 's', 'x')
+  if not f[1] then return nil end
+  local s = tonumber(f[1])
+  if s ~= H_LOST and tonumber(f[2]) <= NOW then
+    lose_holder(hid)
+    s = H_LOST
+  end
+  return s
+end
+
+-- The lease's state after applying a deadline that passed; nil when unknown.
+local function refresh(lid)
+  local f = redis.call('HMGET', P .. 'l:' .. lid, 's', 'h', 'x')
+  if not f[1] then return nil end
+  local s = tonumber(f[1])
+  if s == ACTIVE then
+    if holder_state(f[2]) == H_LOST then return HOLDER_LOST end
+    local x = tonumber(f[3])
+    if x <= NOW then
+      kill(lid, EXPIRED, NOW - x)
+      return EXPIRED
+    end
+  end
+  return s
+end
+
+local function forget(lid)
+  local L = P .. 'l:' .. lid
+  local f = redis.call('HMGET', L, 't', 'c', 'h', 'e', 'b')
+  redis.call('SREM', P .. 'hd:' .. f[3], lid)
+  redis.call('HINCRBY', P .. 'h:' .. f[3], 'rb', -tonumber(f[5]))
+  redis.call('DEL', L)
+  redis.call('ZREM', P .. 'leases', lid)
+  local C = P .. 'c:' .. f[1] .. ' ' .. f[2]
+  if redis.call('GET', C) == lid then redis.call('DEL', C) end
+  emit(8, lid, f[1], f[2], f[3], f[4], 0)
+end
+
+local function pins_of(lid)
+  return tonumber(redis.call('HGET', P .. 'l:' .. lid, 'k') or '0')
+end
+
+local function unpin(lid)
+  local L = P .. 'l:' .. lid
+  if redis.call('EXISTS', L) == 0 then return end
+  local k = redis.call('HINCRBY', L, 'k', -1)
+  if k == 0 and tonumber(redis.call('HGET', L, 's')) ~= ACTIVE then
+    local f = redis.call('HMGET', L, 't', 'c', 'h', 'e')
+    emit(7, lid, f[1], f[2], f[3], f[4], 0)
+  end
+end
+
+-- Dead leases no pin holds: the holder may free them. Sorted, for stable replies.
+local function reclaimable_of(hid)
+  local out = {}
+  if NOW < HOLD_UNTIL then return out end
+  for _, lid in ipairs(redis.call('SMEMBERS', P .. 'hd:' .. hid)) do
+    if pins_of(lid) == 0 then out[#out + 1] = lid end
+  end
+  table.sort(out)
+  return out
+end
+
+local LF = {'t', 'c', 'h', 'r', 'p', 'n', 'e', 'i', 'm', 'ct', 'x', 's', 'k'}
+local function lease_enc(lid)
+  local f = redis.call('HMGET', P .. 'l:' .. lid, unpack(LF))
+  table.insert(f, 1, lid)
+  return f
+end
+
+local HF = {'host', 'port', 'tp', 'bs', 'fp', 'ttl', 'x', 'ver', 's', 'rb'}
+local function holder_enc(hid)
+  local f = redis.call('HMGET', P .. 'h:' .. hid, unpack(HF))
+  table.insert(f, 1, hid)
+  f[#f + 1] = redis.call('SCARD', P .. 'ha:' .. hid)
+  return f
+end
+
+-- Store a new ACTIVE lease (the caller schedules or kills it); returns its expire time.
+local function add_lease(lid, hid, tenant, conv, rrid, payload, tokens, blocks, epoch, idle,
+                         life, created)
+  local x = math.min(NOW + idle, created + life)
+  redis.call('HSET', P .. 'l:' .. lid, 't', tenant, 'c', conv, 'h', hid, 'r', rrid,
+             'p', payload, 'n', tokens, 'b', blocks, 'e', epoch, 'i', F(idle), 'm', F(life),
+             'ct', F(created), 'x', F(x), 's', ACTIVE, 'k', 0)
+  redis.call('ZADD', P .. 'leases', 0, lid)
+  redis.call('SADD', P .. 'ha:' .. hid, lid)
+  redis.call('HINCRBY', P .. 'h:' .. hid, 'rb', blocks)
+  return x
+end
+
+-- A lease a re-registering holder still retains (11 arguments from ARGS[b]).
+local function restore(hid, b)
+  local lid, tenant, conv = ARGS[b], ARGS[b + 1], ARGS[b + 2]
+  local epoch, age = tonumber(ARGS[b + 7]), tonumber(ARGS[b + 8])
+  local created = NOW - age
+  local x = add_lease(lid, hid, tenant, conv, ARGS[b + 3], ARGS[b + 4], ARGS[b + 5],
+                      tonumber(ARGS[b + 6]), epoch, tonumber(ARGS[b + 9]),
+                      tonumber(ARGS[b + 10]), created)
+  if x <= NOW then
+    kill(lid, EXPIRED, 0)
+    return
+  end
+  local C = P .. 'c:' .. tenant .. ' ' .. conv
+  local cur = redis.call('GET', C)
+  local newer = true
+  if cur then
+    local f = redis.call('HMGET', P .. 'l:' .. cur, 'e', 'ct', 's')
+    local ce, cc = tonumber(f[1]), tonumber(f[2])
+    newer = ce < epoch or (ce == epoch and cc < created)
+    if newer and tonumber(f[3]) == ACTIVE then kill(cur, SUPERSEDED, 0) end
+  end
+  if newer then
+    redis.call('SET', C, lid)
+    redis.call('ZADD', P .. 'lexp', F(x), lid)
+  else
+    kill(lid, SUPERSEDED, 0)
+  end
+end
+
+-- How many leading blocks of `theirs` match the first `blocks` hashes of `ours`.
+local function matching(ours, theirs, blocks)
+  local n = math.min(blocks, math.floor(#theirs / HASH))
+  if string.sub(ours, 1, n * HASH) == string.sub(theirs, 1, n * HASH) then return n end
+  local k = 0
+  while k < n and string.sub(ours, k * HASH + 1, (k + 1) * HASH)
+      == string.sub(theirs, k * HASH + 1, (k + 1) * HASH) do
+    k = k + 1
+  end
+  return k
+end
+
+if cmd == 'register' then
+  local hid, bs, fp, tp = ARGS[3], ARGS[7], ARGS[8], ARGS[6]
+  local ttl, max_leases, nsnap = tonumber(ARGS[9]), tonumber(ARGS[11]), tonumber(ARGS[12])
+  local H = P .. 'h:' .. hid
+  local s = holder_state(hid)
+  if s and s ~= H_LOST then
+    local f = redis.call('HMGET', H, 'bs', 'fp', 'tp')
+    if f[1] ~= bs or f[2] ~= fp or f[3] ~= tp then
+      return {'ERR', 'HOLDER_CONFLICT', f[1], f[3]}
+    end
+  end
+  local unknown = 0
+  for j = 0, nsnap - 1 do
+    if redis.call('EXISTS', P .. 'l:' .. ARGS[13 + j * 11]) == 0 then unknown = unknown + 1 end
+  end
+  if redis.call('ZCARD', P .. 'leases') + unknown > max_leases then
+    return {'ERR', 'CAPACITY_EXHAUSTED'}
+  end
+  local event = 'holder_reregistered'
+  if not s then
+    event = 'holder_registered'
+    redis.call('HSET', H, 'bs', bs, 'fp', fp, 'tp', tp, 'rb', 0, 'la', 0)
+  elseif s == H_LOST then
+    redis.call('HSET', H, 'bs', bs, 'fp', fp, 'tp', tp)
+    redis.call('ZREM', P .. 'lost', hid)
+  end
+  local x = NOW + ttl
+  redis.call('HSET', H, 'host', ARGS[4], 'port', ARGS[5], 'ver', ARGS[10], 'ttl', F(ttl),
+             'x', F(x), 's', H_ACTIVE)
+  redis.call('ZADD', P .. 'holders', F(x), hid)
+  -- The holder is the source of truth for its memory: an active lease it no longer lists
+  -- must never be read again.
+  local held = {}
+  for j = 0, nsnap - 1 do held[ARGS[13 + j * 11]] = true end
+  for _, lid in ipairs(redis.call('SMEMBERS', P .. 'ha:' .. hid)) do
+    if not held[lid] then kill(lid, REVOKED, 0) end
+  end
+  local restored = {}
+  for j = 0, nsnap - 1 do
+    local b = 13 + j * 11
+    local lid = ARGS[b]
+    local L = P .. 'l:' .. lid
+    if redis.call('EXISTS', L) == 0 then
+      restore(hid, b)
+      restored[#restored + 1] = lid
+    else
+      local f = redis.call('HMGET', L, 'h', 's')
+      if f[1] == hid and tonumber(f[2]) == ACTIVE then restored[#restored + 1] = lid end
+    end
+  end
+  return {'OK', F(NOW), holder_enc(hid), restored, reclaimable_of(hid), event}
+
+elseif cmd == 'heartbeat' then
+  local hid = ARGS[3]
+  local s = holder_state(hid)
+  if not s or s == H_LOST then return {'ERR', 'HOLDER_NOT_FOUND'} end
+  local H = P .. 'h:' .. hid
+  local ttl = redis.call('HGET', H, 'ttl')
+  local x = NOW + tonumber(ttl)
+  redis.call('HSET', H, 'x', F(x))
+  redis.call('ZADD', P .. 'holders', F(x), hid)
+  for j = 4, #ARGS do
+    local lid = ARGS[j]
+    if redis.call('SISMEMBER', P .. 'hd:' .. hid, lid) == 1 and pins_of(lid) == 0 then
+      forget(lid)
+    end
+  end
+  return {'OK', F(NOW), reclaimable_of(hid), ttl}
+
+elseif cmd == 'deregister' then
+  local hid = ARGS[3]
+  local s = holder_state(hid)
+  if not s or s == H_LOST then return {'ERR', 'HOLDER_NOT_FOUND'} end
+  redis.call('HSET', P .. 'h:' .. hid, 's', H_DRAINING)
+  for _, lid in ipairs(redis.call('SMEMBERS', P .. 'ha:' .. hid)) do kill(lid, REVOKED, 0) end
+  local pinned = 0
+  for _, lid in ipairs(redis.call('SMEMBERS', P .. 'hd:' .. hid)) do
+    if pins_of(lid) > 0 then pinned = pinned + 1 end
+  end
+  return {'OK', F(NOW), reclaimable_of(hid), pinned}
+
+elseif cmd == 'holders' then
+  for _, hid in ipairs(redis.call('ZRANGEBYSCORE', P .. 'holders', '-inf', F(NOW))) do
+    lose_holder(hid)
+  end
+  local out = {}
+  for _, hid in ipairs(redis.call('ZRANGE', P .. 'holders', 0, -1)) do
+    out[#out + 1] = holder_enc(hid)
+  end
+  return {'OK', F(NOW), out}
+
+elseif cmd == 'get_holder' then
+  local s = holder_state(ARGS[3])
+  if not s or s == H_LOST then return {'ERR', 'HOLDER_NOT_FOUND'} end
+  return {'OK', F(NOW), holder_enc(ARGS[3])}
+
+elseif cmd == 'grant' then
+  local hid, lid = ARGS[3], ARGS[5]
+  local s = holder_state(hid)
+  if not s or s == H_LOST then return {'ERR', 'HOLDER_NOT_FOUND'} end
+  local bs = redis.call('HGET', P .. 'h:' .. hid, 'bs')
+  if bs ~= ARGS[4] then return {'STALE', bs} end
+  if s == H_DRAINING then return {'ERR', 'HOLDER_DRAINING'} end
+  local tenant, conv, rrid = ARGS[7], ARGS[8], ARGS[9]
+  local L = P .. 'l:' .. lid
+  if ARGS[6] == '1' and redis.call('EXISTS', L) == 1 then
+    local f = redis.call('HMGET', L, 't', 'c', 'r')
+    if f[1] ~= tenant or f[2] ~= conv or f[3] ~= rrid then
+      return {'ERR', 'REQUEST_ID_REUSED'}
+    end
+    return {'OK', F(NOW), lease_enc(lid), holder_enc(hid), {}}
+  end
+  if redis.call('ZCARD', P .. 'leases') >= tonumber(ARGS[15]) then
+    return {'ERR', 'CAPACITY_EXHAUSTED'}
+  end
+  local C = P .. 'c:' .. tenant .. ' ' .. conv
+  local cur = redis.call('GET', C)
+  local epoch = 1
+  local sup = {}
+  if cur then
+    local f = redis.call('HMGET', P .. 'l:' .. cur, 'e', 's', 'h')
+    epoch = tonumber(f[1]) + 1
+    if tonumber(f[2]) == ACTIVE then
+      kill(cur, SUPERSEDED, 0)
+      sup = {lease_enc(cur), holder_enc(f[3])}
+    end
+  end
+  local x = add_lease(lid, hid, tenant, conv, rrid, ARGS[10], ARGS[11], tonumber(ARGS[12]),
+                      epoch, tonumber(ARGS[13]), tonumber(ARGS[14]), NOW)
+  redis.call('SET', C, lid)
+  redis.call('ZADD', P .. 'lexp', F(x), lid)
+  emit(1, lid, tenant, conv, hid, epoch, 0)
+  return {'OK', F(NOW), lease_enc(lid), holder_enc(hid), sup}
+
+elseif cmd == 'renew' then
+  local nids = tonumber(ARGS[3])
+  local watch = redis.call('EXISTS', P .. 'renew_watch') == 1
+  local out = {}
+  local function one(name, lid)
+    if not lid or redis.call('EXISTS', P .. 'l:' .. lid) == 0 then
+      out[#out + 1] = {name, 0, 0, '0'}
+      return
+    end
+    local s = refresh(lid)
+    if s ~= ACTIVE then
+      out[#out + 1] = {lid, 0, s, '0'}
+      return
+    end
+    local L = P .. 'l:' .. lid
+    local f = redis.call('HMGET', L, 'i', 'ct', 'm', 't', 'c', 'h', 'e')
+    local x = math.min(NOW + tonumber(f[1]), tonumber(f[2]) + tonumber(f[3]))
+    redis.call('HSET', L, 'x', F(x))
+    redis.call('ZADD', P .. 'lexp', F(x), lid)
+    out[#out + 1] = {lid, 1, ACTIVE, F(x - NOW)}
+    if watch then emit(2, lid, f[4], f[5], f[6], f[7], 0) end
+  end
+  for i = 1, nids do one(ARGS[3 + i], ARGS[3 + i]) end
+  local k = 4 + nids
+  while k + 1 <= #ARGS do
+    one('', redis.call('GET', P .. 'c:' .. ARGS[k] .. ' ' .. ARGS[k + 1]))
+    k = k + 2
+  end
+  return {'OK', F(NOW), out}
+
+elseif cmd == 'revoke' then
+  local lid, hid = ARGS[3], ARGS[4]
+  if redis.call('EXISTS', P .. 'l:' .. lid) == 0 then return {'ERR', 'LEASE_NOT_FOUND'} end
+  local s = refresh(lid)
+  local owner = redis.call('HGET', P .. 'l:' .. lid, 'h')
+  if hid ~= '' and owner ~= hid then return {'ERR', 'NOT_LEASE_HOLDER'} end
+  local revoked = 0
+  if s == ACTIVE then
+    kill(lid, REVOKED, 0)
+    revoked = 1
+  end
+  return {'OK', F(NOW), lease_enc(lid), holder_enc(owner), revoked}
+
+elseif cmd == 'get_lease' then
+  local lid = ARGS[3]
+  if redis.call('EXISTS', P .. 'l:' .. lid) == 0 then return {'ERR', 'LEASE_NOT_FOUND'} end
+  refresh(lid)
+  return {'OK', F(NOW), lease_enc(lid), holder_enc(redis.call('HGET', P .. 'l:' .. lid, 'h'))}
+
+elseif cmd == 'list' then
+  local tenant, conv, hid = ARGS[3], ARGS[4], ARGS[5]
+  local inactive, after, limit = ARGS[6] == '1', ARGS[7], tonumber(ARGS[8])
+  local out, holders, seen = {}, {}, {}
+  local function consider(lid)
+    if lid <= after then return end
+    local f = redis.call('HMGET', P .. 'l:' .. lid, 't', 'c')
+    if not f[1] then return end
+    if (tenant ~= '' and f[1] ~= tenant) or (conv ~= '' and f[2] ~= conv) then return end
+    local s = refresh(lid)
+    if inactive or s == ACTIVE then
+      local enc = lease_enc(lid)
+      out[#out + 1] = enc
+      if not seen[enc[4]] then
+        seen[enc[4]] = true
+        holders[#holders + 1] = holder_enc(enc[4])
+      end
+    end
+  end
+  local ids = nil
+  if hid ~= '' then
+    ids = redis.call('SUNION', P .. 'ha:' .. hid, P .. 'hd:' .. hid)
+    table.sort(ids)
+  elseif tenant ~= '' and conv ~= '' and not inactive then
+    local cur = redis.call('GET', P .. 'c:' .. tenant .. ' ' .. conv)
+    ids = {}
+    if cur then ids[1] = cur end
+  end
+  if ids then
+    for _, lid in ipairs(ids) do
+      if #out >= limit then break end
+      consider(lid)
+    end
+  else
+    -- No per-tenant index: a tenant filter walks lease ids in order until the page is full.
+    local start = '-'
+    if after ~= '' then start = '(' .. after end
+    while #out < limit do
+      local chunk = redis.call('ZRANGEBYLEX', P .. 'leases', start, '+', 'LIMIT', 0, 512)
+      if #chunk == 0 then break end
+      for _, lid in ipairs(chunk) do
+        if #out >= limit then break end
+        consider(lid)
+      end
+      start = '(' .. chunk[#chunk]
+    end
+  end
+  return {'OK', F(NOW), out, holders}
+
+elseif cmd == 'read' then
+  local mode, tenant, conv, prompt = ARGS[3], ARGS[4], ARGS[5], ARGS[6]
+  local min_tokens, pin_ttl, pin_id = tonumber(ARGS[7]), tonumber(ARGS[8]), ARGS[9]
+  local idem, max_pin = ARGS[10] == '1', tonumber(ARGS[11])
+  local lid = redis.call('GET', P .. 'c:' .. tenant .. ' ' .. conv)
+  if not lid then return {'OK', F(NOW), 1, 0, 0, 0} end
+  local s = refresh(lid)
+  local L = P .. 'l:' .. lid
+  local hid = redis.call('HGET', L, 'h')
+  local function miss(reason, k, matched, partial)
+    return {'OK', F(NOW), reason, k, matched, partial, lease_enc(lid), holder_enc(hid)}
+  end
+  if s ~= ACTIVE then return miss(MISS_FOR_STATE[s], 0, 0, 0) end
+  local hf = redis.call('HMGET', P .. 'h:' .. hid, 's', 'bs')
+  if tonumber(hf[1]) ~= H_ACTIVE then return miss(3, 0, 0, 0) end
+  local f = redis.call('HMGET', L, 'n', 'p', 'i', 'ct', 'm')
+  local n, bs = tonumber(f[1]), tonumber(hf[2])
+  local full = math.floor(n / bs)
+  local k, partial, reusable
+  if mode == 'a' then
+    k = matching(f[2], prompt, full)
+    partial = k == full and n % bs ~= 0
+    reusable = k * bs
+    if partial then reusable = reusable + n - full * bs end
+    if reusable == 0 then
+      if full > 0 and #prompt > 0 then return miss(4, k, 0, 0) end
+      return miss(5, k, 0, 0)
+    end
+  else
+    if n == 0 then return miss(5, 0, 0, 0) end
+    k, partial, reusable = full, n % bs ~= 0, n
+  end
+  local pflag = 0
+  if partial then pflag = 1 end
+  if reusable < min_tokens then return miss(5, k, k, pflag) end
+  local PK = P .. 'p:' .. pin_id
+  local existing = false
+  if idem then existing = redis.call('HMGET', PK, 'l', 'x') end
+  local deadline
+  if existing and existing[1] then
+    if existing[1] ~= lid then return {'ERR', 'REQUEST_ID_REUSED'} end
+    deadline = tonumber(existing[2])
+  else
+    deadline = math.min(NOW + pin_ttl, tonumber(f[4]) + tonumber(f[5]) + max_pin)
+    if deadline <= NOW then return miss(2, k, 0, 0) end
+    redis.call('HSET', PK, 'l', lid, 'x', F(deadline))
+    redis.call('ZADD', P .. 'pexp', F(deadline), pin_id)
+    redis.call('HINCRBY', L, 'k', 1)
+  end
+  -- A read is conversation activity: keep the lease for the turn that follows.
+  local x = math.min(NOW + tonumber(f[3]), tonumber(f[4]) + tonumber(f[5]))
+  redis.call('HSET', L, 'x', F(x))
+  redis.call('ZADD', P .. 'lexp', F(x), lid)
+  return {'OK', F(NOW), 0, k, k, pflag, lease_enc(lid), holder_enc(hid), pin_id, F(deadline)}
+
+elseif cmd == 'release' then
+  local pin = ARGS[3]
+  local PK = P .. 'p:' .. pin
+  local lid = redis.call('HGET', PK, 'l')
+  if not lid then return {'OK', F(NOW), 0} end
+  redis.call('DEL', PK)
+  redis.call('ZREM', P .. 'pexp', pin)
+  unpin(lid)
+  return {'OK', F(NOW), 1}
+
+elseif cmd == 'tick' then
+  local batch, retention = tonumber(ARGS[3]), tonumber(ARGS[4])
+  local lost = {}
+  local due_holders = redis.call('ZRANGEBYSCORE', P .. 'holders', '-inf', F(NOW),
+                                 'LIMIT', 0, batch)
+  for _, hid in ipairs(due_holders) do lost[#lost + 1] = {hid, lose_holder(hid)} end
+  -- Past a lost holder's own hard deadline it has freed everything it held.
+  for _, hid in ipairs(redis.call('ZRANGEBYSCORE', P .. 'lost', '-inf', F(NOW - retention),
+                                  'LIMIT', 0, 100)) do
+    local dead = redis.call('SMEMBERS', P .. 'hd:' .. hid)
+    local pinned = false
+    for _, lid in ipairs(dead) do
+      if pins_of(lid) > 0 then pinned = true end
+    end
+    if not pinned then
+      for _, lid in ipairs(dead) do forget(lid) end
+      redis.call('DEL', P .. 'h:' .. hid, P .. 'ha:' .. hid, P .. 'hd:' .. hid)
+      redis.call('ZREM', P .. 'lost', hid)
+    end
+  end
+  for _, pin in ipairs(redis.call('ZRANGEBYSCORE', P .. 'pexp', '-inf', F(NOW),
+                                  'LIMIT', 0, batch)) do
+    local lid = redis.call('HGET', P .. 'p:' .. pin, 'l')
+    redis.call('DEL', P .. 'p:' .. pin)
+    redis.call('ZREM', P .. 'pexp', pin)
+    if lid then unpin(lid) end
+  end
+  local expired = 0
+  local due = redis.call('ZRANGEBYSCORE', P .. 'lexp', '-inf', F(NOW), 'WITHSCORES',
+                         'LIMIT', 0, batch)
+  for i = 1, #due, 2 do
+    kill(due[i], EXPIRED, NOW - tonumber(due[i + 1]))
+    expired = expired + 1
+  end
+  local nxt = nil
+  for _, z in ipairs({'holders', 'pexp', 'lexp'}) do
+    local first = redis.call('ZRANGE', P .. z, 0, 0, 'WITHSCORES')
+    if first[2] then
+      local v = tonumber(first[2])
+      if not nxt or v < nxt then nxt = v end
+    end
+  end
+  local next_in = ''
+  if nxt then next_in = F(nxt - NOW) end
+  return {'OK', F(NOW), expired, next_in, lost, redis.call('ZCARD', P .. 'lexp'),
+          redis.call('ZCARD', P .. 'leases'), redis.call('ZCARD', P .. 'holders'),
+          redis.call('ZCARD', P .. 'pexp')}
+end
+return {'ERR', 'UNKNOWN_COMMAND'}
+"""

@@ -1,0 +1,241 @@
+"""`LeaseStore`: the storage interface under the registry's gRPC servicer, and `MemoryStore`.
+
+A store owns holders, leases, pins and their deadlines, and answers in domain objects (`Holder`,
+`Lease`, `Read`, ...) whose deadlines (`expire_at`, `max_expire_at`) are on the store's local
+`clock`, whatever clock the backend keeps internally. Every method checks its input first and
+raises the same `kvbridge.errors` class for the same bad input on every backend; a call that
+raises changes nothing. Two backends:
+
+- `MemoryStore` (here): one process, over the synchronous `LeaseTable`. Its methods are
+  `async def`s that return the table's result directly: no executor, no copy.
+- `RedisStore` (`_redis`): shared by any number of registry replicas (Lua scripts, Redis time).
+
+The contract suite `tests/test_store_contract.py` runs against both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from itertools import islice
+from typing import Protocol
+
+from kvbridge.clock import Clock
+from kvbridge.services.registry._config import RegistryConfig
+from kvbridge.services.registry._core import (
+    Grant,
+    GrantSpec,
+    HolderSpec,
+    LeaseTable,
+    Listener,
+    Read,
+    Registration,
+    Renewal,
+    Snapshot,
+)
+from kvbridge.services.registry._model import Holder, Lease
+
+
+class LeaseStore(Protocol):
+    """Holders, conversation leases and read pins of one registry fleet (DESIGN invariants)."""
+
+    config: RegistryConfig
+    clock: Clock  # the local clock every returned deadline is on
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect and start background work (event delivery). Raises OSError when the
+        backend is unreachable."""
+        ...
+
+    async def close(self) -> None:
+        """Stop background work and release connections."""
+        ...
+
+    # ---- holders ----------------------------------------------------------------------------
+
+    async def register_holder(self, spec: HolderSpec,
+                              held: Sequence[Snapshot] = ()) -> Registration:
+        """Register or re-register a holder; restore the `held` leases the store does not know;
+        revoke the holder's active leases it no longer lists."""
+        ...
+
+    async def heartbeat(self, holder_id: str,
+                        reclaimed: Sequence[str] = ()) -> tuple[list[str], float]:
+        """Keep a holder alive, forget the dead leases it freed (`reclaimed`), and return
+        (its reclaimable lease ids, its TTL)."""
+        ...
+
+    async def deregister_holder(self, holder_id: str) -> tuple[list[str], int]:
+        """Drain a holder: revoke its leases. Returns (reclaimable ids, leases still pinned)."""
+        ...
+
+    async def holders(self) -> list[Holder]:
+        """Registered holders that are not lost, in id order."""
+        ...
+
+    async def get_holder(self, holder_id: str) -> Holder:
+        """A live holder, or HolderNotFound."""
+        ...
+
+    # ---- leases -----------------------------------------------------------------------------
+
+    async def grant(self, spec: GrantSpec) -> Grant:
+        """Grant a lease, superseding the conversation's current one (epoch + 1); idempotent
+        by (holder, request id)."""
+        ...
+
+    async def renew(self, lease_ids: Sequence[str],
+                    conversations: Sequence[tuple[str, str]] = ()) -> list[Renewal]:
+        """Renew leases by id, then conversations' current leases: one result per item."""
+        ...
+
+    async def revoke(self, lease_id: str, holder_id: str = "", reason: str = "") -> Lease:
+        """Revoke a lease (no-op if already dead); with `holder_id` it must be that holder's."""
+        ...
+
+    async def get_lease(self, lease_id: str) -> Lease:
+        """A lease in any state until its holder confirms freeing it, else LeaseNotFound."""
+        ...
+
+    async def list_leases(self, tenant: str = "", conversation_id: str = "",
+                          holder_id: str = "", include_inactive: bool = False,
+                          after: str = "", limit: int = 100) -> list[Lease]:
+        """Up to `limit` leases matching the filters, in lease id order, after id `after`."""
+        ...
+
+    # ---- reads ------------------------------------------------------------------------------
+
+    async def acquire_read(self, tenant: str, conversation_id: str, hashes: bytes,
+                           min_tokens: int = 0, pin_ttl: float = 0.0, reader_id: str = "",
+                           request_id: str = "") -> Read:
+        """Match a prompt's full-block hashes against the conversation's lease; pin on a hit
+        (idempotent by (reader, request id))."""
+        ...
+
+    async def pin_lease(self, tenant: str, conversation_id: str, min_tokens: int = 0,
+                        pin_ttl: float = 0.0, reader_id: str = "",
+                        request_id: str = "") -> Read:
+        """Pin the conversation's whole lease for a reader that verifies hashes itself."""
+        ...
+
+    async def release_read(self, pin_id: str) -> bool:
+        """Release a pin. False when it was already released or expired."""
+        ...
+
+    # ---- events, expiry, introspection ------------------------------------------------------
+
+    def add_listener(self, listener: Listener, *, renewals: bool = False) -> None:
+        """Call `listener` (on the event loop) for every lease event of the fleet from now on;
+        RENEWED ones only when `renewals`."""
+        ...
+
+    def remove_listener(self, listener: Listener, *, renewals: bool = False) -> None:
+        ...
+
+    def listener_count(self) -> int:
+        """Listeners subscribed (metrics included)."""
+        ...
+
+    async def tick(self) -> int:
+        """Process due deadlines (holders, pins, a batch of leases); return the leases
+        expired. Safe to run on every replica at once: each deadline is processed once."""
+        ...
+
+    def next_deadline(self) -> float | None:
+        """The earliest pending deadline on the local clock, as known after the last tick."""
+        ...
+
+    def counts(self) -> dict[str, int]:
+        """leases_active, leases_total, holders, pins (a shared backend's as of its last
+        tick). Synchronous: the metrics scrape calls it from another thread."""
+        ...
+
+
+class MemoryStore:
+    """The embedded backend: one `LeaseTable` in this process."""
+
+    def __init__(self, table: LeaseTable) -> None:
+        self.table = table
+        self.config = table.config
+        self.clock = table.clock
+
+    @classmethod
+    def create(cls, config: RegistryConfig, clock: Clock, *, recovering: bool = True
+               ) -> MemoryStore:
+        return cls(LeaseTable(config, clock, recovering=recovering))
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def register_holder(self, spec: HolderSpec,
+                              held: Iterable[Snapshot] = ()) -> Registration:
+        return self.table.register_holder(spec, held)
+
+    async def heartbeat(self, holder_id: str,
+                        reclaimed: Iterable[str] = ()) -> tuple[list[str], float]:
+        return self.table.heartbeat(holder_id, reclaimed)
+
+    async def deregister_holder(self, holder_id: str) -> tuple[list[str], int]:
+        return self.table.deregister_holder(holder_id)
+
+    async def holders(self) -> list[Holder]:
+        return self.table.holders()
+
+    async def get_holder(self, holder_id: str) -> Holder:
+        return self.table.get_holder(holder_id)
+
+    async def grant(self, spec: GrantSpec) -> Grant:
+        return self.table.grant(spec)
+
+    async def renew(self, lease_ids: Iterable[str],
+                    conversations: Iterable[tuple[str, str]] = ()) -> list[Renewal]:
+        return self.table.renew(lease_ids, conversations)
+
+    async def revoke(self, lease_id: str, holder_id: str = "", reason: str = "") -> Lease:
+        return self.table.revoke(lease_id, holder_id, reason)
+
+    async def get_lease(self, lease_id: str) -> Lease:
+        return self.table.get_lease(lease_id)
+
+    async def list_leases(self, tenant: str = "", conversation_id: str = "",
+                          holder_id: str = "", include_inactive: bool = False,
+                          after: str = "", limit: int = 100) -> list[Lease]:
+        found = self.table.leases(tenant, conversation_id, holder_id, include_inactive, after)
+        return list(islice(found, limit))
+
+    async def acquire_read(self, tenant: str, conversation_id: str, hashes: bytes,
+                           min_tokens: int = 0, pin_ttl: float = 0.0, reader_id: str = "",
+                           request_id: str = "") -> Read:
+        return self.table.acquire_read(tenant, conversation_id, hashes, min_tokens, pin_ttl,
+                                       reader_id, request_id)
+
+    async def pin_lease(self, tenant: str, conversation_id: str, min_tokens: int = 0,
+                        pin_ttl: float = 0.0, reader_id: str = "",
+                        request_id: str = "") -> Read:
+        return self.table.pin_lease(tenant, conversation_id, min_tokens, pin_ttl, reader_id,
+                                    request_id)
+
+    async def release_read(self, pin_id: str) -> bool:
+        return self.table.release_read(pin_id)
+
+    def add_listener(self, listener: Listener, *, renewals: bool = False) -> None:
+        self.table.add_listener(listener, renewals=renewals)
+
+    def remove_listener(self, listener: Listener, *, renewals: bool = False) -> None:
+        self.table.remove_listener(listener, renewals=renewals)
+
+    def listener_count(self) -> int:
+        return len(self.table._listeners)
+
+    async def tick(self) -> int:
+        return self.table.tick()
+
+    def next_deadline(self) -> float | None:
+        return self.table.next_deadline()
+
+    def counts(self) -> dict[str, int]:
+        return self.table.counts()

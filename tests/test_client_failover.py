@@ -1,0 +1,113 @@
+"""Clients given several registry addresses fail over, over real gRPC: to a replica that
+answers when the first is down, and (on Redis) from a stopped replica to its twin with the
+fleet's state intact."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import pytest
+
+from kvbridge import errors
+from kvbridge.clients import AsyncRegistryClient, RegistryClient
+from kvbridge.clients._base import split_targets
+from kvbridge.services.registry import RegistryConfig, RegistryServer, create_server
+
+
+def _closed_port() -> int:
+    """A port nothing listens on (connections are refused)."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    return int(port)
+
+
+def test_targets_are_split_and_checked() -> None:
+    assert split_targets(" a:1, b:2 ,") == ["a:1", "b:2"]
+    assert split_targets(["a:1"]) == ["a:1"]
+    with pytest.raises(ValueError):
+        split_targets(" , ")
+
+
+def test_sync_client_skips_a_dead_address(threaded_registry: Any, kv: Any) -> None:
+    dead = f"127.0.0.1:{_closed_port()}"
+    with RegistryClient(f"{dead},{threaded_registry.target}", timeout=5.0) as client:
+        started = time.monotonic()
+        client.register_holder(**kv.holder_args("h1"))
+        assert time.monotonic() - started < 2.0
+        assert client.targets[client._active] == threaded_registry.target
+        assert [h.holder_id for h in client.iter_holders()] == ["h1"]
+
+
+async def test_async_client_skips_a_dead_address(registry_server: RegistryServer,
+                                                 kv: Any) -> None:
+    live = f"127.0.0.1:{registry_server.port}"
+    async with AsyncRegistryClient([f"127.0.0.1:{_closed_port()}", live]) as client:
+        await client.register_holder(**kv.holder_args("h1"))
+        assert client.targets[client._active] == live
+
+
+async def test_all_addresses_down_fails_within_the_budget(kv: Any) -> None:
+    targets = [f"127.0.0.1:{_closed_port()}" for _ in range(2)]
+    async with AsyncRegistryClient(targets, timeout=1.0) as client:
+        started = time.monotonic()
+        with pytest.raises((errors.Unavailable, errors.DeadlineExceeded)):
+            await client.register_holder(**kv.holder_args("h1"))
+        assert time.monotonic() - started < 1.5
+
+
+async def test_failover_between_redis_replicas(redis_server: Any, redis_namespace: str,
+                                               kv: Any) -> None:
+    replicas: list[RegistryServer] = []
+    for _ in range(2):
+        server = await create_server(RegistryConfig(
+            listen="127.0.0.1:0", metrics_listen="", backend="redis",
+            redis_url=redis_server.url, redis_namespace=redis_namespace))
+        await server.start()
+        replicas.append(server)
+    targets = [f"127.0.0.1:{r.port}" for r in replicas]
+    try:
+        async with AsyncRegistryClient(targets, timeout=5.0) as client:
+            await client.register_holder(**kv.holder_args("h1", ttl=300.0))
+            lease = (await client.grant_lease(**kv.grant_args("h1", "t1", "c1",
+                                                              kv.tokens(8)))).lease
+            await replicas[0].stop(0)  # the replica the client was using
+            read = await client.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
+            assert read.lease.lease_id == lease.lease_id and read.pin.pin_id
+            assert client.targets[client._active] == targets[1]
+            assert (await client.heartbeat("h1")).reclaimable_lease_ids == []
+    finally:
+        for r in replicas:
+            await r.stop(0)
+
+
+async def test_router_forwarding_moves_to_the_next_registry_replica(
+        registry_server: RegistryServer, kv: Any) -> None:
+    import grpc
+
+    from kvbridge.clock import FakeClock
+    from kvbridge.registry.v1 import registry_pb2 as reg_pb
+    from kvbridge.router.v1 import router_pb2_grpc
+    from kvbridge.services.router import RouterConfig
+    from kvbridge.services.router import create_server as create_router
+
+    registry = f"127.0.0.1:{_closed_port()},127.0.0.1:{registry_server.port}"
+    router = await create_router(RouterConfig(listen="127.0.0.1:0", metrics_listen="",
+                                              registry=registry), clock=FakeClock())
+    await router.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
+    stub = router_pb2_grpc.RouterServiceStub(channel)
+    request = reg_pb.AcquireReadRequest(tenant="t1", conversation_id="c1",
+                                        block_hashes=kv.prompt_hashes(kv.tokens(8)))
+    try:
+        with pytest.raises(grpc.RpcError) as raised:  # the dead replica: prefill fails open
+            await stub.AcquireRead(request)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        resp = await stub.AcquireRead(request)  # the next call goes to the live replica
+        assert resp.miss_reason == reg_pb.MISS_REASON_NO_LEASE
+    finally:
+        await channel.close()
+        await router.stop(0)

@@ -1,0 +1,857 @@
+"""The `LeaseStore` contract, run against every backend through the same tests.
+
+`memory` is a `MemoryStore` on a `FakeClock`; `redis` is a `RedisStore` on a real redis-server
+(one per session, a namespace per test), whose time is Redis's own, moved forward for every
+replica at once by `advance_clock`. Durations are compared with a tolerance: on Redis, real
+time passes too. Then two real gRPC registry replicas on one Redis serve one fleet, and
+`kvbridge registry serve --backend redis` is run as a process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from kvbridge import errors
+from kvbridge.clients import AsyncRegistryClient
+from kvbridge.clock import FakeClock, SystemClock
+from kvbridge.registry.v1 import registry_pb2 as pb
+from kvbridge.services.registry import (
+    EventType,
+    GrantSpec,
+    HolderSpec,
+    HolderState,
+    LeaseEvent,
+    LeaseState,
+    LeaseStore,
+    MemoryStore,
+    MissReason,
+    RegistryConfig,
+    RegistryServer,
+    Snapshot,
+    create_server,
+)
+from kvbridge.services.registry._redis import RedisStore
+
+BS = 4
+
+
+class Backend:
+    """One store under test, with a way to move its time and to see its events."""
+
+    def __init__(self, name: str, store: LeaseStore, clock: FakeClock | None) -> None:
+        self.name = name
+        self.store = store
+        self.clock = clock
+        self.events: list[LeaseEvent] = []
+        store.add_listener(self.events.append)
+
+    async def advance(self, seconds: float) -> None:
+        if self.clock is not None:
+            self.clock.advance(seconds)
+        else:
+            assert isinstance(self.store, RedisStore)
+            await self.store.advance_clock(seconds)
+
+    def left(self, deadline: float) -> float:
+        return deadline - self.store.clock.monotonic()
+
+    async def wait_events(self, lease_id: str, expected: list[str],
+                          timeout: float = 5.0) -> None:
+        """Wait until the lease's events are exactly `expected` (type names, in order)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = [e.type.name for e in self.events if e.lease_id == lease_id]
+            if got == expected or time.monotonic() > deadline:
+                assert got == expected
+                return
+            await asyncio.sleep(0.01)
+
+
+Factory = Callable[..., Awaitable[Backend]]
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def make_backend(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
+    """`await make_backend(recovering=False, **config_overrides)`: a fresh store of the
+    parametrized backend (`recovering`: hold reclaims for the grace, as after a restart)."""
+    stores: list[LeaseStore] = []
+
+    async def make(recovering: bool = False, **overrides: Any) -> Backend:
+        if request.param == "memory":
+            clock = FakeClock()
+            store: LeaseStore = MemoryStore.create(RegistryConfig(**overrides), clock,
+                                                   recovering=recovering)
+            backend = Backend("memory", store, clock)
+        else:
+            redis_server = request.getfixturevalue("redis_server")
+            namespace = request.getfixturevalue("redis_namespace") + f"-{len(stores)}"
+            config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                                    redis_namespace=namespace, **overrides)
+            store = RedisStore(config, SystemClock(), recovering=recovering)
+            backend = Backend("redis", store, None)
+        await store.start()
+        stores.append(store)
+        return backend
+
+    yield make
+    for store in stores:
+        await store.close()
+
+
+@pytest.fixture
+async def b(make_backend: Factory) -> Backend:
+    return await make_backend()
+
+
+def holder(holder_id: str = "h1", **kw: Any) -> HolderSpec:
+    args: dict[str, Any] = dict(holder_id=holder_id, nixl_host="10.0.0.7", nixl_port=5600,
+                                tp_size=1, block_size=BS, fingerprint="fp-test")
+    args.update(kw)
+    return HolderSpec(**args)
+
+
+def grant_spec(kv: Any, tokens: list[int], holder_id: str = "h1", tenant: str = "t1",
+               conversation: str = "c1", first_block: int = 100, **kw: Any) -> GrantSpec:
+    n = -(-len(tokens) // BS)
+    args: dict[str, Any] = dict(
+        holder_id=holder_id, tenant=tenant, conversation_id=conversation,
+        remote_request_id=f"req-{conversation}-{len(tokens)}",
+        block_ids=list(range(first_block, first_block + n)), token_count=len(tokens),
+        hashes=kv.lease_hashes(tokens))
+    args.update(kw)
+    return GrantSpec(**args)
+
+
+# ---- holders --------------------------------------------------------------------------------
+
+
+async def test_register_heartbeat_and_conflicting_layout(b: Backend) -> None:
+    reg = await b.store.register_holder(holder(ttl=12.0, version="kvbridge/test"))
+    h = reg.holder
+    assert (h.holder_id, h.nixl_host, h.nixl_port, h.block_size, h.state, h.version) == (
+        "h1", "10.0.0.7", 5600, BS, HolderState.ACTIVE, "kvbridge/test")
+    assert b.left(h.expire_at) == pytest.approx(12.0, abs=0.5)
+    assert reg.restored == [] and reg.reclaimable == []
+    assert await b.store.heartbeat("h1") == ([], 12.0)
+    with pytest.raises(errors.HolderConflict):
+        await b.store.register_holder(holder(block_size=8))
+    again = await b.store.register_holder(holder(nixl_port=5601))  # same layout: fine
+    assert again.holder.nixl_port == 5601
+    assert [x.holder_id for x in await b.store.holders()] == ["h1"]
+    with pytest.raises(errors.HolderNotFound):
+        await b.store.get_holder("nobody")
+    with pytest.raises(errors.HolderNotFound):
+        await b.store.heartbeat("nobody")
+
+
+async def test_holder_that_misses_its_ttl_loses_its_leases(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder(ttl=5.0))
+    lease = (await b.store.grant(grant_spec(kv, kv.tokens(8)))).lease
+    await b.advance(6.0)
+    await b.store.tick()
+    assert [x.holder_id for x in await b.store.holders()] == []
+    with pytest.raises(errors.HolderNotFound):
+        await b.store.heartbeat("h1")
+    assert (await b.store.get_lease(lease.lease_id)).state is LeaseState.HOLDER_LOST
+    read = await b.store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
+    assert read.miss is MissReason.HOLDER_GONE and read.pin is None
+    # Back again (say after a partition): the lost lease is never handed out again.
+    reg = await b.store.register_holder(holder(ttl=5.0), [
+        Snapshot(lease.lease_id, grant_spec(kv, kv.tokens(8)), 1, 6.0)])
+    assert reg.restored == [] and reg.reclaimable == [lease.lease_id]
+    read = await b.store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
+    assert read.miss is MissReason.HOLDER_GONE
+    await b.wait_events(lease.lease_id, ["GRANTED", "HOLDER_LOST", "RECLAIMABLE"])
+
+
+async def test_deregister_revokes_and_counts_pinned(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder())
+    one = (await b.store.grant(grant_spec(kv, kv.tokens(8)))).lease
+    two = (await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c2"))).lease
+    read = await b.store.pin_lease("t1", "c2")
+    assert read.pin is not None
+    reclaimable, pinned = await b.store.deregister_holder("h1")
+    assert (reclaimable, pinned) == ([one.lease_id], 1)
+    with pytest.raises(errors.HolderDraining):
+        await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c3"))
+    assert (await b.store.get_holder("h1")).state is HolderState.DRAINING
+    assert (await b.store.get_lease(two.lease_id)).state is LeaseState.REVOKED
+    assert await b.store.release_read(read.pin.pin_id)
+    reclaimable, _ = await b.store.heartbeat("h1")
+    assert sorted(reclaimable) == sorted([one.lease_id, two.lease_id])
+
+
+async def test_reregistration_restores_held_leases(b: Backend, kv: Any) -> None:
+    tokens = kv.tokens(10)
+    snap = Snapshot("l-held", grant_spec(kv, tokens), 3, 2.0)
+    reg = await b.store.register_holder(holder(), [snap])
+    assert reg.restored == ["l-held"]
+    lease = await b.store.get_lease("l-held")
+    assert (lease.epoch, lease.state, lease.token_count) == (3, LeaseState.ACTIVE, 10)
+    assert b.left(lease.created_at) == pytest.approx(-2.0, abs=0.5)
+    read = await b.store.acquire_read("t1", "c1", kv.prompt_hashes(tokens))
+    assert read.miss is MissReason.HIT and read.lease is not None
+    assert read.lease.lease_id == "l-held"
+    # Re-registering without it: the holder freed it, so it is never read again.
+    reg = await b.store.register_holder(holder())
+    assert reg.restored == []
+    assert (await b.store.get_lease("l-held")).state is LeaseState.REVOKED
+    assert reg.reclaimable == []  # the read's pin still holds it
+    assert await b.store.release_read(read.pin.pin_id)  # type: ignore[union-attr]
+    assert (await b.store.heartbeat("h1"))[0] == ["l-held"]
+
+
+# ---- leases ---------------------------------------------------------------------------------
+
+
+async def test_grant_supersede_reclaim_and_forget(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder())
+    first = await b.store.grant(grant_spec(kv, kv.tokens(10), idle_ttl=30.0))
+    lease = first.lease
+    assert first.superseded is None
+    assert (lease.tenant, lease.conversation_id, lease.holder.holder_id, lease.epoch) == (
+        "t1", "c1", "h1", 1)
+    assert lease.block_id_list() == [100, 101, 102] and lease.hashes == kv.lease_hashes(
+        kv.tokens(10))
+    assert b.left(lease.expire_at) == pytest.approx(30.0, abs=0.5)
+    assert lease.idle_ttl == 30.0 and lease.state is LeaseState.ACTIVE
+
+    second = await b.store.grant(grant_spec(kv, kv.tokens(14), first_block=200))
+    assert second.lease.epoch == 2
+    assert second.superseded is not None and second.superseded.lease_id == lease.lease_id
+    assert (await b.store.get_lease(lease.lease_id)).state is LeaseState.SUPERSEDED
+    assert await b.store.heartbeat("h1") == ([lease.lease_id], 10.0)
+    assert await b.store.heartbeat("h1", [lease.lease_id]) == ([], 10.0)
+    with pytest.raises(errors.LeaseNotFound):
+        await b.store.get_lease(lease.lease_id)
+    await b.wait_events(lease.lease_id, ["GRANTED", "SUPERSEDED", "RECLAIMABLE", "RECLAIMED"])
+    await b.wait_events(second.lease.lease_id, ["GRANTED"])
+
+
+async def test_grant_is_idempotent_by_request_id(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder())
+    one = await b.store.grant(grant_spec(kv, kv.tokens(8), request_id="g1"))
+    two = await b.store.grant(grant_spec(kv, kv.tokens(8), request_id="g1"))
+    assert one.lease.lease_id == two.lease.lease_id and two.lease.epoch == 1
+    with pytest.raises(errors.IdempotencyConflict):
+        await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c2", request_id="g1"))
+    assert len(await b.store.list_leases(include_inactive=True)) == 1
+
+
+async def test_conversations_are_scoped_by_tenant(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder())
+    await b.store.grant(grant_spec(kv, kv.tokens(8), tenant="a"))
+    other = await b.store.grant(grant_spec(kv, kv.tokens(8), tenant="b"))
+    assert other.superseded is None and other.lease.epoch == 1
+    assert (await b.store.acquire_read("c", "c1", kv.prompt_hashes(kv.tokens(8)))).miss is (
+        MissReason.NO_LEASE)
+
+
+async def test_renew_by_id_and_conversation_capped_by_lifetime(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder(ttl=300.0))
+    lease = (await b.store.grant(grant_spec(kv, kv.tokens(8), idle_ttl=10.0,
+                                            max_lifetime=25.0))).lease
+    await b.advance(8.0)
+    out = await b.store.renew([lease.lease_id, "l-unknown"], [("t1", "c1"), ("t1", "nope")])
+    assert [(r.lease_id, r.renewed, r.state) for r in out] == [
+        (lease.lease_id, True, LeaseState.ACTIVE), ("l-unknown", False, None),
+        (lease.lease_id, True, LeaseState.ACTIVE), ("", False, None)]
+    assert out[0].expires_in == pytest.approx(10.0, abs=0.5)
+    await b.advance(8.0)  # 16 s after the grant: 9 s of lifetime left
+    (r,) = await b.store.renew([lease.lease_id])
+    assert r.expires_in == pytest.approx(9.0, abs=0.5)
+    await b.advance(9.5)
+    (r,) = await b.store.renew([lease.lease_id])
+    assert (r.renewed, r.state) == (False, LeaseState.EXPIRED)
+
+
+async def test_expiry_fires_once_and_reads_miss(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder(ttl=300.0))
+    lease = (await b.store.grant(grant_spec(kv, kv.tokens(8), idle_ttl=5.0))).lease
+    await b.store.tick()
+    assert (await b.store.get_lease(lease.lease_id)).state is LeaseState.ACTIVE
+    await b.advance(5.5)
+    assert await b.store.tick() == 1
+    assert await b.store.tick() == 0
+    assert (await b.store.get_lease(lease.lease_id)).state is LeaseState.EXPIRED
+    read = await b.store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
+    assert read.miss is MissReason.EXPIRED
+    assert b.store.counts() == {"leases_active": 0, "leases_total": 1, "holders": 1, "pins": 0}
+    await b.wait_events(lease.lease_id, ["GRANTED", "EXPIRED", "RECLAIMABLE"])
+    assert next(e.lateness for e in b.events if e.type is EventType.EXPIRED) >= 0
+
+
+async def test_deadlines_apply_without_tick(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder(ttl=300.0))
+    lease = (await b.store.grant(grant_spec(kv, kv.tokens(8), idle_ttl=5.0))).lease
+    await b.advance(6.0)
+    assert (await b.store.get_lease(lease.lease_id)).state is LeaseState.EXPIRED
+    assert await b.store.tick() == 0
+
+
+async def test_revoke(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder())
+    await b.store.register_holder(holder("h2"))
+    lease = (await b.store.grant(grant_spec(kv, kv.tokens(8)))).lease
+    with pytest.raises(errors.NotLeaseHolder):
+        await b.store.revoke(lease.lease_id, "h2")
+    with pytest.raises(errors.LeaseNotFound):
+        await b.store.revoke("l-nope")
+    revoked = await b.store.revoke(lease.lease_id, "h1", "memory pressure")
+    assert revoked.state is LeaseState.REVOKED and revoked.reclaimable
+    assert (await b.store.revoke(lease.lease_id)).state is LeaseState.REVOKED  # no-op
+    read = await b.store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
+    assert read.miss is MissReason.REVOKED
+
+
+async def test_list_filters_and_pages(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder())
+    await b.store.register_holder(holder("h2"))
+    ids = []
+    for i in range(5):
+        g = await b.store.grant(grant_spec(kv, kv.tokens(8), conversation=f"c{i}",
+                                           holder_id="h2" if i == 4 else "h1"))
+        ids.append(g.lease.lease_id)
+    newer = await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c0"))
+    old = newer.superseded
+    assert old is not None
+    active = sorted((set(ids) - {old.lease_id}) | {newer.lease.lease_id})
+    listed = await b.store.list_leases()
+    assert [x.lease_id for x in listed] == active  # active only, in id order
+    page1 = await b.store.list_leases(limit=2)
+    page2 = await b.store.list_leases(after=page1[-1].lease_id, limit=2)
+    page3 = await b.store.list_leases(after=page2[-1].lease_id, limit=2)
+    assert [x.lease_id for x in page1 + page2 + page3] == [x.lease_id for x in listed]
+    assert len(page3) == 1
+    everything = await b.store.list_leases(include_inactive=True)
+    assert len(everything) == 6 and old.lease_id in [x.lease_id for x in everything]
+    assert [x.lease_id for x in await b.store.list_leases(holder_id="h2")] == [ids[4]]
+    conv = await b.store.list_leases(tenant="t1", conversation_id="c0", include_inactive=True)
+    assert sorted(x.epoch for x in conv) == [1, 2]
+    assert [x.epoch for x in await b.store.list_leases(tenant="t1", conversation_id="c0")] == [2]
+    assert await b.store.list_leases(tenant="other") == []
+
+
+async def test_capacity(make_backend: Factory, kv: Any) -> None:
+    b = await make_backend(max_leases=2)
+    await b.store.register_holder(holder())
+    await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="a"))
+    await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="b"))
+    with pytest.raises(errors.CapacityExhausted):
+        await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c"))
+
+
+# ---- reads and pins -------------------------------------------------------------------------
+
+
+async def test_read_hits_partials_and_misses(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder())
+    tokens = kv.tokens(10)  # two full blocks and a partial one
+    lease = (await b.store.grant(grant_spec(kv, tokens))).lease
+    read = await b.store.acquire_read("t1", "c1", kv.prompt_hashes(tokens + [7, 7]),
+                                      reader_id="p1")
+    assert (read.miss, read.matched_blocks, read.partial) == (MissReason.HIT, 2, True)
+    assert read.pin is not None and read.lease is not None
+    assert read.lease.lease_id == lease.lease_id and read.lease.pin_count == 1
+    assert read.lease.holder.nixl_host == "10.0.0.7" and read.lease.holder.block_size == BS
+    assert b.left(read.pin.expire_at) == pytest.approx(10.0, abs=0.5)  # the default pin TTL
+    edited = kv.prompt_hashes([0, 1, 2, 3, 9, 9, 9, 9])  # the second block differs
+    read = await b.store.acquire_read("t1", "c1", edited, pin_ttl=3.0)
+    assert (read.miss, read.matched_blocks, read.partial) == (MissReason.HIT, 1, False)
+    assert read.pin is not None and b.left(read.pin.expire_at) == pytest.approx(3.0, abs=0.5)
+    read = await b.store.acquire_read("t1", "c1", kv.prompt_hashes([5, 5, 5, 5]))
+    assert (read.miss, read.mismatch_block, read.pin) == (MissReason.HASH_MISMATCH, 0, None)
+    read = await b.store.acquire_read("t1", "c1", kv.prompt_hashes(tokens), min_tokens=11)
+    assert (read.miss, read.matched_blocks, read.pin) == (MissReason.BELOW_MINIMUM, 2, None)
+    assert (await b.store.acquire_read("t1", "c9", b"")).miss is MissReason.NO_LEASE
+    whole = await b.store.pin_lease("t1", "c1", pin_ttl=100.0)
+    assert (whole.miss, whole.matched_blocks, whole.partial) == (MissReason.HIT, 2, True)
+    assert whole.pin is not None and b.left(whole.pin.expire_at) == pytest.approx(30.0, abs=0.5)
+    assert (await b.store.get_lease(lease.lease_id)).pin_count == 3
+
+
+async def test_read_is_idempotent_by_request_id(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder())
+    await b.store.grant(grant_spec(kv, kv.tokens(8)))
+    await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c2"))
+    one = await b.store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)),
+                                     reader_id="p1", request_id="r1")
+    two = await b.store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)),
+                                     reader_id="p1", request_id="r1")
+    assert one.pin is not None and two.pin is not None and one.pin.pin_id == two.pin.pin_id
+    assert two.lease is not None and two.lease.pin_count == 1
+    with pytest.raises(errors.IdempotencyConflict):
+        await b.store.pin_lease("t1", "c2", reader_id="p1", request_id="r1")
+
+
+async def test_a_pinned_lease_is_never_reclaimable(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder(ttl=300.0))
+    lease = (await b.store.grant(grant_spec(kv, kv.tokens(8), idle_ttl=5.0))).lease
+    read = await b.store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)), pin_ttl=20.0)
+    assert read.pin is not None
+    await b.store.grant(grant_spec(kv, kv.tokens(12)))  # supersedes the pinned lease
+    assert await b.store.heartbeat("h1") == ([], 300.0)
+    assert await b.store.heartbeat("h1", [lease.lease_id]) == ([], 300.0)  # early ack ignored
+    assert (await b.store.get_lease(lease.lease_id)).pin_count == 1
+    await b.advance(10.0)
+    await b.store.tick()
+    assert await b.store.heartbeat("h1") == ([], 300.0)  # pin still live
+    await b.advance(11.0)
+    await b.store.tick()  # the pin ran out
+    assert (await b.store.heartbeat("h1"))[0] == sorted([lease.lease_id])
+    assert not await b.store.release_read(read.pin.pin_id)
+    await b.wait_events(lease.lease_id, ["GRANTED", "SUPERSEDED", "RECLAIMABLE"])
+
+
+async def test_release_makes_a_dead_lease_reclaimable(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder())
+    lease = (await b.store.grant(grant_spec(kv, kv.tokens(8)))).lease
+    read = await b.store.pin_lease("t1", "c1")
+    assert read.pin is not None
+    await b.store.revoke(lease.lease_id)
+    assert (await b.store.heartbeat("h1"))[0] == []
+    assert await b.store.release_read(read.pin.pin_id)
+    assert not await b.store.release_read(read.pin.pin_id)
+    assert (await b.store.heartbeat("h1"))[0] == [lease.lease_id]
+    await b.wait_events(lease.lease_id, ["GRANTED", "REVOKED", "RECLAIMABLE"])
+
+
+async def test_a_read_renews_the_lease(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder(ttl=300.0))
+    lease = (await b.store.grant(grant_spec(kv, kv.tokens(8), idle_ttl=10.0))).lease
+    await b.advance(8.0)
+    read = await b.store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
+    assert read.lease is not None and b.left(read.lease.expire_at) == pytest.approx(10, abs=0.5)
+    await b.advance(8.0)
+    assert await b.store.tick() == 0
+    assert (await b.store.get_lease(lease.lease_id)).state is LeaseState.ACTIVE
+
+
+async def test_renewal_events_go_to_renewal_listeners_only(b: Backend, kv: Any) -> None:
+    renewals: list[LeaseEvent] = []
+    b.store.add_listener(renewals.append, renewals=True)
+    await b.store.register_holder(holder())
+    lease = (await b.store.grant(grant_spec(kv, kv.tokens(8)))).lease
+    deadline = time.monotonic() + 5
+    while not any(e.type is EventType.RENEWED for e in renewals):  # Redis: once announced
+        assert time.monotonic() < deadline
+        await b.store.renew([lease.lease_id])
+        await asyncio.sleep(0.02)
+    assert renewals[-1].lease_id == lease.lease_id
+    assert not any(e.type is EventType.RENEWED for e in b.events)
+    b.store.remove_listener(renewals.append, renewals=True)
+
+
+async def test_fresh_state_reports_nothing_reclaimable_for_the_grace(make_backend: Factory,
+                                                                     kv: Any) -> None:
+    b = await make_backend(recovering=True, max_pin_ttl_s=5.0, default_pin_ttl_s=5.0)
+    await b.store.register_holder(holder(ttl=300.0))
+    old = (await b.store.grant(grant_spec(kv, kv.tokens(8)))).lease
+    await b.store.grant(grant_spec(kv, kv.tokens(12)))  # supersedes `old`, unpinned
+    assert await b.store.heartbeat("h1") == ([], 300.0)  # a pin from before may be live
+    await b.advance(5.5)  # the grace: max pin TTL + 1
+    assert await b.store.heartbeat("h1") == ([], 300.0)
+    await b.advance(0.6)
+    assert await b.store.heartbeat("h1") == ([old.lease_id], 300.0)
+
+
+# ---- bad input: the same error for the same input, and nothing changes ------------------------
+
+BAD_CALLS: dict[str, tuple[Callable[[LeaseStore, Any], Awaitable[Any]], type, str]] = {
+    "register_empty_id": (lambda s, kv: s.register_holder(holder("")),
+                          errors.InvalidArgument, "holder_id"),
+    "register_block_size": (lambda s, kv: s.register_holder(holder("h9", block_size=0)),
+                            errors.InvalidArgument, "block_size"),
+    "register_ttl": (lambda s, kv: s.register_holder(holder("h9", ttl=1e9)),
+                     errors.InvalidArgument, "ttl"),
+    "register_layout": (lambda s, kv: s.register_holder(holder(tp_size=2)),
+                        errors.HolderConflict, ""),
+    "register_held_duplicate": (
+        lambda s, kv: s.register_holder(holder("h9"), [
+            Snapshot("l-x", grant_spec(kv, kv.tokens(4), holder_id="h9"), 1, 0.0),
+            Snapshot("l-x", grant_spec(kv, kv.tokens(4), holder_id="h9"), 1, 0.0)]),
+        errors.InvalidArgument, "held_leases[1].lease_id"),
+    "heartbeat_unknown": (lambda s, kv: s.heartbeat("nobody"), errors.HolderNotFound, ""),
+    "heartbeat_bad_id": (lambda s, kv: s.heartbeat("a b"), errors.InvalidArgument,
+                         "holder_id"),
+    "deregister_unknown": (lambda s, kv: s.deregister_holder("nobody"),
+                           errors.HolderNotFound, ""),
+    "grant_unknown_holder": (lambda s, kv: s.grant(grant_spec(kv, kv.tokens(4),
+                                                              holder_id="nobody")),
+                             errors.HolderNotFound, ""),
+    "grant_tokens": (lambda s, kv: s.grant(grant_spec(kv, kv.tokens(8), token_count=3)),
+                     errors.InvalidArgument, "token_count"),
+    "grant_hashes": (lambda s, kv: s.grant(grant_spec(kv, kv.tokens(8), hashes=b"x" * 5)),
+                     errors.InvalidArgument, "block_hashes"),
+    "grant_no_blocks": (lambda s, kv: s.grant(grant_spec(kv, kv.tokens(8), block_ids=[])),
+                        errors.InvalidArgument, "block_ids"),
+    "grant_idle_ttl": (lambda s, kv: s.grant(grant_spec(kv, kv.tokens(8), idle_ttl=1e7)),
+                       errors.InvalidArgument, "idle_ttl"),
+    "grant_tenant": (lambda s, kv: s.grant(grant_spec(kv, kv.tokens(8), tenant="a b")),
+                     errors.InvalidArgument, "tenant"),
+    "grant_draining": (lambda s, kv: s.grant(grant_spec(kv, kv.tokens(8), holder_id="h2")),
+                       errors.HolderDraining, ""),
+    "grant_request_reused": (lambda s, kv: s.grant(grant_spec(kv, kv.tokens(8), request_id="g1",
+                                                              conversation="c7")),
+                             errors.IdempotencyConflict, ""),
+    "renew_bad_id": (lambda s, kv: s.renew(["a b"]), errors.InvalidArgument, "lease_ids[0]"),
+    "renew_bad_conv": (lambda s, kv: s.renew([], [("t1", "")]), errors.InvalidArgument,
+                       "conversations[0].conversation_id"),
+    "revoke_unknown": (lambda s, kv: s.revoke("l-nope"), errors.LeaseNotFound, ""),
+    "revoke_other_holder": (lambda s, kv: s.revoke("l-held", "h2"), errors.NotLeaseHolder, ""),
+    "get_unknown": (lambda s, kv: s.get_lease("l-nope"), errors.LeaseNotFound, ""),
+    "list_conv_without_tenant": (lambda s, kv: s.list_leases(conversation_id="c1"),
+                                 errors.InvalidArgument, "conversation_id"),
+    "read_hashes": (lambda s, kv: s.acquire_read("t1", "c1", b"x" * 17),
+                    errors.InvalidArgument, "block_hashes"),
+    "read_pin_ttl": (lambda s, kv: s.acquire_read("t1", "c1", b"", pin_ttl=-1.0),
+                     errors.InvalidArgument, "pin_ttl"),
+    "read_min_tokens": (lambda s, kv: s.acquire_read("t1", "c1", b"", min_tokens=-1),
+                        errors.InvalidArgument, "min_tokens"),
+    "read_request_reused": (lambda s, kv: s.pin_lease("t1", "c2", reader_id="p1",
+                                                      request_id="r1"),
+                            errors.IdempotencyConflict, ""),
+    "pin_tenant": (lambda s, kv: s.pin_lease("", "c1"), errors.InvalidArgument, "tenant"),
+    "release_empty": (lambda s, kv: s.release_read(""), errors.InvalidArgument, "pin_id"),
+}
+
+
+async def _state(store: LeaseStore) -> Any:
+    leases = [(x.lease_id, x.state, x.pin_count, x.epoch, x.token_count)
+              for x in await store.list_leases(include_inactive=True, limit=1000)]
+    holders = [(h.holder_id, h.state, h.lease_count, h.retained_blocks)
+               for h in await store.holders()]
+    return leases, holders
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CALLS))
+async def test_bad_input_is_refused_alike_and_changes_nothing(b: Backend, kv: Any,
+                                                              case: str) -> None:
+    s = b.store
+    await s.register_holder(holder())
+    await s.register_holder(holder("h2"))
+    await s.deregister_holder("h2")
+    await s.register_holder(holder(), [Snapshot("l-held", grant_spec(kv, kv.tokens(10)), 1, 0.0)])
+    await s.grant(grant_spec(kv, kv.tokens(8), conversation="c2", request_id="g1"))
+    await s.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)), reader_id="p1",
+                         request_id="r1")
+    before = await _state(s)
+    call, error, field = BAD_CALLS[case]
+    with pytest.raises(error) as caught:
+        await call(s, kv)
+    if field:
+        assert caught.value.metadata["field"] == field
+    assert await _state(s) == before
+
+
+async def test_redis_that_lost_its_data_holds_reclaims_again(redis_server: Any,
+                                                             redis_namespace: str,
+                                                             kv: Any) -> None:
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace, max_pin_ttl_s=5.0,
+                            default_pin_ttl_s=5.0)
+    store = RedisStore(config, SystemClock())
+    await store.start()
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await store.advance_clock(10.0)  # past the first start's grace
+        await store.register_holder(holder(ttl=300.0))
+        spec = grant_spec(kv, kv.tokens(8))
+        old = (await store.grant(spec)).lease
+        await store.pin_lease("t1", "c1")  # a reader reads...
+        keys = await client.keys(store.prefix + "*")
+        await client.delete(*keys)  # ...when Redis loses everything (no persistence)
+        with pytest.raises(errors.HolderNotFound):
+            await store.heartbeat("h1")
+        reg = await store.register_holder(holder(ttl=300.0), [
+            Snapshot(old.lease_id, spec, old.epoch, 1.0)])  # the holder re-registers
+        assert reg.restored == [old.lease_id]
+        await store.grant(grant_spec(kv, kv.tokens(12)))  # supersedes it
+        assert (await store.heartbeat("h1"))[0] == []  # the lost pin may still be read
+        await store.advance_clock(6.5)
+        assert (await store.heartbeat("h1"))[0] == [old.lease_id]
+    finally:
+        await client.aclose()
+        await store.close()
+
+
+# ---- Redis down, Redis back --------------------------------------------------------------
+
+
+async def test_redis_outage_fails_fast_and_service_resumes(tmp_path: Path, kv: Any) -> None:
+    from conftest import RedisProcess
+
+    durable = ("--dir", str(tmp_path), "--appendonly", "yes", "--appendfsync", "always",
+               "--save", "")
+    server = RedisProcess(*durable)
+    config = RegistryConfig(backend="redis", redis_url=server.url, redis_namespace="outage")
+    store = RedisStore(config, SystemClock())
+    await store.start()
+    try:
+        await store.register_holder(holder(ttl=300.0))
+        lease = (await store.grant(grant_spec(kv, kv.tokens(8)))).lease
+        server.stop()
+        started = time.monotonic()
+        with pytest.raises(errors.Unavailable):
+            await store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
+        assert await store.tick() == 0  # the scheduler keeps going
+        assert time.monotonic() - started < 2.0  # readers fail open, they do not wait
+        server = RedisProcess(*durable, port=server.port)  # back, with its append-only file
+        read = await store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
+        assert read.miss is MissReason.HIT and read.lease is not None
+        assert read.lease.lease_id == lease.lease_id
+    finally:
+        await store.close()
+        server.stop()
+
+
+# ---- two registry replicas on one Redis, over real gRPC --------------------------------------
+
+
+async def _replica(redis_url: str, namespace: str) -> RegistryServer:
+    """A registry on Redis, its (shared) clock moved past the grace after a first start."""
+    config = RegistryConfig(listen="127.0.0.1:0", metrics_listen="", backend="redis",
+                            redis_url=redis_url, redis_namespace=namespace)
+    server = await create_server(config)
+    await server.start()
+    assert isinstance(server.store, RedisStore)
+    await server.store.advance_clock(config.effective_recovery_grace_s)
+    return server
+
+
+class _Watch:
+    def __init__(self, client: AsyncRegistryClient) -> None:
+        self.events: list[tuple[str, str]] = []
+        self.task = asyncio.create_task(self._run(client))
+
+    async def _run(self, client: AsyncRegistryClient) -> None:
+        async for event in client.watch_leases():
+            self.events.append(
+                (pb.LeaseEventType.Name(event.type).removeprefix("LEASE_EVENT_TYPE_"),
+                 event.lease_id))
+
+    async def wait_for(self, item: tuple[str, str], timeout: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout
+        while item not in self.events:
+            assert time.monotonic() < deadline, f"no {item} in {self.events}"
+            await asyncio.sleep(0.01)
+
+    async def close(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+async def _wait_watchers(server: RegistryServer, count: int) -> None:
+    deadline = time.monotonic() + 5
+    while server.store.listener_count() - 1 < count:  # the metrics listener excluded
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.005)
+
+
+async def test_two_replicas_serve_one_fleet(redis_server: Any, redis_namespace: str,
+                                            kv: Any) -> None:
+    a = await _replica(redis_server.url, redis_namespace)
+    b = await _replica(redis_server.url, redis_namespace)
+    ca = AsyncRegistryClient(f"127.0.0.1:{a.port}")
+    cb = AsyncRegistryClient(f"127.0.0.1:{b.port}")
+    watch_a, watch_b = _Watch(ca), _Watch(cb)
+    try:
+        await _wait_watchers(a, 1)
+        await _wait_watchers(b, 1)
+        await cb.register_holder(**kv.holder_args("h1", ttl=300.0))
+        tokens = kv.tokens(10)
+        granted = (await cb.grant_lease(**kv.grant_args("h1", "t1", "c1", tokens,
+                                                        idle_ttl=5.0))).lease
+        # A grant on B is readable and pinnable on A; A sees B's events.
+        read = await ca.acquire_read("t1", "c1", kv.prompt_hashes(tokens), reader_id="p1")
+        assert read.miss_reason == pb.MISS_REASON_UNSPECIFIED and read.matched_blocks == 2  # a hit
+        assert read.lease.lease_id == granted.lease_id and read.holder.nixl_host == "10.0.0.7"
+        whole = await ca.pin_lease("t1", "c1")
+        assert whole.read.miss_reason == pb.MISS_REASON_UNSPECIFIED
+        assert whole.block_hashes == kv.lease_hashes(tokens)[:2 * 16]
+        await watch_a.wait_for(("GRANTED", granted.lease_id))
+        assert (await cb.get_lease(granted.lease_id)).pin_count == 2
+        assert await cb.release_read(read.pin.pin_id)
+        assert await cb.release_read(whole.read.pin.pin_id)
+        # Expiry: both replicas tick; the lease expires once, and each watcher sees it once.
+        store = a.store
+        assert isinstance(store, RedisStore)
+        await store.advance_clock(6.0)
+        await watch_a.wait_for(("RECLAIMABLE", granted.lease_id))
+        await watch_b.wait_for(("RECLAIMABLE", granted.lease_id))
+        await asyncio.sleep(0.2)  # more ticks on both replicas: nothing more may come
+        for watch in (watch_a, watch_b):
+            mine = [t for t, lid in watch.events if lid == granted.lease_id]
+            assert mine == ["GRANTED", "EXPIRED", "RECLAIMABLE"]
+        client = aioredis.Redis.from_url(redis_server.url)
+        try:
+            stream = await client.xrange(store.prefix + "events")
+        finally:
+            await client.aclose()
+        expired = [f for _, f in stream
+                   if f[b"t"] == b"%d" % EventType.EXPIRED and f[b"l"] == granted.lease_id.encode()]
+        assert len(expired) == 1
+        # The reclaim notice reaches the holder through either replica, until it acks.
+        assert list((await ca.heartbeat("h1")).reclaimable_lease_ids) == [granted.lease_id]
+        assert list((await cb.heartbeat("h1", [granted.lease_id])).reclaimable_lease_ids) == []
+        with pytest.raises(errors.LeaseNotFound):
+            await ca.get_lease(granted.lease_id)
+    finally:
+        await watch_a.close()
+        await watch_b.close()
+        await ca.close()
+        await cb.close()
+        await a.stop(0)
+        await b.stop(0)
+
+
+async def test_replica_bad_input_gets_the_canonical_status(redis_server: Any,
+                                                           redis_namespace: str,
+                                                           kv: Any) -> None:
+    a = await _replica(redis_server.url, redis_namespace)
+    c = AsyncRegistryClient(f"127.0.0.1:{a.port}")
+    try:
+        with pytest.raises(errors.HolderNotFound):
+            await c.grant_lease(**kv.grant_args("nobody", "t1", "c1", kv.tokens(4)))
+        await c.register_holder(**kv.holder_args("h1"))
+        with pytest.raises(errors.InvalidArgument) as caught:
+            await c.grant_lease(**kv.grant_args("h1", "t1", "c1", kv.tokens(8),
+                                                token_count=2))
+        assert caught.value.metadata["field"] == "token_count"
+        assert (await c.list_leases(include_inactive=True)).leases == []
+    finally:
+        await c.close()
+        await a.stop(0)
+
+
+# ---- `kvbridge registry serve --backend redis` -----------------------------------------------
+
+
+def _kvbridge() -> list[str]:
+    script = Path(sys.executable).parent / "kvbridge"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvbridge.cli"]
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
+    env.update(extra)
+    return env
+
+
+def test_serve_with_unreachable_redis_fails_cleanly() -> None:
+    for args, env in (
+        (["--redis-url", "redis://127.0.0.1:1/0", "--backend", "redis"], {}),
+        ([], {"KVBRIDGE_REGISTRY_BACKEND": "redis",
+              "KVBRIDGE_REGISTRY_REDIS_URL": "redis://127.0.0.1:1/0"}),
+    ):
+        result = subprocess.run(
+            [*_kvbridge(), "registry", "serve", "--listen", "127.0.0.1:0",
+             "--metrics-listen", "", *args],
+            capture_output=True, text=True, timeout=60, env=_clean_env(**env))
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.startswith(
+            "Error: cannot start the registry: cannot reach Redis at redis://127.0.0.1:1/0")
+        assert "Traceback" not in result.stderr
+
+
+def test_serve_redis_backend_needs_a_url() -> None:
+    result = subprocess.run(
+        [*_kvbridge(), "registry", "serve", "--backend", "redis"],
+        capture_output=True, text=True, timeout=60, env=_clean_env())
+    assert result.returncode == 2
+    assert "backend redis needs redis_url" in result.stderr
+
+
+def _spawn_replica(redis_url: str, namespace: str) -> tuple[subprocess.Popen[str], str]:
+    """`kvbridge registry serve --backend redis` as a process (configured by environment);
+    returns it and its gRPC address once it logged `registry_started`."""
+    proc = subprocess.Popen(
+        [*_kvbridge(), "registry", "serve", "--listen", "127.0.0.1:0", "--metrics-listen", ""],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env=_clean_env(KVBRIDGE_REGISTRY_BACKEND="redis", KVBRIDGE_REGISTRY_REDIS_URL=redis_url,
+                       KVBRIDGE_REGISTRY_REDIS_NAMESPACE=namespace))
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        event = json.loads(line)
+        if event.get("event") == "registry_started":
+            assert event["backend"] == "redis"
+            return proc, event["listen"]
+    raise AssertionError(f"the replica exited with {proc.wait(5)} before it started")
+
+
+def _end(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(5)
+
+
+@pytest.mark.slow
+def test_serve_subprocess_on_redis(redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    from kvbridge.clients import RegistryClient
+
+    proc, target = _spawn_replica(redis_server.url, redis_namespace)
+    try:
+        with RegistryClient(target) as client:
+            client.register_holder(**kv.holder_args("h1"))
+            lease = client.grant_lease(**kv.grant_args("h1", "t1", "c1", kv.tokens(8))).lease
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stderr is not None
+        rest = proc.stderr.read()  # the pipe must not fill up while the replica shuts down
+        assert proc.wait(timeout=10) == 0, rest
+    finally:
+        _end(proc)
+
+    async def check() -> None:  # the lease outlives the replica: it lives in Redis
+        config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                                redis_namespace=redis_namespace)
+        store = RedisStore(config, SystemClock())
+        await store.start()
+        try:
+            assert (await store.get_lease(lease.lease_id)).state is LeaseState.ACTIVE
+        finally:
+            await store.close()
+
+    asyncio.run(check())
+
+
+@pytest.mark.slow
+async def test_a_replica_killed_mid_pin_loses_no_lease_and_no_pin(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    proc, target = _spawn_replica(redis_server.url, redis_namespace)
+    other = await _replica(redis_server.url, redis_namespace)
+    try:
+        async with AsyncRegistryClient(target) as client:
+            await client.register_holder(**kv.holder_args("h1", ttl=300.0))
+            lease = (await client.grant_lease(**kv.grant_args("h1", "t1", "c1",
+                                                              kv.tokens(8)))).lease
+            read = await client.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)),
+                                             pin_ttl=25.0)
+            assert read.pin.pin_id
+        proc.send_signal(signal.SIGKILL)  # mid-pin: the reader is still reading
+        proc.wait(5)
+        async with AsyncRegistryClient(f"127.0.0.1:{other.port}") as client:
+            kept = await client.get_lease(lease.lease_id)
+            assert (kept.state, kept.pin_count) == (pb.LEASE_STATE_ACTIVE, 1)
+            await client.revoke_lease(lease.lease_id, "memory pressure", holder_id="h1")
+            # The pin granted by the dead replica still holds the blocks.
+            assert list((await client.heartbeat("h1")).reclaimable_lease_ids) == []
+            assert await client.release_read(read.pin.pin_id)
+            assert list((await client.heartbeat("h1")).reclaimable_lease_ids) == [
+                lease.lease_id]
+    finally:
+        _end(proc)
+        await other.stop(0)
