@@ -208,11 +208,9 @@ class Stack:
 
 
 def _free_port() -> int:
-    import socket
+    from kvbridge.stack import _free_port as free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 @contextmanager
