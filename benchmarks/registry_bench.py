@@ -209,7 +209,7 @@ class _Registries:
 
 
 def _registry_proc(leases: int, extra: Sequence[str] = ()) -> _Proc:
-    proc = _spawn([sys.executable, "-m", "kvbridge.cli", "registry", "serve",
+    proc = _spawn([sys.executable, "-m", "kvbridge.cli", "registry", "serve", "--insecure",
                    "--listen", "127.0.0.1:0", "--metrics-listen", "",
                    "--log-level", "info", "--log-format", "json",
                    "--max-leases", str(leases * 2 + 100000), *extra])

@@ -359,7 +359,7 @@ def soak_bench(minutes: float, conversations: int, holders: int, think_s: float,
 
     # Readers pin for 5 s at most here, so the registry's start-up hold on reclaims (it cannot
     # tell a first start from a restart that lost pins) lasts 6 s rather than the default 31.
-    registry = _spawn([sys.executable, "-m", "kvbridge.cli", "registry", "serve",
+    registry = _spawn([sys.executable, "-m", "kvbridge.cli", "registry", "serve", "--insecure",
                        "--listen", "127.0.0.1:0", "--metrics-listen", "",
                        "--log-level", "info", "--log-format", "json",
                        "--default-pin-ttl-s", "5", "--max-pin-ttl-s", "5",

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import grpc
 
 from kvbridge._grpc_status import from_rpc_error
+from kvbridge.auth import TlsFiles, call_metadata
 from kvbridge.errors import DeadlineExceeded
 
 DEFAULT_TIMEOUT = 2.0
@@ -57,6 +58,14 @@ class _Replicas:
     targets: list[str]
     _stubs: list[Any]
     _active: int
+    metadata: tuple[tuple[str, str], ...] | None  # the bearer token, sent with every call
+
+    def _security(self, token: str | None, tls: TlsFiles | None) -> Any:
+        """Set `metadata` from `token`; the channel credentials when `tls` asks for TLS."""
+        self.metadata = call_metadata(token) or None
+        if tls is not None and tls.enabled:
+            return tls.channel_credentials()
+        return None
 
     @property
     def _stub(self) -> Any:
@@ -82,13 +91,16 @@ class SyncClient(_Replicas):
     stub_class: ClassVar[Any]
 
     def __init__(self, target: str | Sequence[str], *, timeout: float = DEFAULT_TIMEOUT,
-                 retries: int = 3, channel: grpc.Channel | None = None) -> None:
+                 retries: int = 3, channel: grpc.Channel | None = None,
+                 token: str | None = None, tls: TlsFiles | None = None) -> None:
         self.targets = split_targets(target)
         self.target = ",".join(self.targets)
         self.timeout = timeout
         self.retries = retries
+        creds = self._security(token, tls)
         self._channels = [channel] if channel is not None else [
-            grpc.insecure_channel(t, options=CHANNEL_OPTIONS) for t in self.targets]
+            grpc.secure_channel(t, creds, options=CHANNEL_OPTIONS) if creds is not None
+            else grpc.insecure_channel(t, options=CHANNEL_OPTIONS) for t in self.targets]
         self._stubs = [self.stub_class(c) for c in self._channels]
         self._active = 0
 
@@ -113,7 +125,8 @@ class SyncClient(_Replicas):
                 raise DeadlineExceeded(f"{method} to {self.target}: no reply within {budget:g}s")
             index = self._active
             try:
-                return getattr(self._stubs[index], method)(request, timeout=left)
+                return getattr(self._stubs[index], method)(request, timeout=left,
+                                                           metadata=self.metadata)
             except grpc.RpcError as err:
                 code = err.code()
                 if (self._failed(index, code) and idempotent and code in RETRYABLE
@@ -134,13 +147,16 @@ class AsyncClient(_Replicas):
     stub_class: ClassVar[Any]
 
     def __init__(self, target: str | Sequence[str], *, timeout: float = DEFAULT_TIMEOUT,
-                 retries: int = 3, channel: grpc.aio.Channel | None = None) -> None:
+                 retries: int = 3, channel: grpc.aio.Channel | None = None,
+                 token: str | None = None, tls: TlsFiles | None = None) -> None:
         self.targets = split_targets(target)
         self.target = ",".join(self.targets)
         self.timeout = timeout
         self.retries = retries
+        creds = self._security(token, tls)
         self._channels = [channel] if channel is not None else [
-            grpc.aio.insecure_channel(t, options=CHANNEL_OPTIONS) for t in self.targets]
+            grpc.aio.secure_channel(t, creds, options=CHANNEL_OPTIONS) if creds is not None
+            else grpc.aio.insecure_channel(t, options=CHANNEL_OPTIONS) for t in self.targets]
         self._stubs = [self.stub_class(c) for c in self._channels]
         self._active = 0
 
@@ -166,7 +182,8 @@ class AsyncClient(_Replicas):
                 raise DeadlineExceeded(f"{method} to {self.target}: no reply within {budget:g}s")
             index = self._active
             try:
-                return await getattr(self._stubs[index], method)(request, timeout=left)
+                return await getattr(self._stubs[index], method)(request, timeout=left,
+                                                                 metadata=self.metadata)
             except grpc.RpcError as err:
                 code = err.code()
                 if (self._failed(index, code) and idempotent and code in RETRYABLE

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import click
 from google.protobuf import json_format
 
+from kvbridge.auth import TOKEN_ENV, TlsFiles
 from kvbridge.clients._registry import RegistryClient, seconds
 from kvbridge.errors import DeadlineExceeded, InvalidArgument, KvbridgeError, Unavailable
 from kvbridge.registry.v1 import registry_pb2 as pb
@@ -30,6 +31,47 @@ json_option = click.option("--json", "as_json", is_flag=True,
                            help="print JSON (one object per line) instead of a table")
 timeout_option = click.option("--timeout", default=5.0, show_default=True,
                               help="seconds to wait for each RPC")
+
+
+_SECURITY_KEY = "kvbridge.client_security"
+
+
+def security_options(fn: F) -> F:
+    """--token and the TLS flags of a client command; the command builds its client with
+    `client_security()`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, token: str, tls_ca: str, tls_cert: str, tls_key: str,
+                **kwargs: Any) -> Any:
+        tls = TlsFiles(tls_cert, tls_key, tls_ca)
+        try:
+            tls.validate(server=False)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from exc
+        click.get_current_context().meta[_SECURITY_KEY] = {
+            "token": token or None, "tls": tls if tls.enabled else None}
+        return fn(*args, **kwargs)
+
+    options = [
+        click.option("--token", envvar=TOKEN_ENV, default="", show_default=False,
+                     help=f"bearer token for a server with authentication (prefer the "
+                          f"environment variable) [env {TOKEN_ENV}]"),
+        click.option("--tls-ca", envvar="KVBRIDGE_TLS_CA", default="",
+                     help="PEM CA to trust: connect with TLS [env KVBRIDGE_TLS_CA]"),
+        click.option("--tls-cert", envvar="KVBRIDGE_TLS_CERT", default="",
+                     help="PEM client certificate, for mutual TLS [env KVBRIDGE_TLS_CERT]"),
+        click.option("--tls-key", envvar="KVBRIDGE_TLS_KEY", default="",
+                     help="PEM key of --tls-cert [env KVBRIDGE_TLS_KEY]"),
+    ]
+    for option in reversed(options):
+        wrapper = option(wrapper)
+    return wrapper  # type: ignore[return-value]
+
+
+def client_security() -> dict[str, Any]:
+    """`token=` and `tls=` for a client, from the current command's --token and TLS flags."""
+    ctx = click.get_current_context(silent=True)
+    return dict(ctx.meta.get(_SECURITY_KEY, {})) if ctx is not None else {}
 
 
 def _fail_cleanly(fn: F) -> F:
@@ -95,6 +137,7 @@ def leases_group() -> None:
 
 @leases_group.command("list")
 @registry_option
+@security_options
 @click.option("--tenant", default="", help="only this tenant's leases")
 @click.option("--conversation", default="", help="only this conversation (needs --tenant)")
 @click.option("--holder", default="", help="only this holder's leases")
@@ -108,7 +151,7 @@ def leases_group() -> None:
 def leases_list(registry: str, tenant: str, conversation: str, holder: str,
                 include_inactive: bool, limit: int, as_json: bool, timeout: float) -> None:
     """List leases (paginated under the hood)."""
-    with RegistryClient(registry, timeout=timeout) as client:
+    with RegistryClient(registry, timeout=timeout, **client_security()) as client:
         leases = []
         for lease in client.iter_leases(tenant=tenant, conversation_id=conversation,
                                         holder_id=holder, include_inactive=include_inactive):
@@ -125,13 +168,14 @@ def leases_list(registry: str, tenant: str, conversation: str, holder: str,
 
 @leases_group.command("show")
 @registry_option
+@security_options
 @click.argument("lease_id")
 @json_option
 @timeout_option
 @_fail_cleanly
 def leases_show(registry: str, lease_id: str, as_json: bool, timeout: float) -> None:
     """Show one lease in full."""
-    with RegistryClient(registry, timeout=timeout) as client:
+    with RegistryClient(registry, timeout=timeout, **client_security()) as client:
         lease = client.get_lease(lease_id)
     if as_json:
         click.echo(_json(lease))
@@ -154,6 +198,7 @@ def leases_show(registry: str, lease_id: str, as_json: bool, timeout: float) -> 
 
 @leases_group.command("renew")
 @registry_option
+@security_options
 @click.argument("lease_ids", nargs=-1)
 @click.option("--conversation", "conversations", multiple=True, metavar="TENANT/CONVERSATION",
               help="renew a conversation's current lease (repeatable)")
@@ -173,7 +218,7 @@ def leases_renew(registry: str, lease_ids: tuple[str, ...], conversations: tuple
         refs.append((tenant, conv))
     if not lease_ids and not refs:
         raise click.UsageError("name at least one lease id or --conversation")
-    with RegistryClient(registry, timeout=timeout) as client:
+    with RegistryClient(registry, timeout=timeout, **client_security()) as client:
         resp = client.renew_leases(lease_ids, refs)
     names = list(lease_ids) + list(conversations)
     for name, r in zip(names, resp.results, strict=True):
@@ -191,6 +236,7 @@ def leases_renew(registry: str, lease_ids: tuple[str, ...], conversations: tuple
 
 @leases_group.command("revoke")
 @registry_option
+@security_options
 @click.argument("lease_id")
 @click.option("--reason", default="operator", show_default=True, help="recorded in the log")
 @json_option
@@ -199,7 +245,7 @@ def leases_renew(registry: str, lease_ids: tuple[str, ...], conversations: tuple
 def leases_revoke(registry: str, lease_id: str, reason: str, as_json: bool,
                   timeout: float) -> None:
     """Revoke a lease: it is never read again; the holder frees it once no pin is live."""
-    with RegistryClient(registry, timeout=timeout) as client:
+    with RegistryClient(registry, timeout=timeout, **client_security()) as client:
         resp = client.revoke_lease(lease_id, reason)
     if as_json:
         click.echo(_json(resp))
@@ -212,6 +258,7 @@ def leases_revoke(registry: str, lease_id: str, reason: str, as_json: bool,
 
 @leases_group.command("watch")
 @registry_option
+@security_options
 @click.option("--holder", default="", help="only this holder's leases")
 @click.option("--tenant", default="", help="only this tenant's leases")
 @click.option("--renewals", is_flag=True, help="also show renewals (high volume)")
@@ -223,7 +270,7 @@ def leases_watch(registry: str, holder: str, tenant: str, renewals: bool, count:
                  as_json: bool) -> None:
     """Stream lease events as they happen."""
     seen = 0
-    with RegistryClient(registry) as client:
+    with RegistryClient(registry, **client_security()) as client:
         try:
             for event in client.watch_leases(holder, tenant, renewals):
                 if as_json:
@@ -249,12 +296,13 @@ def holders_group() -> None:
 
 @holders_group.command("list")
 @registry_option
+@security_options
 @json_option
 @timeout_option
 @_fail_cleanly
 def holders_list(registry: str, as_json: bool, timeout: float) -> None:
     """List registered holders."""
-    with RegistryClient(registry, timeout=timeout) as client:
+    with RegistryClient(registry, timeout=timeout, **client_security()) as client:
         holders = list(client.iter_holders())
     if as_json:
         for h in holders:

@@ -205,7 +205,7 @@ class RegistryClient(SyncClient):
         """Stream lease events until the caller stops iterating or the stream fails."""
         req = pb.WatchLeasesRequest(holder_id=holder_id, tenant=tenant,
                                     include_renewals=include_renewals)
-        stream = self._stub.WatchLeases(req)
+        stream = self._stub.WatchLeases(req, metadata=self.metadata)
         try:
             for resp in stream:
                 yield resp.event
@@ -318,7 +318,7 @@ class AsyncRegistryClient(AsyncClient):
         """An async iterator of lease events."""
         req = pb.WatchLeasesRequest(holder_id=holder_id, tenant=tenant,
                                     include_renewals=include_renewals)
-        call = self._stub.WatchLeases(req)
+        call = self._stub.WatchLeases(req, metadata=self.metadata)
         try:
             async for resp in call:
                 yield resp.event

@@ -92,8 +92,9 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         self.metrics = ConnectorMetrics()
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
+        security: dict[str, Any] = {"token": self.settings.token(), "tls": self.settings.tls()}
         client = (RegistryClient(self.settings.registry, timeout=self.settings.rpc_timeout_s,
-                                 retries=1) if self.settings.registry else None)
+                                 retries=1, **security) if self.settings.registry else None)
         if transfer.kv_role in ("kv_consumer", "kv_both") and not self.settings.registry:
             raise ValueError("kvbridge on a decode engine (kv_consumer) needs kvbridge.registry: "
                              "it registers as a holder and grants leases there")
@@ -119,7 +120,7 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                                  "engines, so that a failed read recomputes")
             reads: ReadClient | None = (
                 RouterClient(self.settings.router, timeout=self.settings.rpc_timeout_s,
-                             retries=1) if self.settings.router else client)
+                             retries=1, **security) if self.settings.router else client)
             assert reads is not None
             self.prefill = PrefillReuse(
                 self.settings, reads, reader_id=self.engine_id, block_size=block_size,
@@ -127,6 +128,7 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                 metrics=self.metrics)
             self.prefill.warm()
         log.info("kvbridge_connector_started", role=transfer.kv_role, engine_id=self.engine_id,
+                 token=security["token"] is not None, tls=security["tls"] is not None,
                  registry=self.settings.registry or None,
                  router=self.settings.router or None, block_size=block_size,
                  fingerprint=fingerprint[:12], metrics_port=self.metrics.port,

@@ -11,8 +11,11 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from typing import Any
+
+from kvbridge.auth import TlsFiles
 
 # The key under which a request's kv_transfer_params carry its conversation.
 CONVERSATION_KEY = "kvbridge"
@@ -56,6 +59,18 @@ class ConnectorSettings:
     does not wait for a revocation round trip (0: make room only when a request arrives)."""
     headroom_cap: float = 0.5
     """Decode: the most of the pool that headroom may keep free (a fraction)."""
+    token_env: str = "KVBRIDGE_TOKEN"
+    """The environment variable of the engine process holding its bearer token (a decode
+    engine's has role holder, a prefill engine's role reader). Never put the token itself in
+    the transfer config: vLLM logs it."""
+    token_file: str = ""
+    """A file holding the bearer token (instead of `token_env`)."""
+    tls_ca: str = ""
+    """PEM CA to trust for the registry and router: calls to them then use TLS."""
+    tls_cert: str = ""
+    """PEM client certificate for mutual TLS (with `tls_key`)."""
+    tls_key: str = ""
+    """PEM private key of `tls_cert`."""
     metrics_port: int = 0
     """Port for the connector's Prometheus metrics in the engine-core process (0: off)."""
     metrics_host: str = "127.0.0.1"
@@ -71,6 +86,26 @@ class ConnectorSettings:
             raise ValueError("kvbridge.headroom_cap must be in [0, 1]")
         if self.pin_margin_s >= self.pin_ttl_s:
             raise ValueError("kvbridge.pin_margin_s must be smaller than pin_ttl_s")
+
+    def token(self) -> str | None:
+        """The bearer token, from `token_file` or the `token_env` variable; None when unset."""
+        if self.token_file:
+            try:
+                with open(self.token_file) as f:
+                    return f.read().strip() or None
+            except OSError as exc:
+                raise ValueError(f"kvbridge.token_file: cannot read {self.token_file}: "
+                                 f"{exc.strerror}") from exc
+        return os.environ.get(self.token_env) or None
+
+    def tls(self) -> TlsFiles | None:
+        if not self.tls_ca:
+            if self.tls_cert:
+                raise ValueError("kvbridge.tls_cert needs kvbridge.tls_ca")
+            return None
+        files = TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
+        files.validate(server=False)
+        return files
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:

@@ -8,15 +8,20 @@ request bytes parsed inside the handler instead of by gRPC.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import ModuleType
 from typing import Any
 
 import grpc
+import structlog
 from google.protobuf.message import DecodeError
 
+from kvbridge import auth
 from kvbridge._grpc_status import to_status
-from kvbridge.errors import InvalidArgument
+from kvbridge.errors import InvalidArgument, KvbridgeError
+
+log = structlog.get_logger("kvbridge.auth")
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
@@ -51,10 +56,59 @@ def _streaming(fn: Callable[[Any, Ctx], AsyncIterator[Any]], cls: Any
     return handle
 
 
+class _Guard:
+    """Authentication and the method's rule, run before the servicer sees the request; the
+    caller is then `kvbridge.auth.current()` for checks that need stored state."""
+
+    def __init__(self, authenticator: auth.Authenticator, rule: auth.Rule, method: str) -> None:
+        self.authenticator, self.rule, self.method = authenticator, rule, method
+
+    async def admit(self, request: Any, context: Ctx) -> auth.Principal:
+        try:
+            principal = self.authenticator.authenticate(context.invocation_metadata())
+            self.rule.apply(self.method, principal, request)
+        except KvbridgeError as err:
+            log.info("rpc_denied", method=self.method, reason=err.reason, error=err.message,
+                     peer=context.peer())
+            await context.abort_with_status(to_status(err))
+            raise  # unreachable: abort_with_status raises
+        return principal
+
+
+def _guarded_unary(fn: Callable[[Any, Ctx], Awaitable[Any]], cls: Any, guard: _Guard
+                   ) -> Callable[[bytes, Ctx], Awaitable[Any]]:
+    async def handle(raw: bytes, context: Ctx) -> Any:
+        request = await _parse(raw, cls, context)
+        token = auth.set_current(await guard.admit(request, context))
+        try:
+            return await fn(request, context)
+        finally:
+            with contextlib.suppress(ValueError):  # another context (should not happen)
+                auth.reset_current(token)
+
+    return handle
+
+
+def _guarded_streaming(fn: Callable[[Any, Ctx], AsyncIterator[Any]], cls: Any, guard: _Guard
+                       ) -> Callable[[bytes, Ctx], AsyncIterator[Any]]:
+    async def handle(raw: bytes, context: Ctx) -> AsyncIterator[Any]:
+        request = await _parse(raw, cls, context)
+        auth.set_current(await guard.admit(request, context))  # this stream's own context
+        async for item in fn(request, context):
+            yield item
+
+    return handle
+
+
 def add_servicer(server: grpc.aio.Server, servicer: Any, messages: ModuleType,
-                 service_name: str) -> None:
+                 service_name: str, *, authenticator: auth.Authenticator | None = None,
+                 rules: Mapping[str, auth.Rule] | None = None) -> None:
     """Register every method of `service_name` (from the `_pb2` module `messages`) on
-    `server`, served by the same-named methods of `servicer`."""
+    `server`, served by the same-named methods of `servicer`.
+
+    With an enabled `authenticator`, every call is authenticated and checked against its
+    method's entry in `rules` (which must name every method) before the servicer runs."""
+    guarded = authenticator is not None and authenticator.enabled
     service = messages.DESCRIPTOR.services_by_name[service_name]
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
@@ -63,7 +117,20 @@ def add_servicer(server: grpc.aio.Server, servicer: Any, messages: ModuleType,
         request_cls = _message_class(messages, method.input_type)
         response_cls = _message_class(messages, method.output_type)
         fn = getattr(servicer, method.name)
-        if method.server_streaming:
+        if guarded:
+            assert authenticator is not None
+            if rules is None or method.name not in rules:
+                raise ValueError(f"{method.full_name}: no access rule")
+            guard = _Guard(authenticator, rules[method.name], method.name)
+            if method.server_streaming:
+                handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                    _guarded_streaming(fn, request_cls, guard), _identity,
+                    response_cls.SerializeToString)
+            else:
+                handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                    _guarded_unary(fn, request_cls, guard), _identity,
+                    response_cls.SerializeToString)
+        elif method.server_streaming:
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
                 _streaming(fn, request_cls), _identity, response_cls.SerializeToString)
         else:

@@ -105,6 +105,19 @@ class PermissionDenied(KvbridgeError):
     reason = "PERMISSION_DENIED"
 
 
+class Unauthenticated(KvbridgeError):
+    """The call carries no valid credentials (missing, malformed or unknown token)."""
+
+    reason = "UNAUTHENTICATED"
+
+
+class TenantQuotaExceeded(KvbridgeError):
+    """The tenant is at its quota (leases or retained blocks) and nothing of its own could be
+    released to make room."""
+
+    reason = "TENANT_QUOTA_EXCEEDED"
+
+
 # The one mapping from domain errors to gRPC codes (etcd v3rpc/util.go style).
 STATUS_CODES: dict[type[KvbridgeError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -120,6 +133,8 @@ STATUS_CODES: dict[type[KvbridgeError], grpc.StatusCode] = {
     NoInstance: grpc.StatusCode.UNAVAILABLE,
     DeadlineExceeded: grpc.StatusCode.DEADLINE_EXCEEDED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    TenantQuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     KvbridgeError: grpc.StatusCode.INTERNAL,
 }
 
@@ -132,7 +147,7 @@ ERRORS_BY_CODE: dict[grpc.StatusCode, type[KvbridgeError]] = {
     grpc.StatusCode.CANCELLED: Unavailable,
     grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityExhausted,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
-    grpc.StatusCode.UNAUTHENTICATED: PermissionDenied,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
 }
 
 

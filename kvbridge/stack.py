@@ -70,18 +70,23 @@ async def run_stack(opts: UpOptions, stop: asyncio.Event,
 
     cleanups: list[Callable[[], Awaitable[None]]] = []
     try:
+        # The embedded stack is a local, single-machine stack: insecure local mode, said so
+        # in its start line and its ready banner.
+        log.warning("insecure_local_mode", auth="off", tls="off",
+                    note="every gRPC caller is an admin; for a trusted local machine only")
         registry = await create_registry(RegistryConfig(listen=opts.registry_listen,
-                                                        metrics_listen=""))
+                                                        metrics_listen="", insecure=True))
         await registry.start()
         cleanups.append(lambda: registry.stop(1.0))
         router = await create_router(RouterConfig(listen=opts.router_listen,
-                                                  registry=registry.address, metrics_listen=""))
+                                                  registry=registry.address, metrics_listen="",
+                                                  insecure=True))
         await router.start()
         cleanups.append(lambda: router.stop(1.0))
         # CPU engines share this machine's cores with everything here: generous deadlines.
         gateway = await start_gateway(GatewayConfig(
             listen=opts.gateway_listen, router=router.address, registry=registry.address,
-            api_keys_file=opts.api_keys_file, route_timeout_s=5.0))
+            api_keys_file=opts.api_keys_file, route_timeout_s=5.0, insecure=True))
         cleanups.append(gateway.stop)
         urls = Urls(gateway.url, registry.address, router.address)
         if opts.cpu_engines:

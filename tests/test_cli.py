@@ -325,16 +325,16 @@ def test_registry_from_environment(threaded_registry, leases):
 
 
 def test_serve_rejects_invalid_config_with_exit_2():
-    result = CliRunner().invoke(main, ["registry", "serve", "--max-pin-ttl-s", "0"])
+    result = CliRunner().invoke(main, ["registry", "serve", "--insecure", "--max-pin-ttl-s", "0"])
     assert result.exit_code == 2
     assert "max_pin_ttl_s must be positive" in result.output
-    result = CliRunner().invoke(main, ["registry", "serve", "--log-level", "loud"])
+    result = CliRunner().invoke(main, ["registry", "serve", "--insecure", "--log-level", "loud"])
     assert result.exit_code == 2
 
 
 def test_serve_on_a_busy_port_fails_cleanly(threaded_registry):
-    result = CliRunner().invoke(main, ["registry", "serve", "--listen", threaded_registry.target,
-                                       "--metrics-listen", ""])
+    result = CliRunner().invoke(main, ["registry", "serve", "--insecure", "--listen",
+                                       threaded_registry.target, "--metrics-listen", ""])
     assert result.exit_code == 1
     assert "cannot start the registry" in result.output
 
@@ -353,7 +353,7 @@ class Served:
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
         full_env.update(env or {})
-        self.proc = subprocess.Popen([*_kvbridge(), "registry", "serve", *args],
+        self.proc = subprocess.Popen([*_kvbridge(), "registry", "serve", "--insecure", *args],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, env=full_env)
         self.lines: queue.Queue[str] = queue.Queue()
@@ -461,7 +461,7 @@ def test_serve_subprocess_with_busy_metrics_port_fails_cleanly():
     busy.listen(1)
     try:
         result = subprocess.run(
-            [*_kvbridge(), "registry", "serve", "--listen", "127.0.0.1:0",
+            [*_kvbridge(), "registry", "serve", "--insecure", "--listen", "127.0.0.1:0",
              "--metrics-listen", f"127.0.0.1:{busy.getsockname()[1]}"],
             capture_output=True, text=True, timeout=30,
             env={k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")})

@@ -759,7 +759,7 @@ def test_serve_with_unreachable_redis_fails_cleanly() -> None:
               "KVBRIDGE_REGISTRY_REDIS_URL": "redis://127.0.0.1:1/0"}),
     ):
         result = subprocess.run(
-            [*_kvbridge(), "registry", "serve", "--listen", "127.0.0.1:0",
+            [*_kvbridge(), "registry", "serve", "--insecure", "--listen", "127.0.0.1:0",
              "--metrics-listen", "", *args],
             capture_output=True, text=True, timeout=60, env=_clean_env(**env))
         assert result.returncode == 1, result.stderr
@@ -770,7 +770,7 @@ def test_serve_with_unreachable_redis_fails_cleanly() -> None:
 
 def test_serve_redis_backend_needs_a_url() -> None:
     result = subprocess.run(
-        [*_kvbridge(), "registry", "serve", "--backend", "redis"],
+        [*_kvbridge(), "registry", "serve", "--insecure", "--backend", "redis"],
         capture_output=True, text=True, timeout=60, env=_clean_env())
     assert result.returncode == 2
     assert "backend redis needs redis_url" in result.stderr
@@ -780,7 +780,8 @@ def _spawn_replica(redis_url: str, namespace: str) -> tuple[subprocess.Popen[str
     """`kvbridge registry serve --backend redis` as a process (configured by environment);
     returns it and its gRPC address once it logged `registry_started`."""
     proc = subprocess.Popen(
-        [*_kvbridge(), "registry", "serve", "--listen", "127.0.0.1:0", "--metrics-listen", ""],
+        [*_kvbridge(), "registry", "serve", "--insecure", "--listen", "127.0.0.1:0",
+         "--metrics-listen", ""],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env=_clean_env(KVBRIDGE_REGISTRY_BACKEND="redis", KVBRIDGE_REGISTRY_REDIS_URL=redis_url,
                        KVBRIDGE_REGISTRY_REDIS_NAMESPACE=namespace))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from kvbridge.auth import INSECURE_ENV, TOKEN_ENV, TlsFiles
 from kvbridge.config import check_logging, setting
 
 
@@ -42,6 +43,18 @@ class GatewayConfig:
     retries: int = setting(
         1, "times a turn is sent to another instance when an engine cannot be reached before "
         "anything was streamed")
+    token: str = setting(
+        "", "bearer token (role gateway) the gateway sends to the router and the registry; "
+        "prefer the environment variable to the flag", env=TOKEN_ENV)
+    insecure: bool = setting(
+        False, "insecure local mode: accept requests without a configured --api-keys-file "
+        "(any bearer token names its own tenant). Without it the gateway refuses to start "
+        "with no API keys", env=INSECURE_ENV)
+    tls_ca: str = setting("", "PEM CA to trust for the router and registry (calls to them then "
+                          "use TLS)", env="KVBRIDGE_TLS_CA")
+    tls_cert: str = setting("", "PEM client certificate for routers and registries that "
+                            "require one (mutual TLS)", env="KVBRIDGE_TLS_CERT")
+    tls_key: str = setting("", "PEM private key of --tls-cert", env="KVBRIDGE_TLS_KEY")
     log_level: str = setting("info", "debug, info, warning or error")
     log_format: str = setting("auto", "json, console, or auto (JSON unless on a terminal)")
 
@@ -57,3 +70,9 @@ class GatewayConfig:
         if not self.router:
             raise ValueError("router is required")
         check_logging(self.log_level, self.log_format)
+        if self.client_tls() is not None:
+            TlsFiles(self.tls_cert, self.tls_key, self.tls_ca).validate(server=False)
+
+    def client_tls(self) -> TlsFiles | None:
+        """TLS for the gateway's calls to the router and registry: on when tls_ca is set."""
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca) if self.tls_ca else None

@@ -38,8 +38,11 @@ class GatewayServer:
 async def start_gateway(config: GatewayConfig) -> GatewayServer:
     """Build and start a gateway on `config.listen` (port 0 picks a free port)."""
     tenants = Tenants(config.api_keys_file)
-    router = AsyncRouterClient(config.router, timeout=config.route_timeout_s)
-    registry = AsyncRegistryClient(config.registry, timeout=2.0) if config.registry else None
+    token, tls = config.token or None, config.client_tls()
+    router = AsyncRouterClient(config.router, timeout=config.route_timeout_s, token=token,
+                               tls=tls)
+    registry = (AsyncRegistryClient(config.registry, timeout=2.0, token=token, tls=tls)
+                if config.registry else None)
     gateway = Gateway(config, router, registry, tenants)
     runner = web.AppRunner(gateway.app(), access_log=None, handle_signals=False)
     await runner.setup()
@@ -62,6 +65,13 @@ async def start_gateway(config: GatewayConfig) -> GatewayServer:
 
 
 async def serve(config: GatewayConfig, *, ready: asyncio.Event | None = None) -> None:
+    """Run a gateway until SIGTERM or SIGINT. ValueError when it would run in open mode (no
+    API keys) outside insecure local mode."""
+    if not config.api_keys_file and not config.insecure:
+        raise ValueError(
+            "the gateway has no API keys configured: give it --api-keys-file FILE "
+            "('API_KEY TENANT' lines) or, on a trusted local machine only, run it with "
+            "--insecure (KVBRIDGE_INSECURE=1): any bearer token then names its own tenant")
     logs.configure(config.log_level, config.log_format)
     server = await start_gateway(config)
     if ready is not None:

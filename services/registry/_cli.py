@@ -33,6 +33,8 @@ def serve_command(**options: Any) -> None:
     config = build_config(RegistryConfig, options)
     try:
         aio.run(serve(config))
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     except OSError as exc:
         raise click.ClickException(f"cannot start the registry: {exc}") from exc
 

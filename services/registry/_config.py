@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from kvbridge.auth import SecuritySettings
 from kvbridge.config import check_logging, setting
 
 
 @dataclasses.dataclass(frozen=True)
-class RegistryConfig:
+class RegistryConfig(SecuritySettings):
     """Everything an operator can set on a registry; validated at construction."""
 
     env_prefix: ClassVar[str] = "KVBRIDGE_REGISTRY_"
@@ -97,6 +98,7 @@ class RegistryConfig:
         if not self.redis_namespace or any(c in self.redis_namespace for c in "{} \t\n"):
             raise ValueError("redis_namespace must be non-empty, without braces or spaces")
         check_logging(self.log_level, self.log_format)
+        self.check_security()
 
     @property
     def effective_recovery_grace_s(self) -> float:

@@ -15,10 +15,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from kvbridge import aio, logs
+from kvbridge import aio, auth, logs
 from kvbridge._grpc_handlers import add_servicer
 from kvbridge.clock import Clock, SystemClock
 from kvbridge.registry.v1 import registry_pb2 as pb
+from kvbridge.services.registry._access import RULES
 from kvbridge.services.registry._config import RegistryConfig
 from kvbridge.services.registry._core import LeaseTable
 from kvbridge.services.registry._metrics import RegistryMetrics
@@ -79,7 +80,8 @@ class RegistryServer:
         log.info("registry_started", listen=self.address, metrics_port=self.metrics_port,
                  backend=self.config.backend,
                  event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
-                 recovery_grace_s=self.config.effective_recovery_grace_s)
+                 recovery_grace_s=self.config.effective_recovery_grace_s,
+                 **auth.describe(self.config.token_table(), self.config.tls_files()))
 
     async def _run_expiry(self) -> None:
         store, clock = self.store, self.store.clock
@@ -156,7 +158,8 @@ def _bind(config: RegistryConfig, store: LeaseStore) -> RegistryServer:
     ])
     # Requests are parsed by the handlers: bytes that are not the request message get
     # INVALID_ARGUMENT with a reason, not gRPC's UNKNOWN.
-    add_servicer(server, RegistryServicer(store, metrics), pb, "RegistryService")
+    add_servicer(server, RegistryServicer(store, metrics), pb, "RegistryService",
+                 authenticator=auth.Authenticator(config.token_table()), rules=RULES)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -164,8 +167,8 @@ def _bind(config: RegistryConfig, store: LeaseStore) -> RegistryServer:
          reflection.SERVICE_NAME), server)
     host, port = split_hostport(config.listen)
     try:
-        bound = server.add_insecure_port(
-            f"{host}:{port}" if ":" not in host else f"[{host}]:{port}")
+        bound = auth.bind(server, f"{host}:{port}" if ":" not in host else f"[{host}]:{port}",
+                          config.tls_files())
     except RuntimeError as exc:  # grpcio raises (rather than return 0) when the bind fails
         raise OSError(f"cannot bind the registry to {config.listen}: {exc}") from exc
     if bound == 0:
@@ -196,7 +199,9 @@ async def _tame_gc(freeze_every: float, full_every: float) -> None:
 
 
 async def serve(config: RegistryConfig, *, ready: asyncio.Event | None = None) -> None:
-    """Run a registry until SIGTERM or SIGINT."""
+    """Run a registry until SIGTERM or SIGINT. ValueError when it would run unauthenticated
+    outside insecure local mode."""
+    auth.require_secured(config.token_table(), config.insecure, "registry")
     logs.configure(config.log_level, config.log_format)
     registry = await create_server(config)
     await registry.start()

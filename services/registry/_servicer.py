@@ -18,9 +18,10 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from kvbridge import __version__, blockhash
 from kvbridge._grpc_status import to_status
-from kvbridge.errors import CapacityExhausted, KvbridgeError
+from kvbridge.errors import CapacityExhausted, KvbridgeError, LeaseNotFound
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
+from kvbridge.services.registry import _access
 from kvbridge.services.registry import _validate as check
 from kvbridge.services.registry._core import (
     GrantSpec,
@@ -211,6 +212,8 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     @_rpc
     async def RenewLeases(self, request: pb.RenewLeasesRequest,
                           context: Ctx) -> pb.RenewLeasesResponse:
+        if request.lease_ids and _access.scoped():
+            await self._check_leases(request.lease_ids)
         results = await self.store.renew(
             request.lease_ids, [(c.tenant, c.conversation_id) for c in request.conversations])
         out = pb.RenewLeasesResponse()
@@ -230,6 +233,8 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     @_rpc
     async def RevokeLease(self, request: pb.RevokeLeaseRequest,
                           context: Ctx) -> pb.RevokeLeaseResponse:
+        if _access.scoped():
+            _access.may_touch(await self.store.get_lease(request.lease_id))
         lease = await self.store.revoke(request.lease_id, request.holder_id, request.reason)
         return pb.RevokeLeaseResponse(lease=self._lease(lease), reclaimable=lease.reclaimable)
 
@@ -237,6 +242,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     async def GetLease(self, request: pb.GetLeaseRequest,
                        context: Ctx) -> pb.GetLeaseResponse:
         lease = await self.store.get_lease(request.lease_id)
+        _access.may_touch(lease)
         return pb.GetLeaseResponse(lease=self._lease(lease, blocks=True))
 
     @_rpc
@@ -252,6 +258,15 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         return pb.ListLeasesResponse(
             leases=[self._lease(x, blocks=request.include_blocks) for x in page],
             next_page_token=page[-1].lease_id if len(found) > size else "")
+
+    async def _check_leases(self, lease_ids: Any) -> None:
+        """The caller may touch every one of these leases (unknown ids are left to the call)."""
+        for lease_id in lease_ids:
+            try:
+                lease = await self.store.get_lease(lease_id)
+            except LeaseNotFound:
+                continue
+            _access.may_touch(lease)
 
     # ---- reads ------------------------------------------------------------------------------
 

@@ -8,7 +8,15 @@ from typing import Any
 import click
 
 from kvbridge import aio
-from kvbridge.clients._cli import _fmt_duration, _json, _table, json_option, timeout_option
+from kvbridge.clients._cli import (
+    _fmt_duration,
+    _json,
+    _table,
+    client_security,
+    json_option,
+    security_options,
+    timeout_option,
+)
 from kvbridge.clients._registry import seconds
 from kvbridge.clients._router import ROLES, RouterClient
 from kvbridge.config import build_config, config_options
@@ -38,6 +46,8 @@ def serve_command(**options: Any) -> None:
     config = build_config(RouterConfig, options)
     try:
         aio.run(serve(config))
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     except OSError as exc:
         raise click.ClickException(f"cannot start the router: {exc}") from exc
 
@@ -54,6 +64,7 @@ router_option = click.option(
 
 @instances_group.command("list")
 @router_option
+@security_options
 @click.option("--role", type=click.Choice(sorted(ROLES)), default=None,
               help="only this role")
 @click.option("--model", default="", help="only instances serving this model")
@@ -63,7 +74,7 @@ def instances_list(router: str, role: str | None, model: str, as_json: bool,
                    timeout: float) -> None:
     """List live instances with their load."""
     try:
-        with RouterClient(router, timeout=timeout) as client:
+        with RouterClient(router, timeout=timeout, **client_security()) as client:
             instances = client.list_instances(role or "", model)
     except (Unavailable, DeadlineExceeded) as err:
         click.echo(f"error: {err.reason}: cannot reach the router at {router} ({err.message}); "

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from kvbridge.auth import TOKEN_ENV, SecuritySettings
 from kvbridge.config import check_logging, setting
 
 
 @dataclasses.dataclass(frozen=True)
-class RouterConfig:
+class RouterConfig(SecuritySettings):
     """Everything an operator can set on a router; validated at construction."""
 
     env_prefix: ClassVar[str] = "KVBRIDGE_ROUTER_"
@@ -39,6 +40,9 @@ class RouterConfig:
         "of its KV are refused meanwhile)")
     max_id_length: int = setting(256, "longest id (instance, engine, tenant, conversation)")
     shutdown_grace_s: float = setting(5.0, "seconds in-flight RPCs get on SIGTERM")
+    token: str = setting(
+        "", "bearer token (role router) the router sends to the registry; prefer the "
+        "environment variable to the flag", env=TOKEN_ENV)
     log_level: str = setting("info", "debug, info, warning or error")
     log_format: str = setting("auto", "json, console, or auto (JSON unless on a terminal)")
 
@@ -57,3 +61,4 @@ class RouterConfig:
         if not 0.0 < self.decode_max_kv_usage <= 1.0:
             raise ValueError("decode_max_kv_usage must be in (0, 1]")
         check_logging(self.log_level, self.log_format)
+        self.check_security()

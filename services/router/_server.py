@@ -12,12 +12,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from kvbridge import aio, logs
+from kvbridge import aio, auth, logs
 from kvbridge._grpc_handlers import add_servicer
 from kvbridge.clients._registry import AsyncRegistryClient
 from kvbridge.clock import Clock, SystemClock
 from kvbridge.router.v1 import router_pb2 as pb
 from kvbridge.services.registry._server import split_hostport
+from kvbridge.services.router._access import RULES
 from kvbridge.services.router._config import RouterConfig
 from kvbridge.services.router._policy import InstanceTable
 from kvbridge.services.router._servicer import RouterMetrics, RouterServicer
@@ -57,7 +58,8 @@ class RouterServer:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("router_started", listen=self.address, registry=self.config.registry or None,
-                 metrics_port=self.metrics_port)
+                 metrics_port=self.metrics_port,
+                 **auth.describe(self.config.token_table(), self.config.tls_files()))
 
     async def _run_expiry(self) -> None:
         while True:  # instances are also expired lazily on every call; this logs losses soon
@@ -83,10 +85,12 @@ async def create_server(config: RouterConfig, *, clock: Clock | None = None) -> 
     """Build a router bound to `config.listen` (not started). Port 0 picks a free port."""
     table = InstanceTable(config, clock or SystemClock())
     metrics = RouterMetrics(table)
-    registry = (AsyncRegistryClient(config.registry, timeout=config.read_timeout_s, retries=1)
+    registry = (AsyncRegistryClient(config.registry, timeout=config.read_timeout_s, retries=1,
+                                    token=config.token or None, tls=config.client_tls())
                 if config.registry else None)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    add_servicer(server, RouterServicer(table, metrics, registry), pb, "RouterService")
+    add_servicer(server, RouterServicer(table, metrics, registry), pb, "RouterService",
+                 authenticator=auth.Authenticator(config.token_table()), rules=RULES)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -94,8 +98,8 @@ async def create_server(config: RouterConfig, *, clock: Clock | None = None) -> 
          reflection.SERVICE_NAME), server)
     host, port = split_hostport(config.listen)
     try:
-        bound = server.add_insecure_port(
-            f"{host}:{port}" if ":" not in host else f"[{host}]:{port}")
+        bound = auth.bind(server, f"{host}:{port}" if ":" not in host else f"[{host}]:{port}",
+                          config.tls_files())
     except RuntimeError as exc:
         raise OSError(f"cannot bind the router to {config.listen}: {exc}") from exc
     if bound == 0:
@@ -104,7 +108,9 @@ async def create_server(config: RouterConfig, *, clock: Clock | None = None) -> 
 
 
 async def serve(config: RouterConfig, *, ready: asyncio.Event | None = None) -> None:
-    """Run a router until SIGTERM or SIGINT."""
+    """Run a router until SIGTERM or SIGINT. ValueError when it would run unauthenticated
+    outside insecure local mode."""
+    auth.require_secured(config.token_table(), config.insecure, "router")
     logs.configure(config.log_level, config.log_format)
     router = await create_server(config)
     await router.start()

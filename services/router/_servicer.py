@@ -204,7 +204,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         try:
             release = self._registry_stub().ReleaseRead
             await release(reg_pb.ReleaseReadRequest(pin_id=pin_id),  # type: ignore[misc]
-                          timeout=self.config.read_timeout_s)
+                          timeout=self.config.read_timeout_s,
+                          metadata=self.registry.metadata if self.registry else None)
         except grpc.aio.AioRpcError as err:  # the pin runs out on its own
             log.warning("release_failed", pin_id=pin_id, error=err.details())
 
@@ -265,7 +266,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
     async def _forward(self, method: str, request: Any, context: Ctx) -> Any:
         stub = self._registry_stub()
         try:
-            return await getattr(stub, method)(request, timeout=self.config.read_timeout_s)
+            return await getattr(stub, method)(request, timeout=self.config.read_timeout_s,
+                                               metadata=self.registry and self.registry.metadata)
         except grpc.aio.AioRpcError as err:
             if self.registry is not None:
                 self.registry.report_failure(err.code())  # registry replicas: fail over

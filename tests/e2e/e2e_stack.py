@@ -41,7 +41,7 @@ class Registry:
     def start(self) -> None:
         offset = self.log.stat().st_size if self.log.exists() else 0
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge.cli", "registry", "serve",
+            [sys.executable, "-m", "kvbridge.cli", "registry", "serve", "--insecure",
              "--listen", self.address, "--metrics-listen", "", "--max-pin-ttl-s", "10",
              "--default-pin-ttl-s", "5", "--recovery-grace-s", "10", "--log-level", "info"],
             stdout=subprocess.DEVNULL, stderr=self.log.open("ab"))
