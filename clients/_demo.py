@@ -9,6 +9,7 @@ process unless `--registry` names one).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import threading
 import time
@@ -17,6 +18,7 @@ from typing import Any
 import click
 
 from kvbridge import blockhash
+from kvbridge.auth import TOKEN_ENV
 from kvbridge.clients._holder_session import HolderSession
 from kvbridge.clients._registry import RegistryClient, seconds
 from kvbridge.registry.v1 import registry_pb2 as pb
@@ -85,7 +87,7 @@ def run_demo(target: str, turns: int, idle_ttl: float, seed: int,
              emit: Any = click.echo) -> dict[str, Any]:
     rng = random.Random(seed)
     freed: list[str] = []
-    client = RegistryClient(target, timeout=2.0)
+    client = RegistryClient(target, timeout=2.0, token=os.environ.get(TOKEN_ENV) or None)
     decode = HolderSession(client, holder_id="decode-0", nixl_host="127.0.0.1", nixl_port=5600,
                            block_size=BLOCK_SIZE, engine_fingerprint=FINGERPRINT,
                            on_reclaim=freed.extend, ttl=3.0)

@@ -13,6 +13,7 @@ NIXL read. Exit status 1 when anything is wrong.
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 import urllib.error
@@ -23,6 +24,7 @@ from typing import Any
 import click
 
 from kvbridge import __version__
+from kvbridge.auth import TOKEN_ENV
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 _CLOCK_SKEW_S = 2.0
@@ -312,7 +314,8 @@ def run_checks(registry: str, router: str, gateway: str, api_key: str, model: st
     instances: list[Any] | None = None
     if registry:
         try:
-            with RegistryClient(registry, timeout=3.0, retries=1) as client:
+            with RegistryClient(registry, timeout=3.0, retries=1,
+                                token=os.environ.get(TOKEN_ENV) or None) as client:
                 info = client.get_server_info()
                 holders = list(client.iter_holders())
             now = time.time()
@@ -326,7 +329,8 @@ def run_checks(registry: str, router: str, gateway: str, api_key: str, model: st
                                     "is `kvbridge registry serve` running there?"))
     if router:
         try:
-            with RouterClient(router, timeout=3.0, retries=1) as rclient:
+            with RouterClient(router, timeout=3.0, retries=1,
+                              token=os.environ.get(TOKEN_ENV) or None) as rclient:
                 rinfo = rclient.get_server_info()
                 instances = rclient.list_instances()
             now = time.time()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -23,6 +24,7 @@ import click
 import structlog
 
 from kvbridge import aio, logs
+from kvbridge.auth import TOKEN_ENV
 
 log = structlog.get_logger("kvbridge.engine")
 
@@ -135,7 +137,8 @@ async def _run(spec: Any, process: subprocess.Popen[bytes], router: str, ttl: fl
             moved = pin_to_core(process.pid, spec.cpu)
             log.info("engine_pinned", cpu=spec.cpu, threads_moved=moved)
         if router and not exited.done() and not stopping.is_set():
-            client = AsyncRouterClient(router, timeout=2.0)
+            client = AsyncRouterClient(router, timeout=2.0,
+                                       token=os.environ.get(TOKEN_ENV) or None)
             agent = InstanceAgent(client, spec.engine_id, spec.role, spec.url, spec.engine_id,
                                   model_name, spec.advertise_host, spec.nixl_port, ttl,
                                   alive=lambda: process.poll() is None)
