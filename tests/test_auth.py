@@ -545,3 +545,76 @@ def test_tls_settings_are_checked_at_startup(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["registry", "serve", "--insecure", "--tls-cert",
                                        str(tmp_path / "nope.pem")])
     assert result.exit_code == 2 and "tls_cert and tls_key go together" in result.output
+
+
+# ---- tenant quotas -----------------------------------------------------------------------------
+
+async def test_a_tenant_over_quota_gives_up_its_own_oldest_kv_not_anothers(
+        tmp_path: Path) -> None:
+    """acme may hold 2 leases and 8 blocks; globex is unlimited. acme's third conversation
+    revokes acme's soonest-expiring unpinned lease; globex's leases are never touched; a pinned
+    lease is not revoked, and when nothing can give way the grant is refused with
+    RESOURCE_EXHAUSTED / TENANT_QUOTA_EXCEEDED and nothing changes."""
+    quotas = tmp_path / "quotas.txt"
+    quotas.write_text("# tenant max_leases max_blocks\nacme 2 8\nglobex 0 0\n")
+    clock = FakeClock()
+    server = await start_registry(clock, auth_tokens=TOKENS, tenant_max_leases=1,
+                                  tenant_quota_file=str(quotas))
+    kv = KvKit()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    s, md = pb_grpc.RegistryServiceStub(channel), _md(ADMIN)
+
+    async def grant(tenant: str, conv: str, n_tokens: int = 12) -> pb.Lease:
+        resp = await s.GrantLease(pb.GrantLeaseRequest(**kv.grant_args(
+            "dec-0", tenant, conv, kv.tokens(n_tokens))), metadata=md)
+        return resp.lease
+
+    async def state(lease: pb.Lease) -> int:
+        got = await s.GetLease(pb.GetLeaseRequest(lease_id=lease.lease_id), metadata=md)
+        return int(got.lease.state)
+
+    try:
+        await s.RegisterHolder(pb.RegisterHolderRequest(**kv.holder_args("dec-0")), metadata=md)
+        g = [await grant("globex", f"g{i}") for i in range(4)]  # no limit for globex
+        a1 = await grant("acme", "a1")
+        clock.advance(1.0)
+        a2 = await grant("acme", "a2")
+        clock.advance(1.0)
+        a3 = await grant("acme", "a3")  # 3 leases > 2: a1 (soonest to expire) gives way
+        assert [await state(x) for x in (a1, a2, a3)] == [
+            pb.LEASE_STATE_REVOKED, pb.LEASE_STATE_ACTIVE, pb.LEASE_STATE_ACTIVE]
+        assert {await state(x) for x in g} == {pb.LEASE_STATE_ACTIVE}
+        # A new turn of a3 supersedes a3 itself: no other lease has to go.
+        a3b = await grant("acme", "a3", 16)
+        assert await state(a2) == pb.LEASE_STATE_ACTIVE and a3b.epoch == 2
+        # Pin a2 and a3: a fourth conversation finds nothing to revoke and is refused.
+        for conv in ("a2", "a3"):
+            pin = await s.PinLease(pb.PinLeaseRequest(tenant="acme", conversation_id=conv),
+                                   metadata=md)
+            assert pin.read.pin.pin_id
+        assert await _code(grant("acme", "a4")) == (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                                    "TENANT_QUOTA_EXCEEDED")
+        listed = await s.ListLeases(pb.ListLeasesRequest(tenant="acme"), metadata=md)
+        assert {x.conversation_id for x in listed.leases} == {"a2", "a3"}
+        # One lease bigger than the block quota on its own is refused outright.
+        assert (await _code(grant("acme", "a2", 40)))[1] == "TENANT_QUOTA_EXCEEDED"
+        # The default quota (1 lease) applies to a tenant the file does not name.
+        i1 = await grant("initech", "i1")
+        await grant("initech", "i2")
+        assert await state(i1) == pb.LEASE_STATE_REVOKED
+        assert server.table.tenant_usage("acme") == (2, 7)
+    finally:
+        await channel.close()
+        await server.stop(0)
+
+
+def test_quota_settings_are_checked(tmp_path: Path) -> None:
+    from kvbridge.services.registry import RegistryConfig
+
+    bad = tmp_path / "q.txt"
+    bad.write_text("acme two 8\n")
+    with pytest.raises(ValueError, match=r"q\.txt:1: expected 'TENANT MAX_LEASES MAX_BLOCKS'"):
+        RegistryConfig(tenant_quota_file=str(bad))
+    with pytest.raises(ValueError, match="memory backend only"):
+        RegistryConfig(backend="redis", redis_url="redis://127.0.0.1:1/0",
+                       tenant_max_leases=5)

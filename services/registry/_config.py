@@ -53,6 +53,15 @@ class RegistryConfig(SecuritySettings):
         "granted before the restart run out; -1 means max_pin_ttl_s + 1",
     )
     max_leases: int = setting(1_000_000, "total leases (active and awaiting reclaim) held")
+    tenant_max_leases: int = setting(
+        0, "most active leases one tenant may hold (0: no limit); past it the tenant's own "
+        "soonest-expiring unpinned leases are revoked to make room, never another tenant's")
+    tenant_max_blocks: int = setting(
+        0, "most KV blocks one tenant's active leases may retain (0: no limit); enforced like "
+        "tenant_max_leases")
+    tenant_quota_file: str = setting(
+        "", "per-tenant quotas overriding the two above: 'TENANT MAX_LEASES MAX_BLOCKS' lines "
+        "(0: no limit)")
     max_blocks_per_lease: int = setting(16384, "most KV blocks one lease may cover")
     max_id_length: int = setting(256, "longest id (tenant, conversation, holder, request)")
     max_batch: int = setting(10000, "most items in one RenewLeases call")
@@ -99,6 +108,38 @@ class RegistryConfig(SecuritySettings):
             raise ValueError("redis_namespace must be non-empty, without braces or spaces")
         check_logging(self.log_level, self.log_format)
         self.check_security()
+        if self.tenant_max_leases < 0 or self.tenant_max_blocks < 0:
+            raise ValueError("tenant_max_leases and tenant_max_blocks must not be negative")
+        if self.backend == "redis" and (self.tenant_max_leases or self.tenant_max_blocks
+                                        or self.tenant_quota_file):
+            raise ValueError("tenant quotas are enforced by the memory backend only so far; "
+                             "run --backend memory or leave the tenant quotas unset")
+        self.tenant_quotas()  # a bad quota file is an error at start
+
+    def tenant_quotas(self) -> dict[str, tuple[int, int]]:
+        """tenant -> (max leases, max blocks) from tenant_quota_file (0: no limit)."""
+        if not self.tenant_quota_file:
+            return {}
+        try:
+            with open(self.tenant_quota_file) as f:
+                text = f.read()
+        except OSError as exc:
+            raise ValueError(f"cannot read tenant_quota_file {self.tenant_quota_file}: "
+                             f"{exc.strerror}") from exc
+        quotas: dict[str, tuple[int, int]] = {}
+        for number, raw in enumerate(text.splitlines(), 1):
+            line = raw.split("#", 1)[0].split()
+            if not line:
+                continue
+            if len(line) != 3 or not line[1].isdigit() or not line[2].isdigit():
+                raise ValueError(f"{self.tenant_quota_file}:{number}: expected "
+                                 f"'TENANT MAX_LEASES MAX_BLOCKS' (whole numbers, 0: no limit)")
+            quotas[line[0]] = (int(line[1]), int(line[2]))
+        return quotas
+
+    def quota_of(self, tenant: str, overrides: dict[str, tuple[int, int]]
+                 ) -> tuple[int, int]:
+        return overrides.get(tenant, (self.tenant_max_leases, self.tenant_max_blocks))
 
     @property
     def effective_recovery_grace_s(self) -> float:

@@ -36,6 +36,7 @@ from kvbridge.errors import (
     IdempotencyConflict,
     LeaseNotFound,
     NotLeaseHolder,
+    TenantQuotaExceeded,
 )
 from kvbridge.services.registry import _validate as check
 from kvbridge.services.registry._config import RegistryConfig
@@ -265,6 +266,11 @@ class LeaseTable:
         # A fresh, empty registry may be a restarted one: holders may have pins from before.
         self._reclaim_hold_until = now + config.effective_recovery_grace_s if recovering else now
         self.active_leases = 0
+        # tenant -> [active leases, their blocks], for quotas (only while quotas are set)
+        self._quotas = config.tenant_quotas()
+        self._quotas_on = bool(self._quotas or config.tenant_max_leases
+                               or config.tenant_max_blocks)
+        self._tenant_usage: dict[str, list[int]] = {}
 
     # ---- listeners --------------------------------------------------------------------------
 
@@ -457,8 +463,10 @@ class LeaseTable:
 
         idle = g.idle_ttl or cfg.default_idle_ttl_s
         life = g.max_lifetime or max(cfg.default_max_lifetime_s, idle)
+        current = self._conversations.get(g.tenant, {}).get(g.conversation_id)
+        if self._quotas_on:
+            self._make_room_for_tenant(g.tenant, len(g.block_ids), current)
         convs = self._conversations.setdefault(g.tenant, {})
-        current = convs.get(g.conversation_id)
         epoch = current.epoch + 1 if current is not None else 1
         lease = Lease(lease_id, sys.intern(g.tenant), g.conversation_id, holder,
                       g.remote_request_id, g.block_ids, g.token_count, g.hashes, epoch,
@@ -668,6 +676,59 @@ class LeaseTable:
         lease.holder.lease_count += 1
         lease.holder.retained_blocks += lease.block_count
         self.active_leases += 1
+        if self._quotas_on:
+            usage = self._tenant_usage.setdefault(lease.tenant, [0, 0])
+            usage[0] += 1
+            usage[1] += lease.block_count
+
+    def _make_room_for_tenant(self, tenant: str, blocks: int, replacing: Lease | None) -> None:
+        """Keep `tenant` within its quota once a lease of `blocks` is added (superseding
+        `replacing`): revoke the tenant's own soonest-expiring unpinned leases as needed.
+        TenantQuotaExceeded, with nothing changed, when that cannot make enough room."""
+        max_leases, max_blocks = self.config.quota_of(tenant, self._quotas)
+        if not max_leases and not max_blocks:
+            return
+        leases, used = self._tenant_usage.get(tenant, (0, 0))
+        if replacing is not None and replacing.state is LeaseState.ACTIVE:
+            leases, used = leases - 1, used - replacing.block_count
+
+        def over(leases: int, used: int) -> bool:
+            return bool((max_leases and leases + 1 > max_leases)
+                        or (max_blocks and used + blocks > max_blocks))
+
+        if max_blocks and blocks > max_blocks:
+            raise TenantQuotaExceeded(
+                f"a lease of {blocks} blocks exceeds tenant {tenant!r}'s quota of {max_blocks}",
+                tenant=tenant, max_blocks=max_blocks)
+        if not over(leases, used):
+            return
+        now = self.clock.monotonic()
+        candidates = sorted(
+            (x for x in self._conversations.get(tenant, {}).values()
+             if x is not replacing and x.state is LeaseState.ACTIVE and x.pin_count == 0
+             and x.expire_at > now),
+            key=lambda x: x.expire_at)
+        victims = []
+        for lease in candidates:
+            if not over(leases, used):
+                break
+            victims.append(lease)
+            leases, used = leases - 1, used - lease.block_count
+        if over(leases, used):
+            raise TenantQuotaExceeded(
+                f"tenant {tenant!r} is at its quota ({max_leases or 'any'} leases, "
+                f"{max_blocks or 'any'} blocks) and its other leases are pinned",
+                tenant=tenant, max_leases=max_leases, max_blocks=max_blocks)
+        for lease in victims:
+            log.info("lease_revoked", lease_id=lease.lease_id, tenant=tenant,
+                     conversation=lease.conversation_id, holder=lease.holder.holder_id,
+                     reason="tenant_quota", pins=0)
+            self._kill(lease, LeaseState.REVOKED)
+
+    def tenant_usage(self, tenant: str) -> tuple[int, int]:
+        """(active leases, their blocks) of `tenant`; counted only while quotas are set."""
+        leases, blocks = self._tenant_usage.get(tenant, (0, 0))
+        return leases, blocks
 
     def _active_of(self, holder: Holder) -> list[Lease]:
         """A holder's active leases (a scan: only for rare events such as holder loss)."""
@@ -680,6 +741,12 @@ class LeaseTable:
         holder = lease.holder
         lease.state = state
         self.active_leases -= 1
+        if self._quotas_on:
+            usage = self._tenant_usage[lease.tenant]
+            usage[0] -= 1
+            usage[1] -= lease.block_count
+            if usage[0] == 0:
+                del self._tenant_usage[lease.tenant]
         holder.lease_count -= 1
         holder.dead_leases[lease.lease_id] = lease
         self._emit(_DEAD_EVENT[state], lease, lateness)
