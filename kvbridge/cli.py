@@ -30,6 +30,7 @@ def main(log_level: str) -> None:
                 kvbridge bench lease-policy, kvbridge bench soak
     Demo:       kvbridge demo (through a gateway), kvbridge registry demo (leases only)
     Models:     kvbridge model make-tiny PATH
+    Security:   kvbridge auth token|check (token tables for --auth-tokens-file)
     Testing:    kvbridge fault-proxy (delay, drop or reset traffic between components)
     """
     logs.configure(log_level, "auto")
@@ -54,12 +55,14 @@ def _register_benchmarks() -> None:
 
 _register_benchmarks()
 def _register_stack() -> None:
+    from kvbridge.auth_cli import auth_group
     from kvbridge.demo import demo_command
     from kvbridge.doctor import doctor_command
     from kvbridge.engine_cli import engine_group
     from kvbridge.faultproxy import fault_proxy_command
     from kvbridge.stack import up_command
 
+    main.add_command(auth_group)
     main.add_command(up_command)
     main.add_command(demo_command)
     main.add_command(engine_group)

@@ -618,3 +618,42 @@ def test_quota_settings_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="memory backend only"):
         RegistryConfig(backend="redis", redis_url="redis://127.0.0.1:1/0",
                        tenant_max_leases=5)
+
+
+def test_auth_cli_makes_tokens_a_server_accepts(tmp_path: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(main, ["auth", "token", "--role", "holder", "--holder", "dec-0"])
+    assert result.exit_code == 0, result.output
+    line = result.output.strip()
+    token = line.split()[0]
+    assert line.endswith("holder holder=dec-0") and token.startswith("kvb_")
+    result = runner.invoke(main, ["auth", "token", "--role", "tenant"])
+    assert result.exit_code == 2 and "needs tenants=" in result.output
+    hashed = runner.invoke(main, ["auth", "token", "--role", "admin", "--hashed"])
+    assert hashed.exit_code == 0
+    table = tmp_path / "tokens.txt"
+    table.write_text(line + "\n" + hashed.stdout)
+    result = runner.invoke(main, ["auth", "check", str(table)])
+    assert result.exit_code == 0 and "2 token(s): admin 1, holder 1" in result.output
+    loaded = TokenTable.load(str(table))
+    assert loaded is not None and loaded.lookup(token) is not None
+    (tmp_path / "bad.txt").write_text("x y\n")
+    result = runner.invoke(main, ["auth", "check", str(tmp_path / "bad.txt")])
+    assert result.exit_code == 1 and "unknown role" in result.output
+
+
+def test_connector_reads_its_token_from_the_environment_or_a_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbridge.connector._settings import ConnectorSettings
+
+    monkeypatch.setenv("KVBRIDGE_TOKEN", HOLDER)
+    assert ConnectorSettings().token() == HOLDER
+    monkeypatch.setenv("DECODE_TOKEN", READER)
+    assert ConnectorSettings.from_extra_config(
+        {"kvbridge": {"token_env": "DECODE_TOKEN"}}).token() == READER
+    (tmp_path / "tok").write_text(GATEWAY + "\n")
+    assert ConnectorSettings(token_file=str(tmp_path / "tok")).token() == GATEWAY
+    with pytest.raises(ValueError, match="cannot read"):
+        ConnectorSettings(token_file=str(tmp_path / "missing")).token()
+    with pytest.raises(ValueError, match=r"tls_cert needs kvbridge\.tls_ca"):
+        ConnectorSettings(tls_cert="x.pem").tls()
