@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
+import structlog
 
 from kvbridge.clock import FakeClock
 from kvbridge.services.registry import HolderSpec, LeaseTable, RegistryConfig
@@ -10,6 +14,22 @@ from kvbridge.services.registry import HolderSpec, LeaseTable, RegistryConfig
 BLOCK_SIZE = 4
 FINGERPRINT = "fp-test"
 HOLDER_ID = "h1"
+
+
+@pytest.fixture(autouse=True)
+def _no_cached_loggers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """`kvbridge` commands run in-process (CliRunner) configure structlog for the whole process,
+    caching each logger on first use with the runner's streams; no test may leave that behind
+    for later ones (a cached logger ignores `structlog.testing.capture_logs`)."""
+    configure = structlog.configure
+
+    def uncached(**kwargs: Any) -> None:
+        kwargs["cache_logger_on_first_use"] = False
+        configure(**kwargs)
+
+    monkeypatch.setattr(structlog, "configure", uncached)
+    yield
+    structlog.reset_defaults()
 
 
 @pytest.fixture
@@ -36,8 +56,8 @@ def table(registry_config: RegistryConfig, clock: FakeClock) -> LeaseTable:
 # on a FakeClock (tests advance time, never sleep for TTLs) and is stopped at teardown.
 import asyncio  # noqa: E402
 import threading  # noqa: E402
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator  # noqa: E402
-from typing import Any, TypeVar  # noqa: E402
+from collections.abc import AsyncIterator, Awaitable, Callable  # noqa: E402
+from typing import TypeVar  # noqa: E402
 
 import grpc  # noqa: E402
 

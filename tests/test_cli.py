@@ -18,27 +18,11 @@ from pathlib import Path
 
 import click
 import pytest
-import structlog
 from click.testing import CliRunner, Result
 
 from kvbridge.cli import main
 from kvbridge.clients import RegistryClient, seconds
 from kvbridge.registry.v1 import registry_pb2 as pb
-
-
-@pytest.fixture(autouse=True)
-def _no_cached_loggers(monkeypatch):
-    """`kvbridge` configures structlog for the whole process, caching each logger on first use
-    with the runner's streams; in-process runs must not leave that behind for later tests."""
-    configure = structlog.configure
-
-    def uncached(**kwargs):
-        kwargs["cache_logger_on_first_use"] = False
-        configure(**kwargs)
-
-    monkeypatch.setattr(structlog, "configure", uncached)
-    yield
-    structlog.reset_defaults()
 
 
 @pytest.fixture

@@ -856,3 +856,52 @@ async def test_a_replica_killed_mid_pin_loses_no_lease_and_no_pin(
     finally:
         _end(proc)
         await other.stop(0)
+
+
+# ---- tenant quotas ----------------------------------------------------------------------------
+
+
+async def test_tenant_quota_revokes_the_tenants_own_leases_only(make_backend: Factory,
+                                                                 kv: Any, tmp_path: Any) -> None:
+    """t1 may hold 2 leases of at most 6 blocks in all (a quota file); t2 has no quota. A grant
+    past t1's quota revokes t1's soonest-expiring unpinned lease; t2's are never touched; when
+    every other t1 lease is pinned the grant is refused and nothing changes."""
+    quotas = tmp_path / "quotas.txt"
+    quotas.write_text("t1 2 6\n")
+    b = await make_backend(tenant_quota_file=str(quotas))
+    await b.store.register_holder(holder())
+    toks = kv.tokens(8)  # 2 blocks
+
+    async def grant(tenant: str, conv: str, tokens: list[int] = toks) -> Any:
+        return (await b.store.grant(grant_spec(kv, tokens, tenant=tenant, conversation=conv,
+                                               idle_ttl=30.0))).lease
+
+    other = [await grant("t2", f"o{i}") for i in range(3)]  # t2: over t1's quota, unlimited
+    first = await grant("t1", "c1")
+    await b.advance(1.0)
+    second = await grant("t1", "c2")
+    await b.advance(1.0)
+    third = await grant("t1", "c3")  # 3 leases > 2: c1 goes
+    states = [(await b.store.get_lease(x.lease_id)).state for x in (first, second, third)]
+    assert states == [LeaseState.REVOKED, LeaseState.ACTIVE, LeaseState.ACTIVE]
+    assert {(await b.store.get_lease(x.lease_id)).state for x in other} == {LeaseState.ACTIVE}
+    # The next turn of c3, bigger (3 blocks: 2 + 3 <= 6), supersedes c3 and revokes nothing.
+    c3b = await grant("t1", "c3", kv.tokens(12))
+    assert c3b.epoch == 2
+    assert (await b.store.get_lease(second.lease_id)).state is LeaseState.ACTIVE
+    # Blocks: c2 pinned; a 4-block c4 needs c3b (3 blocks) to go: 2 + 4 <= 6.
+    pin = await b.store.pin_lease("t1", "c2")
+    assert pin.pin is not None
+    c4 = await grant("t1", "c4", kv.tokens(16))
+    assert c4.block_count == 4
+    assert (await b.store.get_lease(c3b.lease_id)).state is LeaseState.REVOKED
+    # Pin c4 too: c5 can make no room, so it is refused and nothing changes.
+    assert (await b.store.pin_lease("t1", "c4")).pin is not None
+    with pytest.raises(errors.TenantQuotaExceeded):
+        await grant("t1", "c5")
+    with pytest.raises(errors.TenantQuotaExceeded):  # alone bigger than the block quota
+        await grant("t1", "c6", kv.tokens(28))
+    active = [x.conversation_id for x in await b.store.list_leases("t1")
+              if x.state is LeaseState.ACTIVE]
+    assert sorted(active) == ["c2", "c4"]
+    await b.wait_events(first.lease_id, ["GRANTED", "REVOKED", "RECLAIMABLE"])

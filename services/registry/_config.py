@@ -110,10 +110,6 @@ class RegistryConfig(SecuritySettings):
         self.check_security()
         if self.tenant_max_leases < 0 or self.tenant_max_blocks < 0:
             raise ValueError("tenant_max_leases and tenant_max_blocks must not be negative")
-        if self.backend == "redis" and (self.tenant_max_leases or self.tenant_max_blocks
-                                        or self.tenant_quota_file):
-            raise ValueError("tenant quotas are enforced by the memory backend only so far; "
-                             "run --backend memory or leave the tenant quotas unset")
         self.tenant_quotas()  # a bad quota file is an error at start
 
     def tenant_quotas(self) -> dict[str, tuple[int, int]]:

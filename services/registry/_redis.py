@@ -46,6 +46,7 @@ from kvbridge.errors import (
     KvbridgeError,
     LeaseNotFound,
     NotLeaseHolder,
+    TenantQuotaExceeded,
     Unavailable,
 )
 from kvbridge.services.registry import _validate as check
@@ -104,6 +105,7 @@ class RedisStore:
         # When the shared state is found empty, hold reclaims for the grace (0: tests).
         self._grace = config.effective_recovery_grace_s if recovering else 0.0
         self.prefix = f"{{{config.redis_namespace}}}:"
+        self._quotas = config.tenant_quotas()
         self._events_key = self.prefix + "events"
         self._redis: aioredis.Redis | None = None
         self._tail: aioredis.Redis | None = None  # blocking XREADs get their own connection
@@ -285,7 +287,8 @@ class RedisStore:
             reply = await self._run(
                 "grant", g.holder_id, block_size, lease_id, 1 if g.request_id else 0, g.tenant,
                 g.conversation_id, g.remote_request_id, payload, g.token_count,
-                len(g.block_ids), idle, life, cfg.max_leases)
+                len(g.block_ids), idle, life, cfg.max_leases,
+                *cfg.quota_of(g.tenant, self._quotas))
             if reply[0] != b"STALE":
                 break
             block_size = int(reply[1])
@@ -301,6 +304,9 @@ class RedisStore:
         base = self._base(reply[1])
         lease = self._lease_with_holder(reply[2], reply[3], base)
         superseded = self._lease_with_holder(reply[4][0], reply[4][1], base) if reply[4] else None
+        for victim in (reply[5] if len(reply) > 5 else ()):
+            log.info("lease_revoked", lease_id=_s(victim), tenant=g.tenant,
+                     reason="tenant_quota", pins=0)
         log.debug("lease_granted", lease_id=lease.lease_id, tenant=g.tenant,
                   conversation=g.conversation_id, holder=g.holder_id, epoch=lease.epoch,
                   blocks=lease.block_count, tokens=g.token_count)
@@ -408,6 +414,10 @@ class RedisStore:
         if reason == "NOT_LEASE_HOLDER":
             return NotLeaseHolder(f"lease {lease_id!r} belongs to another holder",
                                   lease_id=lease_id)
+        if reason == "TENANT_QUOTA_EXCEEDED":
+            return TenantQuotaExceeded(
+                "the tenant is at its quota and its other leases are pinned (or this lease "
+                "alone exceeds its block quota)", holder=holder)
         if reason == "REQUEST_ID_REUSED":
             return IdempotencyConflict(f"request_id {request_id!r} was used for another {what}",
                                        request_id=request_id)

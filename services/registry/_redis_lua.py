@@ -22,6 +22,8 @@ Keys (P = prefix):
   P leases           zset (score 0): every lease id, in id order for listing
   P lexp             zset: ACTIVE lease -> expire time
   P c:<tenant> <conv>  string: the conversation's current lease id
+  P ta:<tenant>      set: the tenant's ACTIVE lease ids (for quotas)
+  P tb               hash: tenant -> blocks of its ACTIVE leases (for quotas)
   P p:<pin>          hash: l(lease) x(expire)
   P pexp             zset: pin -> expire time
   P events           stream: lease events (t l tn c h e w lt), read by every replica
@@ -66,10 +68,13 @@ end
 
 local function kill(lid, state, lateness)
   local L = P .. 'l:' .. lid
-  local f = redis.call('HMGET', L, 't', 'c', 'h', 'e', 'k')
+  local f = redis.call('HMGET', L, 't', 'c', 'h', 'e', 'k', 'b')
   redis.call('HSET', L, 's', state)
   redis.call('ZREM', P .. 'lexp', lid)
   redis.call('SREM', P .. 'ha:' .. f[3], lid)
+  if redis.call('SREM', P .. 'ta:' .. f[1], lid) == 1 then
+    redis.call('HINCRBY', P .. 'tb', f[1], -tonumber(f[6]))
+  end
   redis.call('SADD', P .. 'hd:' .. f[3], lid)
   emit(DEAD_EVENT[state], lid, f[1], f[2], f[3], f[4], lateness)
   if tonumber(f[5]) == 0 then emit(7, lid, f[1], f[2], f[3], f[4], 0) end
@@ -174,6 +179,8 @@ local function add_lease(lid, hid, tenant, conv, rrid, payload, tokens, blocks, 
   redis.call('ZADD', P .. 'leases', 0, lid)
   redis.call('SADD', P .. 'ha:' .. hid, lid)
   redis.call('HINCRBY', P .. 'h:' .. hid, 'rb', blocks)
+  redis.call('SADD', P .. 'ta:' .. tenant, lid)
+  redis.call('HINCRBY', P .. 'tb', tenant, blocks)
   return x
 end
 
@@ -335,6 +342,47 @@ elseif cmd == 'grant' then
   end
   local C = P .. 'c:' .. tenant .. ' ' .. conv
   local cur = redis.call('GET', C)
+  local evicted = {}
+  local QL, QB = tonumber(ARGS[16]), tonumber(ARGS[17])
+  if QL > 0 or QB > 0 then
+    local blocks = tonumber(ARGS[12])
+    if QB > 0 and blocks > QB then return {'ERR', 'TENANT_QUOTA_EXCEEDED'} end
+    local TA = P .. 'ta:' .. tenant
+    for _, m in ipairs(redis.call('SMEMBERS', TA)) do refresh(m) end  -- passed deadlines
+    local n = redis.call('SCARD', TA)
+    local used = tonumber(redis.call('HGET', P .. 'tb', tenant) or '0')
+    if cur and redis.call('SISMEMBER', TA, cur) == 1 then  -- superseded below
+      n = n - 1
+      used = used - tonumber(redis.call('HGET', P .. 'l:' .. cur, 'b'))
+    end
+    local function over()
+      return (QL > 0 and n + 1 > QL) or (QB > 0 and used + blocks > QB)
+    end
+    if over() then
+      -- The tenant's own soonest-expiring unpinned leases give way; never another tenant's.
+      local cands = {}
+      for _, m in ipairs(redis.call('SMEMBERS', TA)) do
+        if m ~= cur then
+          local f = redis.call('HMGET', P .. 'l:' .. m, 'x', 'k', 'b')
+          if tonumber(f[2]) == 0 then
+            cands[#cands + 1] = {m, tonumber(f[1]), tonumber(f[3])}
+          end
+        end
+      end
+      table.sort(cands, function(a, b)
+        if a[2] ~= b[2] then return a[2] < b[2] end
+        return a[1] < b[1]
+      end)
+      for _, c in ipairs(cands) do
+        if not over() then break end
+        evicted[#evicted + 1] = c[1]
+        n = n - 1
+        used = used - c[3]
+      end
+      if over() then return {'ERR', 'TENANT_QUOTA_EXCEEDED'} end
+      for _, v in ipairs(evicted) do kill(v, REVOKED, 0) end
+    end
+  end
   local epoch = 1
   local sup = {}
   if cur then
@@ -350,7 +398,7 @@ elseif cmd == 'grant' then
   redis.call('SET', C, lid)
   redis.call('ZADD', P .. 'lexp', F(x), lid)
   emit(1, lid, tenant, conv, hid, epoch, 0)
-  return {'OK', F(NOW), lease_enc(lid), holder_enc(hid), sup}
+  return {'OK', F(NOW), lease_enc(lid), holder_enc(hid), sup, evicted}
 
 elseif cmd == 'renew' then
   local nids = tonumber(ARGS[3])

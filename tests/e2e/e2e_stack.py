@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -33,6 +33,8 @@ class Registry:
     port: int
     log: Path
     process: subprocess.Popen[bytes] | None = None
+    # Security flags (e.g. ["--auth-tokens-file", PATH]); empty: insecure local mode.
+    security: list[str] = field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -41,9 +43,10 @@ class Registry:
     def start(self) -> None:
         offset = self.log.stat().st_size if self.log.exists() else 0
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge.cli", "registry", "serve", "--insecure",
-             "--listen", self.address, "--metrics-listen", "", "--max-pin-ttl-s", "10",
-             "--default-pin-ttl-s", "5", "--recovery-grace-s", "10", "--log-level", "info"],
+            [sys.executable, "-m", "kvbridge.cli", "registry", "serve",
+             *(self.security or ["--insecure"]), "--listen", self.address,
+             "--metrics-listen", "", "--max-pin-ttl-s", "10", "--default-pin-ttl-s", "5",
+             "--recovery-grace-s", "10", "--log-level", "info"],
             stdout=subprocess.DEVNULL, stderr=self.log.open("ab"))
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # this start's lines only (a killed one logs none)
@@ -62,23 +65,23 @@ class Registry:
             self.process.wait(20)
 
 
-def lease_epoch(registry: str, tenant: str, conversation: str) -> int:
+def lease_epoch(registry: str, tenant: str, conversation: str, token: str | None = None) -> int:
     """The epoch of the conversation's active lease (0 when it has none)."""
     from kvbridge.clients import RegistryClient
     from kvbridge.registry.v1 import registry_pb2 as pb
 
-    with RegistryClient(registry, timeout=10) as client:
+    with RegistryClient(registry, timeout=10, token=token) as client:
         leases = client.list_leases(tenant=tenant, conversation_id=conversation).leases
     return max((int(x.epoch) for x in leases if x.state == pb.LEASE_STATE_ACTIVE), default=0)
 
 
 def wait_for_newer_lease(registry: str, tenant: str, conversation: str, epoch: int,
-                         timeout: float = 20.0) -> int:
+                         timeout: float = 20.0, token: str | None = None) -> int:
     """Wait until decode's background grant over the last turn is in the registry: an active
     lease of the conversation newer than `epoch`. Returns its epoch."""
     deadline = time.monotonic() + timeout
     while True:
-        now = lease_epoch(registry, tenant, conversation)
+        now = lease_epoch(registry, tenant, conversation, token)
         if now > epoch:
             return now
         if time.monotonic() > deadline:
