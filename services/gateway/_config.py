@@ -40,8 +40,9 @@ class GatewayConfig:
     pin_ttl_s: float = setting(10.0, "how long a read pinned at route time holds decode's "
                                "blocks at most (released as soon as prefill has read them)")
     retries: int = setting(
-        1, "times a turn is sent to another instance when an engine cannot be reached before "
-        "anything was streamed")
+        1, "times a turn is sent to another instance when an engine fails it before anything "
+        "was sent to the client: unreachable, gone mid-request (connection lost), or a prefill "
+        "that answered 5xx (its pinned read is released first)")
     log_level: str = setting("info", "debug, info, warning or error")
     log_format: str = setting("auto", "json, console, or auto (JSON unless on a terminal)")
 
