@@ -36,12 +36,16 @@ from kvbridge.clients._router import RouterClient
 from kvbridge.engines import Engine, EngineSpec, _process_tree, start_engine, wait_ready
 from kvbridge.tiny_model import TinyModelSpec, make_tiny
 
-pytestmark = pytest.mark.e2e
+# Three CPU engines start on two shared cores: about 2 min measured; margin for a loaded machine.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 MODEL = "kvbridge-tiny"
 MAX_TOKENS = 16
 API_KEY = "sk-kill"
 RECEIVED = "Received request"  # vLLM's API server, with --enable-log-requests
+# No torch.compile: the warm-up compile is most of a CPU engine's start (53 s of 2 min measured
+# with three engines on two cores). Outputs are compared between engines of one stack only.
+EAGER = ["--compilation-config", '{"mode": 0}']
 
 
 @dataclass
@@ -105,13 +109,13 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
             # The prefills read through the router, as `kvbridge up --cpu-engines` has them.
             name: EngineSpec("prefill", str(model), free_port(), free_port(), f"kill-{name}",
                              urls["registry"], cpu=cpu, served_name=MODEL,
-                             extra_args=["--enable-log-requests"],
+                             extra_args=["--enable-log-requests", *EAGER],
                              kvbridge={"metrics_port": free_port(), "read_deadline_s": 5.0,
                                        "router": urls["router"], "rpc_timeout_s": 5.0})
             for name, cpu in (("prefill-a", 0), ("prefill-b", 1))}
         specs["decode"] = EngineSpec(
             "decode", str(model), free_port(), free_port(), "kill-decode", urls["registry"],
-            cpu=0, served_name=MODEL,
+            cpu=0, served_name=MODEL, extra_args=EAGER,
             kvbridge={"metrics_port": dm, "idle_ttl_s": 120.0, "holder_ttl_s": 10.0,
                       "rpc_timeout_s": 5.0})
         started = {name: start_engine(spec, tmp_path) for name, spec in specs.items()}
