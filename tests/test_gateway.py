@@ -37,6 +37,10 @@ class FakeEngine:
     name: str
     reused: int = 0
     received: list[dict[str, Any]] = field(default_factory=list)
+    # Failures to play, one per request, first first: "disconnect" (the engine dies with the
+    # request: connection lost, no answer), or an HTTP status to answer with. Engines may
+    # share one list: then the first request to reach any of them fails.
+    faults: list[str] = field(default_factory=list)
     runner: web.AppRunner | None = None
     port: int = 0
 
@@ -65,6 +69,15 @@ class FakeEngine:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
+        if self.faults:
+            fault = self.faults.pop(0)
+            if fault == "disconnect":
+                assert request.transport is not None
+                request.transport.abort()
+                return web.Response()  # never sent: the connection is gone
+            return web.json_response({"error": {"message": f"fake {fault}", "type": "x",
+                                                "param": None, "code": int(fault)}},
+                                     status=int(fault))
         chat = request.path.endswith("chat/completions")
         params = body.get("kv_transfer_params") or {}
         if self.role == "prefill":
@@ -345,6 +358,92 @@ async def test_unreachable_engine_is_retried_on_another(registry_server: Registr
         async with aiohttp.ClientSession() as session, session.get(f"{s.url}/metrics") as resp:
             text = await resp.text()
         assert 'kvbridge_gateway_retries_total{role="decode"} 1.0' in text
+    finally:
+        await close(s)
+
+
+async def _metric(s: Stack, needle: str) -> bool:
+    async with aiohttp.ClientSession() as session, session.get(f"{s.url}/metrics") as resp:
+        return needle in await resp.text()
+
+
+async def _pins(registry_server: RegistryServer, want: int) -> int:
+    for _ in range(200):  # released in the background
+        if registry_server.table.counts()["pins"] == want:
+            break
+        await asyncio.sleep(0.01)
+    return int(registry_server.table.counts()["pins"])
+
+
+@pytest.mark.parametrize("fault", ["disconnect", "500", "503"])
+async def test_prefill_that_fails_mid_turn_is_retried_on_the_other(
+        registry_server: RegistryServer, tmp_path: Path, kv: Any, fault: str) -> None:
+    """A prefill engine dies with the request (the connection drops, no answer) or answers
+    5xx: nothing has reached the client, so the gateway releases the read it pinned for that
+    instance and sends the turn to the other prefill, which gets a pin of its own."""
+    s = await make_stack(registry_server, tmp_path, engines=(
+        ("prefill", "p0"), ("prefill", "p1"), ("decode", "d0")))
+    try:
+        faults = [fault]  # shared: whichever prefill the router picks first fails
+        s.engines["p0"].faults = s.engines["p1"].faults = faults
+        tenant = "key-" + __import__("hashlib").blake2b(b"sk-alice", digest_size=8).hexdigest()
+        reg = s.registry_client
+        await reg.register_holder("engine-d0", "127.0.0.1", 5600, kv.block_size,
+                                  kv.fingerprint, ttl=60)
+        await reg.grant_lease("engine-d0", tenant, "conv-r", "req-1", [1, 2], 8,
+                              kv.lease_hashes(kv.tokens(8)))
+        raw = await client(s).completions.with_raw_response.create(
+            model=MODEL, prompt="hi", max_tokens=2, extra_body={"conversation_id": "conv-r"})
+        assert raw.parse().choices[0].text == "Hello from d0"
+        served = raw.headers["x-kvbridge-prefill-instance"]
+        failed = "p1" if served == "p0" else "p0"
+        assert not faults
+        assert len(s.engines[failed].received) == 1 and len(s.engines[served].received) == 1
+        pins = [s.engines[name].received[0]["kv_transfer_params"]["kvbridge"]["read"]["pin_id"]
+                for name in (failed, served)]
+        assert pins[0] != pins[1]
+        # The failed attempt's pin is back; the served one's is the (fake) engine's to release.
+        assert await _pins(registry_server, 1) == 1
+        assert pins[0] not in registry_server.table._pins
+        assert await _metric(s, 'kvbridge_gateway_retries_total{role="prefill"} 1.0')
+    finally:
+        await close(s)
+
+
+async def test_prefill_failing_on_every_instance_returns_its_error(
+        registry_server: RegistryServer, tmp_path: Path) -> None:
+    """Retries run out (one, by default): the client gets the last engine's own 5xx answer."""
+    s = await make_stack(registry_server, tmp_path, engines=(
+        ("prefill", "p0"), ("prefill", "p1"), ("decode", "d0")))
+    try:
+        faults = ["500", "500"]
+        s.engines["p0"].faults = s.engines["p1"].faults = faults
+        status, _, body = await post(s, "/v1/completions",
+                                     {"model": MODEL, "prompt": "hi", "max_tokens": 1})
+        assert status == 500 and body["error"]["message"] == "fake 500", body
+        assert not faults and not s.engines["d0"].received
+        assert await _metric(s, 'kvbridge_gateway_retries_total{role="prefill"} 1.0')
+        # Both gone mid-request: a 502 that says so.
+        faults += ["disconnect", "disconnect"]
+        status, _, body = await post(s, "/v1/completions",
+                                     {"model": MODEL, "prompt": "hi", "max_tokens": 1})
+        assert status == 502 and body["error"]["code"] == "engine_unreachable", body
+    finally:
+        await close(s)
+
+
+async def test_prefill_4xx_is_the_clients_answer_not_retried(
+        registry_server: RegistryServer, tmp_path: Path) -> None:
+    s = await make_stack(registry_server, tmp_path, engines=(
+        ("prefill", "p0"), ("prefill", "p1"), ("decode", "d0")))
+    try:
+        faults = ["400"]
+        s.engines["p0"].faults = s.engines["p1"].faults = faults
+        status, _, body = await post(s, "/v1/completions",
+                                     {"model": MODEL, "prompt": "hi", "max_tokens": 1})
+        assert status == 400 and body["error"]["message"] == "fake 400", body
+        assert len(s.engines["p0"].received) + len(s.engines["p1"].received) == 1
+        assert not await _metric(s, 'kvbridge_gateway_retries_total{role="prefill"}')
     finally:
         await close(s)
 

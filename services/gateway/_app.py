@@ -184,9 +184,15 @@ class _Turn:
 
 
 class _EngineDown(Exception):
-    def __init__(self, role: str, instance_id: str, error: str) -> None:
-        super().__init__(f"{role} instance {instance_id} unreachable: {error}")
-        self.role, self.instance_id = role, instance_id
+    """An engine failed a turn before anything was sent to the client: unreachable, gone
+    mid-request (connection lost), or a prefill that answered 5xx. `reply` is that 5xx answer,
+    returned to the client as it came when no other instance is left to try."""
+
+    def __init__(self, role: str, instance_id: str, error: str,
+                 reply: tuple[int, dict[str, Any]] | None = None) -> None:
+        what = "failed" if reply is not None else "unreachable"
+        super().__init__(f"{role} instance {instance_id} {what}: {error}")
+        self.role, self.instance_id, self.reply = role, instance_id, reply
 
 
 class Gateway:
@@ -308,11 +314,13 @@ class Gateway:
                     return response
                 except _EngineDown as down:
                     if turn.attempts > self.config.retries:
+                        if down.reply is not None:
+                            return web.json_response(down.reply[1], status=down.reply[0])
                         raise HttpError(502, str(down), "engine_error",
                                         "engine_unreachable") from None
                     self.metrics.retries.labels(down.role).inc()
-                    log.warning("engine_unreachable_retrying", role=down.role,
-                                instance=down.instance_id, tenant=tenant,
+                    log.warning("engine_failed_retrying", role=down.role,
+                                instance=down.instance_id, error=str(down), tenant=tenant,
                                 conversation=conversation or None)
                     excluded.append(down.instance_id)
         finally:
@@ -362,11 +370,12 @@ class Gateway:
             status, prefill = await self._post_json(route.prefill.http_url + path,
                                                     prefill_body, "prefill", turn.prefill)
         except _EngineDown:
-            # The engine never took the request: give its pinned read back now rather than
-            # hold decode's blocks until the pin runs out.
+            # The engine never took the request, died with it, or failed it: give its pinned
+            # read back now rather than hold decode's blocks until the pin runs out (a prefill
+            # that did take the pin may have released it already: releasing twice is harmless).
             pin_id = route.read.read.pin.pin_id if route.HasField("read") else ""
             if pin_id and self.registry is not None:
-                self._in_background(self.registry.release_read(pin_id))
+                self._in_background(self._release_pin(pin_id))
             raise
         turn.prefill_ms = (time.perf_counter() - start) * 1000
         self.metrics.prefill.observe(turn.prefill_ms / 1000)
@@ -409,16 +418,25 @@ class Gateway:
 
     async def _post_json(self, url: str, body: dict[str, Any], role: str, instance: str
                          ) -> tuple[int, dict[str, Any]]:
+        """POST a prefill request. A request the engine cannot take or finish (connection
+        refused or lost, as when the engine dies mid-request; a timeout; a 5xx answer) raises
+        `_EngineDown`: nothing has reached the client yet, so another instance may serve it."""
         assert self.session is not None
         try:
             async with self.session.post(url, json=body) as resp:
                 text = await resp.text()
-        except (TimeoutError, aiohttp.ClientConnectionError) as err:
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
             raise _EngineDown(role, instance, str(err) or type(err).__name__) from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError:
             data = None
+        if resp.status >= 500:
+            reply = (resp.status, data if isinstance(data, dict) else {"error": {
+                "message": f"{role} instance {instance} answered HTTP {resp.status}: "
+                           f"{text[:200]!r}", "type": "engine_error", "param": None,
+                "code": "engine_error"}})
+            raise _EngineDown(role, instance, f"HTTP {resp.status}: {text[:200]!r}", reply)
         if not isinstance(data, dict):
             raise HttpError(502, f"{role} instance {instance} answered HTTP {resp.status} "
                                  f"without a JSON object: {text[:200]!r}", "engine_error",
@@ -487,6 +505,13 @@ class Gateway:
         task: asyncio.Task[Any] = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _release_pin(self, pin_id: str) -> None:
+        assert self.registry is not None
+        try:
+            await self.registry.release_read(pin_id, timeout=2.0)
+        except KvbridgeError as err:  # the pin runs out on its own
+            log.debug("release_read_failed", pin_id=pin_id, error=str(err))
 
     async def _renew(self, tenant: str, conversation: str) -> int:
         assert self.registry is not None
