@@ -656,3 +656,59 @@ def test_connector_reads_its_token_from_the_environment_or_a_file(
         ConnectorSettings(token_file=str(tmp_path / "missing")).token()
     with pytest.raises(ValueError, match=r"tls_cert needs kvbridge\.tls_ca"):
         ConnectorSettings(tls_cert="x.pem").tls()
+
+
+ROUTER_ALLOWED = {
+    ADMIN: {"RegisterInstance", "HeartbeatInstance", "DeregisterInstance", "ListInstances",
+            "Route", "GetServerInfo", "AcquireRead", "ReleaseRead"},
+    HOLDER: {"RegisterInstance", "HeartbeatInstance", "DeregisterInstance", "GetServerInfo"},
+    READER: {"RegisterInstance", "HeartbeatInstance", "DeregisterInstance", "GetServerInfo",
+             "AcquireRead", "ReleaseRead"},
+    GATEWAY: {"ListInstances", "Route", "GetServerInfo", "AcquireRead", "ReleaseRead"},
+    ROUTER: {"GetServerInfo"},
+    TENANT: {"GetServerInfo"},
+}
+
+
+@pytest.mark.parametrize("token", list(ROUTER_ALLOWED), ids=lambda t: t.split("-")[0])
+async def test_each_role_against_each_router_method(secured: RegistryServer,
+                                                    token: str) -> None:
+    router = await create_router(RouterConfig(
+        listen="127.0.0.1:0", registry=f"127.0.0.1:{secured.port}", metrics_listen="",
+        auth_tokens=TOKENS, token=ROUTER))
+    await router.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{router.port}")
+    stub, md = rpb_grpc.RouterServiceStub(channel), _md(token)
+    # A decode engine's token registers a decode instance of its engine; any other a prefill.
+    role, engine = ((rpb.ROLE_DECODE, "dec-0") if token == HOLDER
+                    else (rpb.ROLE_PREFILL, "pre-0"))
+    calls = {
+        "RegisterInstance": lambda: stub.RegisterInstance(rpb.RegisterInstanceRequest(
+            instance_id="i0", role=role, http_url="http://127.0.0.1:1", engine_id=engine,
+            nixl_host="127.0.0.1", nixl_port=1, model="m"), metadata=md),
+        "HeartbeatInstance": lambda: stub.HeartbeatInstance(
+            rpb.HeartbeatInstanceRequest(instance_id="i0"), metadata=md),
+        "DeregisterInstance": lambda: stub.DeregisterInstance(
+            rpb.DeregisterInstanceRequest(instance_id="i0"), metadata=md),
+        "ListInstances": lambda: stub.ListInstances(rpb.ListInstancesRequest(), metadata=md),
+        "Route": lambda: stub.Route(rpb.RouteRequest(
+            tenant="acme", conversation_id="c1", model="m"), metadata=md),
+        "GetServerInfo": lambda: stub.GetServerInfo(rpb.GetServerInfoRequest(), metadata=md),
+        "AcquireRead": lambda: stub.AcquireRead(pb.AcquireReadRequest(
+            tenant="acme", conversation_id="c1"), metadata=md),
+        "ReleaseRead": lambda: stub.ReleaseRead(
+            pb.ReleaseReadRequest(pin_id="no-such-pin"), metadata=md),
+    }
+    try:
+        assert set(calls) == set(
+            rpb.DESCRIPTOR.services_by_name["RouterService"].methods_by_name)
+        for method, call in calls.items():
+            code, reason = await _code(call())
+            if method in ROUTER_ALLOWED[token]:
+                assert code not in DENIED, (method, code, reason)
+            else:
+                assert (code, reason) == (grpc.StatusCode.PERMISSION_DENIED,
+                                          "PERMISSION_DENIED"), method
+    finally:
+        await channel.close()
+        await router.stop(0)
