@@ -63,23 +63,33 @@ class _Guard:
     def __init__(self, authenticator: auth.Authenticator, rule: auth.Rule, method: str) -> None:
         self.authenticator, self.rule, self.method = authenticator, rule, method
 
-    async def admit(self, request: Any, context: Ctx) -> auth.Principal:
+    async def authenticate(self, context: Ctx) -> auth.Principal:
+        """First, before the request is even parsed: who is calling."""
         try:
-            principal = self.authenticator.authenticate(context.invocation_metadata())
+            return self.authenticator.authenticate(context.invocation_metadata())
+        except KvbridgeError as err:
+            await self._deny(err, context)
+            raise  # unreachable: abort_with_status raises
+
+    async def authorize(self, principal: auth.Principal, request: Any, context: Ctx) -> None:
+        try:
             self.rule.apply(self.method, principal, request)
         except KvbridgeError as err:
-            log.info("rpc_denied", method=self.method, reason=err.reason, error=err.message,
-                     peer=context.peer())
-            await context.abort_with_status(to_status(err))
-            raise  # unreachable: abort_with_status raises
-        return principal
+            await self._deny(err, context, principal.name)
+
+    async def _deny(self, err: KvbridgeError, context: Ctx, caller: str = "") -> None:
+        log.info("rpc_denied", method=self.method, reason=err.reason, error=err.message,
+                 caller=caller or None, peer=context.peer())
+        await context.abort_with_status(to_status(err))
 
 
 def _guarded_unary(fn: Callable[[Any, Ctx], Awaitable[Any]], cls: Any, guard: _Guard
                    ) -> Callable[[bytes, Ctx], Awaitable[Any]]:
     async def handle(raw: bytes, context: Ctx) -> Any:
+        principal = await guard.authenticate(context)
         request = await _parse(raw, cls, context)
-        token = auth.set_current(await guard.admit(request, context))
+        await guard.authorize(principal, request, context)
+        token = auth.set_current(principal)
         try:
             return await fn(request, context)
         finally:
@@ -92,8 +102,10 @@ def _guarded_unary(fn: Callable[[Any, Ctx], Awaitable[Any]], cls: Any, guard: _G
 def _guarded_streaming(fn: Callable[[Any, Ctx], AsyncIterator[Any]], cls: Any, guard: _Guard
                        ) -> Callable[[bytes, Ctx], AsyncIterator[Any]]:
     async def handle(raw: bytes, context: Ctx) -> AsyncIterator[Any]:
+        principal = await guard.authenticate(context)
         request = await _parse(raw, cls, context)
-        auth.set_current(await guard.admit(request, context))  # this stream's own context
+        await guard.authorize(principal, request, context)
+        auth.set_current(principal)  # this stream's own context
         async for item in fn(request, context):
             yield item
 

@@ -38,8 +38,20 @@ SERVICE = "/kvbridge.registry.v1.RegistryService/"
 # message over the limit and INTERNAL for bytes that are not the request message at all.
 DOMAIN_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
                 grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.FAILED_PRECONDITION,
-                grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+                grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.UNAUTHENTICATED}
 TRANSPORT_CODES = {grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INTERNAL}
+# The registry runs with authentication: the model's own calls are an admin's; intruders hold
+# no token, an unknown one, another holder's or another tenant's.
+ADMIN = "fuzz-admin-token-0123456789"
+INTRUDERS = {
+    "none": None,
+    "unknown": "fuzz-unknown-token-0123456789",
+    "other holder": "fuzz-holder-token-0123456789",
+    "other tenant": "fuzz-tenant-token-0123456789",
+}
+TOKENS = (f"{ADMIN} admin; {INTRUDERS['other holder']} holder holder=intruder; "
+          f"{INTRUDERS['other tenant']} tenant tenants=intruder")
 METHODS = ("RegisterHolder", "HeartbeatHolder", "GrantLease", "RenewLeases", "RevokeLease",
            "GetLease", "ListLeases", "AcquireRead", "PinLease", "ReleaseRead",
            "DeregisterHolder", "ListHolders")
@@ -47,7 +59,7 @@ METHODS = ("RegisterHolder", "HeartbeatHolder", "GrantLease", "RenewLeases", "Re
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[ThreadedRegistry, grpc.Channel]]:
-    registry = ThreadedRegistry(max_message_bytes=MAX_MESSAGE)
+    registry = ThreadedRegistry(max_message_bytes=MAX_MESSAGE, auth_tokens=TOKENS)
     channel = grpc.insecure_channel(registry.target, options=[
         ("grpc.max_send_message_length", 4 * MAX_MESSAGE)])
     yield registry, channel
@@ -71,7 +83,7 @@ class RegistryOverGrpc(RuleBasedStateMachine):
         super().__init__()
         _, channel = self.served
         self.channel = channel
-        self.stub = pb_grpc.RegistryServiceStub(channel)
+        self.stub = _WithToken(pb_grpc.RegistryServiceStub(channel), ADMIN)
         run = uuid.uuid4().hex[:8]  # one tenant and holder ids per example: no shared state
         self.tenant = f"t-{run}"
         self.holders = [f"h{i}-{run}" for i in range(2)]
@@ -220,7 +232,7 @@ class RegistryOverGrpc(RuleBasedStateMachine):
         raw = self.channel.unary_unary(SERVICE + method, request_serializer=lambda b: b,
                                        response_deserializer=lambda b: b)
         try:
-            raw(junk, timeout=10)
+            raw(junk, timeout=10, metadata=_md(ADMIN))
         except grpc.RpcError as err:
             self.check_error(err, registry_raised=False)
 
@@ -230,7 +242,7 @@ class RegistryOverGrpc(RuleBasedStateMachine):
                                        response_deserializer=lambda b: b)
         big = pb.ListLeasesRequest(tenant="x" * (MAX_MESSAGE + 1)).SerializeToString()
         with pytest.raises(grpc.RpcError) as raised:
-            raw(big, timeout=10)
+            raw(big, timeout=10, metadata=_md(ADMIN))
         assert raised.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
 
     @rule(h=st.integers(0, 1), extra=st.integers(-1, 1), bad_hash=st.booleans())
@@ -268,6 +280,56 @@ class RegistryOverGrpc(RuleBasedStateMachine):
             resp = self.call("RenewLeases", pb.RenewLeasesRequest(lease_ids=[ghost]))
             assert resp.renewed_count == 0
 
+    @rule(who=st.sampled_from(sorted(INTRUDERS)), method=st.sampled_from(METHODS),
+          conv=st.sampled_from(["a", "b", "c"]))
+    def intruder(self, who: str, method: str, conv: str) -> None:
+        """A caller without the right credentials reaches for this tenant's conversations and
+        holders: refused (UNAUTHENTICATED / PERMISSION_DENIED), or, for a listing, shown
+        nothing; the invariant below then checks that nothing changed."""
+        lease = self.active.get(conv)
+        lease_id = lease.lease_id if lease is not None else "l-" + os.urandom(8).hex()
+        holder = lease.holder if lease is not None else self.holders[0]
+        tokens = lease.tokens if lease is not None else list(range(8))
+        request = {
+            "RegisterHolder": pb.RegisterHolderRequest(
+                holder_id=holder, nixl_host="127.0.0.1", nixl_port=5600, block_size=BS,
+                engine_fingerprint=FP, tp_size=1, ttl=duration(300)),
+            "HeartbeatHolder": pb.HeartbeatHolderRequest(holder_id=holder),
+            "GrantLease": pb.GrantLeaseRequest(
+                holder_id=holder, tenant=self.tenant, conversation_id=conv,
+                remote_request_id="r-intruder", block_ids=[1, 2], token_count=8,
+                block_hashes=self.hashes(list(range(8)))),
+            "RenewLeases": pb.RenewLeasesRequest(lease_ids=[lease_id]),
+            "RevokeLease": pb.RevokeLeaseRequest(lease_id=lease_id),
+            "GetLease": pb.GetLeaseRequest(lease_id=lease_id),
+            "ListLeases": pb.ListLeasesRequest(tenant=self.tenant),
+            "AcquireRead": pb.AcquireReadRequest(
+                tenant=self.tenant, conversation_id=conv,
+                block_hashes=self.hashes(tokens, partial=False)),
+            "PinLease": pb.PinLeaseRequest(tenant=self.tenant, conversation_id=conv),
+            "ReleaseRead": pb.ReleaseReadRequest(pin_id=next(iter(self.pins), "p-none")),
+            "DeregisterHolder": pb.DeregisterHolderRequest(holder_id=holder),
+            "ListHolders": pb.ListHoldersRequest(),
+        }[method]
+        token = INTRUDERS[who]
+        try:
+            reply = getattr(self.stub.raw, method)(request, timeout=10, metadata=_md(token))
+        except grpc.RpcError as err:
+            code = self.check_error(err, registry_raised=True)
+            expected = {grpc.StatusCode.UNAUTHENTICATED} if who in ("none", "unknown") else {
+                grpc.StatusCode.PERMISSION_DENIED}
+            if lease is None and method in ("RevokeLease", "GetLease"):
+                expected.add(grpc.StatusCode.NOT_FOUND)  # no such lease: nothing to protect
+            assert code in expected, (who, method, code, err.details())
+            return
+        # Let in: a holder's listing, scoped to its own holder, which holds nothing here; a
+        # renewal of a lease id that does not exist, which renews nothing.
+        if method == "RenewLeases":
+            assert lease is None and reply.renewed_count == 0, (who, reply)
+            return
+        assert (who, method) == ("other holder", "ListLeases"), (who, method, reply)
+        assert not reply.leases
+
     # ---- invariants ------------------------------------------------------------------------
 
     @invariant()
@@ -276,6 +338,21 @@ class RegistryOverGrpc(RuleBasedStateMachine):
         listed = self.stub.ListLeases(pb.ListLeasesRequest(tenant=self.tenant), timeout=10)
         assert {x.lease_id for x in listed.leases} == {
             lease.lease_id for lease in self.active.values()}
+
+
+def _md(token: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {token}"),) if token else None
+
+
+class _WithToken:
+    """A stub whose calls carry a token (`raw` is the stub itself, for other credentials)."""
+
+    def __init__(self, stub: Any, token: str) -> None:
+        self.raw, self._md = stub, _md(token)
+
+    def __getattr__(self, method: str) -> Any:
+        call = getattr(self.raw, method)
+        return lambda request, **kw: call(request, metadata=self._md, **kw)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -298,7 +375,7 @@ def test_unparseable_request_is_invalid_argument(
         call = channel.unary_unary(SERVICE + method, request_serializer=lambda b: b,
                                    response_deserializer=lambda b: b)
     with pytest.raises(grpc.RpcError) as raised:
-        reply = call(b"\xff\xff\xff", timeout=10)
+        reply = call(b"\xff\xff\xff", timeout=10, metadata=_md(ADMIN))
         if method == "WatchLeases":
             next(iter(reply))
     err = raised.value
@@ -307,3 +384,13 @@ def test_unparseable_request_is_invalid_argument(
     assert info is not None and info.reason == "INVALID_ARGUMENT"
     assert info.metadata["field"] == "request"
     assert f"not a valid kvbridge.registry.v1.{method}Request" in err.details()
+
+
+def test_unauthenticated_garbage_is_refused_before_it_is_parsed(
+        served: tuple[ThreadedRegistry, grpc.Channel]) -> None:
+    _, channel = served
+    call = channel.unary_unary(SERVICE + "GrantLease", request_serializer=lambda b: b,
+                               response_deserializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as raised:
+        call(b"\xff\xff\xff", timeout=10)
+    assert raised.value.code() is grpc.StatusCode.UNAUTHENTICATED
