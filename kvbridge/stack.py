@@ -57,6 +57,7 @@ class Urls:
     engines: dict[str, str] = field(default_factory=dict)
     connector_metrics: dict[str, str] = field(default_factory=dict)
     model: str = ""
+    api_keys: bool = False  # the gateway takes only the keys of --api-keys-file
 
 
 async def run_stack(opts: UpOptions, stop: asyncio.Event,
@@ -88,7 +89,8 @@ async def run_stack(opts: UpOptions, stop: asyncio.Event,
             listen=opts.gateway_listen, router=router.address, registry=registry.address,
             api_keys_file=opts.api_keys_file, route_timeout_s=5.0, insecure=True))
         cleanups.append(gateway.stop)
-        urls = Urls(gateway.url, registry.address, router.address)
+        urls = Urls(gateway.url, registry.address, router.address,
+                    api_keys=bool(opts.api_keys_file))
         if opts.cpu_engines:
             await _start_cpu_engines(opts, registry.address, router.address, urls, cleanups,
                                      stop)
@@ -198,7 +200,8 @@ def _running(process: Any) -> Callable[[], bool]:
 
 
 def _print_ready(urls: Urls) -> None:
-    lines = ["kvbridge is up (insecure local mode: no TLS, open API keys)",
+    lines = ["kvbridge is up (insecure local mode: no tokens, no TLS, "
+             f"{'open API keys' if not urls.api_keys else 'API keys from a file'})",
              f"  gateway   {urls.gateway}/v1   (OpenAI-compatible)",
              f"  registry  {urls.registry}",
              f"  router    {urls.router}"]
@@ -245,7 +248,11 @@ def up_command(cpu_engines: bool, model: Path | None, work_dir: Path, registry_l
                log_level: str) -> None:
     """Start registry, router and gateway in one process (and, with --cpu-engines, a prefill
     and a decode vLLM engine on this CPU), wait until all are healthy, print the URLs, and run
-    until Ctrl-C."""
+    until Ctrl-C.
+
+    A local stack: it runs in insecure local mode (no tokens or TLS on the gRPC services, every
+    caller an admin; any API key accepted unless --api-keys-file) and says so when it starts.
+    For a secured deployment run the services on their own (`kvbridge auth --help`)."""
     if demo_turns and not cpu_engines:
         raise click.UsageError("--demo needs --cpu-engines (or run `kvbridge demo` against "
                                "a stack with engines)")
