@@ -38,15 +38,27 @@ async def _parse(raw: bytes, cls: Any, context: Ctx) -> Any:
     try:
         return cls.FromString(raw)
     except DecodeError as err:
-        error = InvalidArgument("request", f"not a valid {cls.DESCRIPTOR.full_name}: {err}")
-        await context.abort_with_status(to_status(error))
-        raise  # unreachable: abort_with_status raises
+        await _refuse(cls, err, context)
+        raise  # unreachable: _refuse raises
+
+
+async def _refuse(cls: Any, err: DecodeError, context: Ctx) -> None:
+    error = InvalidArgument("request", f"not a valid {cls.DESCRIPTOR.full_name}: {err}")
+    await context.abort_with_status(to_status(error))
 
 
 def _unary(fn: Callable[[Any, Ctx], Awaitable[Any]], cls: Any
            ) -> Callable[[bytes, Ctx], Awaitable[Any]]:
+    parse = cls.FromString
+
     async def handle(raw: bytes, context: Ctx) -> Any:
-        return await fn(await _parse(raw, cls, context), context)
+        # Parsed here rather than in `_parse`: one coroutine less on every unary call.
+        try:
+            request = parse(raw)
+        except DecodeError as err:
+            await _refuse(cls, err, context)
+            raise  # unreachable: _refuse raises
+        return await fn(request, context)
 
     return handle
 
