@@ -114,12 +114,15 @@ def count_blocks(hashes: bytes) -> int:
 def matching_prefix(ours: bytes | memoryview, theirs: bytes | memoryview) -> int:
     """How many leading blocks two hash concatenations share."""
     n = min(len(ours), len(theirs)) // HASH_SIZE
-    if ours[: n * HASH_SIZE] == theirs[: n * HASH_SIZE]:
+    # As bytes: comparing a memoryview goes item by item, bytes compare with memcmp (the
+    # registry's hit path compares 64 blocks here: about 6 us as memoryviews, 0.5 us as bytes).
+    a, b = bytes(ours[: n * HASH_SIZE]), bytes(theirs[: n * HASH_SIZE])
+    if a == b:
         return n
     lo, hi = 0, n  # invariant: blocks [0, lo) match, block hi-1 region contains a mismatch
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if ours[: mid * HASH_SIZE] == theirs[: mid * HASH_SIZE]:
+        if a[: mid * HASH_SIZE] == b[: mid * HASH_SIZE]:
             lo = mid
         else:
             hi = mid

@@ -153,8 +153,10 @@ class Lease:
         return memoryview(self.payload)[: blocks * HASH_SIZE]
 
     def block_id_list(self, start: int = 0, stop: int | None = None) -> list[int]:
-        ids = memoryview(self.payload)[self.block_count * HASH_SIZE :].cast("I")
-        return ids[start:stop].tolist()
+        payload = self.payload
+        first = len(payload) // (HASH_SIZE + 4) * HASH_SIZE  # where the block ids begin
+        end = len(payload) if stop is None else first + 4 * stop
+        return array("I", payload[first + 4 * start : end]).tolist()
 
     @property
     def reclaimable(self) -> bool:

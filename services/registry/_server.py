@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import grpc
 import structlog
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from kvbridge import aio, auth, logs
-from kvbridge._grpc_handlers import add_servicer
+from kvbridge._grpc_handlers import add_health_and_reflection, add_servicer
 from kvbridge.clock import Clock, SystemClock
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.services.registry._access import RULES
@@ -161,10 +161,10 @@ def _bind(config: RegistryConfig, store: LeaseStore) -> RegistryServer:
     add_servicer(server, RegistryServicer(store, metrics), pb, "RegistryService",
                  authenticator=auth.Authenticator(config.token_table()), rules=RULES)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
+    add_health_and_reflection(
+        server, health_servicer,
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME), server)
+         reflection.SERVICE_NAME))
     host, port = split_hostport(config.listen)
     try:
         bound = auth.bind(server, f"{host}:{port}" if ":" not in host else f"[{host}]:{port}",

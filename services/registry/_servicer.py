@@ -311,27 +311,41 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         if read.pin is None:
             return out
         h = lease.holder
-        out.holder.holder_id = h.holder_id
-        out.holder.nixl_host = h.nixl_host
-        out.holder.nixl_port = h.nixl_port
-        out.holder.tp_size = h.tp_size
-        out.holder.block_size = h.block_size
-        out.holder.engine_fingerprint = h.fingerprint
-        out.holder.state = pb.HOLDER_STATE_ACTIVE
+        holder = out.holder  # each `out.holder` is a lookup: once, not per field
+        holder.holder_id = h.holder_id
+        holder.nixl_host = h.nixl_host
+        holder.nixl_port = h.nixl_port
+        holder.tp_size = h.tp_size
+        holder.block_size = h.block_size
+        holder.engine_fingerprint = h.fingerprint
+        holder.state = pb.HOLDER_STATE_ACTIVE
         k = read.matched_blocks
         out.matched_blocks = k
         out.matched_tokens = k * h.block_size
-        ids = lease.block_id_list(0, k + 1 if read.partial else k)
-        out.remote_block_ids.extend(ids[:k])
         if read.partial:
+            ids = lease.block_id_list(0, k + 1)
+            out.partial_block_id = ids.pop()
             size = blockhash.HASH_SIZE
-            out.partial_block_id = ids[k]
             out.partial_block_tokens = lease.token_count - k * h.block_size
             out.partial_block_hash = bytes(lease.hash_view(k + 1)[k * size:])
+        else:
+            ids = lease.block_id_list(0, k)
+        out.remote_block_ids.extend(ids)
+        # Set in place: building Duration/Timestamp messages and copying them in costs twice
+        # as much (the values are `_duration(left)` and `_timestamp(wall)`).
         left = read.pin.expire_at - self.clock.monotonic()
-        out.pin.pin_id = read.pin.pin_id
-        out.pin.expires_in.CopyFrom(_duration(left))
-        out.pin.expire_time.CopyFrom(_timestamp(self.clock.wall() + left))
+        wall = self.clock.wall() + left
+        left = max(left, 0.0)
+        pin = out.pin
+        pin.pin_id = read.pin.pin_id
+        whole = int(left)
+        expires_in = pin.expires_in
+        expires_in.seconds = whole
+        expires_in.nanos = int((left - whole) * 1e9)
+        whole = int(wall)
+        expire_time = pin.expire_time
+        expire_time.seconds = whole
+        expire_time.nanos = int((wall - whole) * 1e9)
         return out
 
     @_rpc
