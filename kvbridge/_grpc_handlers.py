@@ -113,7 +113,7 @@ def add_health_and_reflection(server: grpc.aio.Server, health_servicer: health.a
     """Serve gRPC health (`health_servicer`) and server reflection listing `service_names`."""
     generic = _GenericOnly(server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, generic)  # type: ignore[arg-type]
-    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(  # type: ignore[arg-type]
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(  # type: ignore[no-untyped-call]
         reflection.aio.ReflectionServicer(service_names), generic)
 
 
