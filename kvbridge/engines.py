@@ -25,6 +25,8 @@ from typing import Any
 
 from kvbridge.connector._settings import CONVERSATION_KEY
 
+POLLER_NICE = 19  # busy-polling helper threads of CPU engines (see demote_busy_pollers)
+
 
 @dataclass
 class EngineSpec:
@@ -209,6 +211,7 @@ def wait_ready(engine: Engine, timeout: float = 240.0) -> None:
                 if resp.status == 200:
                     if engine.spec.device == "cpu":
                         pin_to_core(engine.process.pid, engine.spec.cpu)
+                        demote_busy_pollers(engine.process.pid)
                     return
         except (urllib.error.URLError, OSError):
             pass
@@ -261,6 +264,81 @@ def pin_to_core(root: int, cpu: int) -> int:
                     os.sched_setaffinity(int(tid), want)
                     moved += 1
     return moved
+
+
+def pin_own_threads(cpus: set[int]) -> int:
+    """Put every thread of this process on `cpus` (threads started later inherit it from
+    the thread that starts them); returns how many were moved. Linux only."""
+    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+        return 0
+    moved = 0
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            if os.sched_getaffinity(int(tid)) != cpus:
+                os.sched_setaffinity(int(tid), cpus)
+                moved += 1
+    return moved
+
+
+def control_plane_cpus(engine_cpus: set[int]) -> set[int]:
+    """Where a control plane that shares the machine with CPU engines should run: the cores
+    no engine computes on, or, with none left, the last engine core (decode's: a prefill's
+    compute is on every turn's time to first token, and decode is idle while it runs)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    free = allowed - engine_cpus
+    if free:
+        return free
+    return {max(engine_cpus)} if engine_cpus else allowed
+
+
+def _thread_cpu_seconds(root: int) -> dict[int, float]:
+    """CPU time (user + system) of every thread of `root`'s process tree, by thread id,
+    leaving out each process's main thread (vLLM computes on the worker's main thread)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    for pid in _process_tree(root):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            if int(tid) == pid:
+                continue
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def demote_busy_pollers(root: int, sample_s: float = 1.0, busy: float = 0.5) -> list[int]:
+    """Give the engine's busy-polling helper threads the lowest priority (nice 19); returns
+    their thread ids.
+
+    NIXL's progress thread (created with no delay between polls) spins for as long as the
+    engine runs, on the core the engine computes on, at the engine's own priority: measured
+    here, it took 40-65% of the prefill core during prefills, so prefill compute took about
+    twice as long, by an amount that varied with the scheduler (a main source of swings from
+    one benchmark leg to the next). A thread that is not a process's main thread (vLLM computes
+    on the worker's main thread) and burns more than `busy` of a core while the engine is idle
+    is such a poller. At nice 19 it still has the core whenever nothing else wants it, and a
+    small share beside compute, so transfers keep progressing (the idle scheduling class
+    starved them: reads of 6 ms took up to 200 ms). Only priorities change here.
+    """
+    if not hasattr(os, "setpriority") or not os.path.isdir("/proc"):
+        return []
+    before = _thread_cpu_seconds(root)
+    time.sleep(sample_s)
+    after = _thread_cpu_seconds(root)
+    demoted = []
+    for tid, spent in after.items():
+        if spent - before.get(tid, spent) >= busy * sample_s:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, tid, POLLER_NICE)
+                demoted.append(tid)
+    return demoted
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:

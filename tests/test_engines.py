@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvbridge.engines import EngineSpec, pin_to_core
+from kvbridge.engines import POLLER_NICE, EngineSpec, demote_busy_pollers, pin_to_core
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 
@@ -43,6 +43,37 @@ def test_pin_to_core_moves_every_thread_of_the_process_tree() -> None:
         for pid in (child, proc.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        proc.wait()
+
+
+_POLLER = """
+import threading, time
+def spin():
+    while True:
+        pass
+spinner = threading.Thread(target=spin, daemon=True)
+spinner.start()
+sleeper = threading.Thread(target=time.sleep, args=(60,), daemon=True)
+sleeper.start()
+time.sleep(0.2)
+print(spinner.native_id, sleeper.native_id, flush=True)
+time.sleep(60)
+"""
+
+
+def test_demote_busy_pollers_renices_a_spinning_helper_thread_only() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _POLLER], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    spinner, sleeper = map(int, proc.stdout.readline().split())
+    try:
+        nice = os.getpriority(os.PRIO_PROCESS, proc.pid)
+        assert demote_busy_pollers(proc.pid, sample_s=0.5) == [spinner]
+        assert os.getpriority(os.PRIO_PROCESS, spinner) == POLLER_NICE
+        for tid in (proc.pid, sleeper):  # the main thread computes: never demoted
+            assert os.getpriority(os.PRIO_PROCESS, tid) == nice
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
