@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -158,6 +159,7 @@ class Engine:
     spec: EngineSpec
     process: subprocess.Popen[bytes]
     log_path: Path
+    tmp_dir: Path | None = None  # the engine's TMPDIR (torch.compile writes ~150 MB there)
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -175,6 +177,7 @@ class Engine:
             except subprocess.TimeoutExpired:
                 self.kill()
         self._kill_group()
+        self._remove_tmp()
 
     def kill(self) -> None:
         """SIGKILL the engine and every process it started (its own process group)."""
@@ -182,6 +185,12 @@ class Engine:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
+        self._remove_tmp()
+
+    def _remove_tmp(self) -> None:
+        # Each start gets a fresh TMPDIR; left behind, they filled this machine's disk.
+        if self.tmp_dir is not None and self.tmp_dir.name.startswith("kvb-"):
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def _kill_group(self) -> None:
         # start_engine put the engine in a session of its own: its group is ours alone.
@@ -195,9 +204,10 @@ def start_engine(spec: EngineSpec, work_dir: Path) -> Engine:
     log = log_path.open("wb")
     # `nice` execs the engine (same PID); a preexec_fn would not be safe in a threaded caller.
     command = ["nice", "-n", str(spec.nice), *spec.command()] if spec.nice else spec.command()
-    process = subprocess.Popen(command, env=spec.environment(work_dir), stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    return Engine(spec, process, log_path)
+    env = spec.environment(work_dir)
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    return Engine(spec, process, log_path, Path(env["TMPDIR"]))
 
 
 def wait_ready(engine: Engine, timeout: float = 240.0) -> None:

@@ -8,10 +8,18 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from kvbridge.engines import POLLER_NICE, EngineSpec, demote_busy_pollers, pin_to_core
+from kvbridge.engines import (
+    POLLER_NICE,
+    Engine,
+    EngineSpec,
+    demote_busy_pollers,
+    pin_to_core,
+)
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 
@@ -98,3 +106,15 @@ def test_kvbridge_prefill_keeps_prefix_caching_off_by_default() -> None:
     assert "--no-enable-prefix-caching" not in decode.command()
     with pytest.raises(ValueError, match="connector must be"):
         EngineSpec("decode", "/m", 1, 2, "d0", connector="lmcache")
+
+
+def test_stopping_an_engine_removes_its_temp_folder(tmp_path: Path) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="kvb-"))
+    (tmp / "torchinductor").mkdir()
+    (tmp / "torchinductor" / "kernel.so").write_bytes(b"x" * 1024)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            start_new_session=True)
+    engine = Engine(EngineSpec("prefill", "/m", 1, 2, "p0"), proc, tmp_path / "p0.log", tmp)
+    engine.stop(timeout=10)
+    assert proc.returncode is not None
+    assert not tmp.exists()
