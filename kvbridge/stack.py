@@ -117,7 +117,13 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
                              ) -> None:
     from kvbridge.clients._agent import InstanceAgent
     from kvbridge.clients._router import AsyncRouterClient
-    from kvbridge.engines import EngineSpec, start_engine, wait_ready
+    from kvbridge.engines import (
+        EngineSpec,
+        control_plane_cpus,
+        pin_own_threads,
+        start_engine,
+        wait_ready,
+    )
     from kvbridge.tiny_model import TinyModelSpec, make_tiny
 
     loop = asyncio.get_running_loop()
@@ -164,6 +170,12 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
         waiter.result()
         urls.engines[engine.spec.role] = engine.spec.url
         log.info("engine_ready", role=engine.spec.role, url=engine.spec.url)
+    # This process (registry, router, gateway, agents) runs at a higher priority than the
+    # engines: off the prefill's core, its RPCs during a prefill (pin release, lease renewal)
+    # never preempt the prefill's compute.
+    cores = control_plane_cpus({e.spec.cpu for e in engines})
+    pin_own_threads(cores)
+    log.info("control_plane_pinned", cpus=sorted(cores))
     client = AsyncRouterClient(router, timeout=2.0)
     agents_stop = asyncio.Event()
     # CPU engines busy-poll their cores and can answer /metrics late; the agents know their

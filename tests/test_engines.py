@@ -8,10 +8,18 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
-from kvbridge.engines import EngineSpec, pin_to_core
+from kvbridge.engines import (
+    POLLER_NICE,
+    Engine,
+    EngineSpec,
+    demote_busy_pollers,
+    pin_to_core,
+)
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
 
@@ -46,6 +54,37 @@ def test_pin_to_core_moves_every_thread_of_the_process_tree() -> None:
         proc.wait()
 
 
+_POLLER = """
+import threading, time
+def spin():
+    while True:
+        pass
+spinner = threading.Thread(target=spin, daemon=True)
+spinner.start()
+sleeper = threading.Thread(target=time.sleep, args=(60,), daemon=True)
+sleeper.start()
+time.sleep(0.2)
+print(spinner.native_id, sleeper.native_id, flush=True)
+time.sleep(60)
+"""
+
+
+def test_demote_busy_pollers_renices_a_spinning_helper_thread_only() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _POLLER], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    spinner, sleeper = map(int, proc.stdout.readline().split())
+    try:
+        nice = os.getpriority(os.PRIO_PROCESS, proc.pid)
+        assert demote_busy_pollers(proc.pid, sample_s=0.5) == [spinner]
+        assert os.getpriority(os.PRIO_PROCESS, spinner) == POLLER_NICE
+        for tid in (proc.pid, sleeper):  # the main thread computes: never demoted
+            assert os.getpriority(os.PRIO_PROCESS, tid) == nice
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def test_stock_nixl_engines_get_vllms_own_connector_and_no_kvbridge_settings() -> None:
     spec = EngineSpec("prefill", "/m", 1, 2, "p0", connector="nixl", bidirectional=True,
                       prefix_caching=True)
@@ -67,3 +106,15 @@ def test_kvbridge_prefill_keeps_prefix_caching_off_by_default() -> None:
     assert "--no-enable-prefix-caching" not in decode.command()
     with pytest.raises(ValueError, match="connector must be"):
         EngineSpec("decode", "/m", 1, 2, "d0", connector="lmcache")
+
+
+def test_stopping_an_engine_removes_its_temp_folder(tmp_path: Path) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="kvb-"))
+    (tmp / "torchinductor").mkdir()
+    (tmp / "torchinductor" / "kernel.so").write_bytes(b"x" * 1024)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            start_new_session=True)
+    engine = Engine(EngineSpec("prefill", "/m", 1, 2, "p0"), proc, tmp_path / "p0.log", tmp)
+    engine.stop(timeout=10)
+    assert proc.returncode is not None
+    assert not tmp.exists()
