@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import socket
 import sys
@@ -27,7 +28,36 @@ log = structlog.get_logger("kvbridge.up")
 TINY_MODEL_NAME = "kvbridge-tiny"
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (what binding port 0 draws from)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def _free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a process that binds it later (an engine, a minute or
+    two from now). Taken from below the kernel's ephemeral range, so that nothing binding
+    port 0 meanwhile (vLLM picks its internal ZMQ and NIXL ports that way) can take it first;
+    never the same port twice in this process."""
+    low = _ephemeral_low()
+    if low > 11000:
+        for _ in range(500):
+            port = random.randrange(10000, low)
+            if port in _HANDED_OUT:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _HANDED_OUT.add(port)
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

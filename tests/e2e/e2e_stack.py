@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -12,9 +11,11 @@ from pathlib import Path
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port for a process that binds it later: below the ephemeral range (see
+    `kvbridge.stack._free_port`), so that vLLM's own port-0 binds cannot take it first."""
+    from kvbridge.stack import _free_port
+
+    return _free_port()
 
 
 def metrics(port: int) -> dict[str, float]:
