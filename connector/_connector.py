@@ -26,6 +26,7 @@ from kvbridge.connector._decode import DecodeRetention
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._prefill import PrefillReuse, ReadClient
 from kvbridge.connector._settings import REMOTE_ID_PREFIX, ConnectorSettings
+from kvbridge.connector._sync_reads import SYNC_READS_ATTR, SyncReadResults, SyncReads
 from kvbridge.connector._version import check_vllm_version, software_version
 
 if TYPE_CHECKING:
@@ -78,9 +79,15 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         self.prefill: PrefillReuse | None = None
         self.decode: DecodeRetention | None = None
+        self.sync_reads: SyncReads | None = None
+        # Scheduler side: requests to read synchronously once scheduled, and the decode engines
+        # this engine has read from (NIXL handshake done: their reads may be synchronous).
+        self._sync_planned: set[str] = set()
+        self._read_from: set[str] = set()
         if role == KVConnectorRole.WORKER:
             worker = self.connector_worker
             worker.nixl_wrapper = _NotificationFilter(worker.nixl_wrapper)
+            self.sync_reads = SyncReads(worker, self.settings.sync_read_timeout_s)
             return
         if not self.settings.registry and not self.settings.router:
             log.warning("kvbridge_disabled", why="neither kvbridge.registry nor kvbridge.router "
@@ -158,6 +165,10 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             count, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
             if decided and not count:
                 self.prefill.decline(request)
+            elif decided and count and self._may_read_sync(request):
+                self._sync_planned.add(request.request_id)
+                self.prefill.reading_sync(request.request_id)
+                return count, False
             return count, load_async
         count, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         return count, load_async
@@ -167,23 +178,80 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         if self.decode is not None:
             self.decode.allocated(request.request_id)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if request.request_id in self._sync_planned:
+            self._trim_sync_read(request.request_id, num_external_tokens)
+
+    def _trim_sync_read(self, request_id: str, num_external_tokens: int) -> None:
+        """A synchronously read request is allocated the blocks of this step's new tokens too
+        (an asynchronous one only those of the external tokens): read into as many of its
+        fresh blocks as the external tokens fill, no more."""
+        pending = self.connector_scheduler._reqs_need_recv.get(request_id)
+        if pending is None:
+            self._sync_planned.discard(request_id)
+            return
+        request, block_ids, cached, _awaiting = pending
+        count = -(-num_external_tokens // self.connector_scheduler.block_size)
+        self.connector_scheduler._reqs_need_recv[request_id] = (
+            request, tuple(list(group[:count]) for group in block_ids), cached, False)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         if self.decode is not None:
             self.decode.drain()
             self.decode.check_watermark()
-        return super().build_connector_meta(scheduler_output)
+        meta = super().build_connector_meta(scheduler_output)
+        if self._sync_planned:
+            sync = self._sync_planned & set(meta.reqs_to_recv)
+            self._sync_planned -= sync
+            setattr(meta, SYNC_READS_ATTR, sync)
+            if self.prefill is not None:
+                for req_id in sync:  # posted in this step: never to be read again
+                    self.prefill.read_posted(req_id)
+        return meta
+
+    def _may_read_sync(self, request: Any) -> bool:
+        """Read within the step (see `_sync_reads`) when this engine already has a NIXL
+        handshake with the holder and the layout is one KV cache group of equal blocks."""
+        if not self.settings.sync_reads or self.connector_scheduler.use_host_buffer:
+            return False
+        if len(self._kv_cache_config.kv_cache_groups) != 1:
+            return False
+        return request.kv_transfer_params.get("remote_engine_id") in self._read_from
 
     def update_connector_output(self, connector_output: Any) -> None:
         super().update_connector_output(connector_output)
         if self.prefill is not None:
             failed = connector_output.failed_recving or set()
             for req_id in connector_output.finished_recving or ():
-                self.prefill.read_done(req_id, req_id not in failed)
+                engine = self.prefill.read_done(req_id, req_id not in failed)
+                if engine and req_id not in failed:
+                    self._read_from.add(engine)
+            results = connector_output.kv_connector_worker_meta
+            if isinstance(results, SyncReadResults):
+                for req_id, ok in results.ok.items():
+                    if ok:  # counted when the request finishes
+                        self.metrics.transfer_seconds.observe(results.ms.get(req_id, 0.0) / 1000)
+                        continue
+                    engine = self.prefill.read_done(req_id, False, why=results.why.get(req_id))
+                    if engine:
+                        self._read_from.discard(engine)  # handshake again, asynchronously
+
+    # ---- worker side ------------------------------------------------------------------------
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        if self.sync_reads is None:
+            super().start_load_kv(forward_context, **kwargs)
+            return
+        sync = self.sync_reads.before(self._connector_metadata)
+        super().start_load_kv(forward_context, **kwargs)
+        self.sync_reads.after(sync)
+
+    def build_connector_worker_meta(self) -> Any:
+        return self.sync_reads.results() if self.sync_reads is not None else None
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super().request_finished_all_groups(request, block_ids)
+        self._sync_planned.discard(request.request_id)
         if self.prefill is not None:
             outcome = self.prefill.finished(request.request_id)
             if outcome and params is not None:

@@ -61,6 +61,7 @@ class _Active:
     started: float
     conversation: str
     params: dict[str, Any]
+    sync: bool = False  # read within the step that computes the request
 
 
 class PrefillReuse:
@@ -234,10 +235,29 @@ class PrefillReuse:
         self.metrics.decisions.labels("declined_by_engine").inc()
         self._undo_reuse(request.request_id, "declined_by_engine", active.tokens)
 
-    def read_done(self, request_id: str, ok: bool) -> None:
+    def reading_sync(self, request_id: str) -> None:
+        """The hit will be read within the step that computes the request (`_sync_reads`)."""
+        active = self._active.get(request_id)
+        if active is not None:
+            active.sync = True
+        outcome = self._outcomes.get(request_id)
+        if outcome is not None:
+            outcome["kvbridge_load"] = "sync"
+
+    def read_posted(self, request_id: str) -> None:
+        """The read is posted in this step: should the request be preempted later, it
+        recomputes rather than wait for a read that will not come again."""
+        active = self._active.get(request_id)
+        if active is not None:
+            active.params.pop("remote_block_ids", None)
+            active.params["remote_num_tokens"] = 0
+
+    def read_done(self, request_id: str, ok: bool, *, why: str | None = None) -> str | None:
+        """The read ended (landed, or failed and recomputes). Returns the decode engine it
+        read from, or None if the request had no read of ours."""
         active = self._active.pop(request_id, None)
         if active is None:
-            return
+            return None
         # The read is over: a preempted request must recompute, not wait for a read that NIXL
         # will never queue again.
         active.params.pop("remote_block_ids", None)
@@ -255,7 +275,10 @@ class PrefillReuse:
             self.metrics.decisions.labels("transfer_failed").inc()
             self._undo_reuse(request_id, "transfer_failed", active.tokens)
             log.warning("kv_read_failed", request_id=request_id,
-                        conversation=active.conversation, tokens=active.tokens)
+                        conversation=active.conversation, tokens=active.tokens,
+                        why=why or "transfer_failed")
+        engine = active.params.get("remote_engine_id")
+        return engine if isinstance(engine, str) else None
 
     def finished(self, request_id: str) -> dict[str, Any] | None:
         """The request ended (possibly aborted): let go of whatever it still holds. Returns
@@ -267,6 +290,11 @@ class PrefillReuse:
         active = self._active.pop(request_id, None)
         if active is not None:
             self._release(active.pin_id)
+            if active.sync:
+                # A synchronous read that failed would have held the request back (the
+                # scheduler recomputes its blocks first), so finishing means it landed; the
+                # worker's own report of it comes after this.
+                self.metrics.reused_tokens.inc(active.tokens)
         return self._outcomes.pop(request_id, None)
 
     def close(self) -> None:

@@ -71,6 +71,14 @@ class ConnectorSettings:
     """PEM client certificate for mutual TLS (with `tls_key`)."""
     tls_key: str = ""
     """PEM private key of `tls_cert`."""
+    sync_reads: bool = True
+    """Prefill: once this engine has read from a decode engine (NIXL handshake done), read
+    that engine's KV within the engine step that computes the request, instead of parking the
+    request until an asynchronous read completes; saves the scheduling steps around the read
+    (see `kvbridge.connector._sync_reads`). False: always NIXL's asynchronous read."""
+    sync_read_timeout_s: float = 2.0
+    """Prefill: a synchronous read still in flight after this long is cancelled and its
+    tokens recomputed (the engine step waits for it meanwhile)."""
     metrics_port: int = 0
     """Port for the connector's Prometheus metrics in the engine-core process (0: off)."""
     metrics_host: str = "127.0.0.1"
@@ -118,6 +126,10 @@ class ConnectorSettings:
         kwargs = {}
         for name, value in raw.items():
             kind: Any = type(names[name].default)
+            if kind is bool and isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(f"kvbridge.{name}: expected true or false, got {value!r}")
+                value = value.lower() in ("true", "1", "yes")
             try:
                 kwargs[name] = kind(value)
             except (TypeError, ValueError) as exc:

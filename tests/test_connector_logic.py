@@ -1147,3 +1147,42 @@ def test_verified_read_refuses_malformed_input(client: RegistryClient, holder: p
 def test_verified_read_of_an_unknown_miss_is_no_lease() -> None:
     read, release = verified_read({"miss": "meteor"}, b"")
     assert read.miss_reason == pb.MISS_REASON_NO_LEASE and release is None
+
+
+def test_prefill_sync_read_counts_when_the_request_finishes(prefill: PrefillKit,
+                                                            client: RegistryClient):
+    """A read made within the step that computes the request: posted (its remote blocks are
+    dropped from the params, so a preempted request recomputes), counted as reuse when the
+    request finishes (a failed one would have held it back), pin released."""
+    lease = grant(client, "c1", LEASE_TOKENS)
+    request = prefill.request("p-1", LEASE_TOKENS + EXTRA)
+    assert prefill.resolve(request) is True
+    prefill.reuse.reading_sync("p-1")
+    prefill.reuse.read_posted("p-1")
+    params = request.kv_transfer_params
+    assert "remote_block_ids" not in params and params["remote_num_tokens"] == 0
+    assert sample(prefill.metrics, "kvbridge_connector_reused_tokens_total") == 0
+    outcome = prefill.reuse.finished("p-1")
+    assert outcome is not None
+    assert outcome["kvbridge_load"] == "sync" and outcome["kvbridge_decision"] == "hit"
+    assert sample(prefill.metrics, "kvbridge_connector_reused_tokens_total") == 38
+    wait_unpinned(client, lease.lease_id)
+    # The worker's report arrives after the request finished: nothing is counted twice.
+    assert prefill.reuse.read_done("p-1", ok=True) is None
+    assert sample(prefill.metrics, "kvbridge_connector_reused_tokens_total") == 38
+
+
+def test_prefill_sync_read_failure_recomputes(prefill: PrefillKit, client: RegistryClient):
+    lease = grant(client, "c1", LEASE_TOKENS)
+    prompt = LEASE_TOKENS + EXTRA
+    request = prefill.request("p-1", prompt)
+    assert prefill.resolve(request) is True
+    prefill.reuse.reading_sync("p-1")
+    prefill.reuse.read_posted("p-1")
+    assert prefill.reuse.read_done("p-1", ok=False, why="transfer_failed") == HOLDER
+    wait_unpinned(client, lease.lease_id)
+    outcome = prefill.reuse.finished("p-1")
+    assert outcome is not None and outcome["kvbridge_decision"] == "transfer_failed"
+    assert outcome["kvbridge_recomputed_tokens"] == len(prompt)
+    assert sample(prefill.metrics, "kvbridge_connector_reused_tokens_total") == 0
+    assert prefill.decision("transfer_failed") == 1

@@ -43,7 +43,7 @@ CONVERSATION_HEADER = "X-Conversation-Id"
 _RECENT_CONVERSATIONS = 100_000
 _OUTCOME_FIELDS = ("kvbridge_decision", "kvbridge_reused_tokens", "kvbridge_recomputed_tokens",
                    "kvbridge_lookup_ms", "kvbridge_transfer_ms", "kvbridge_mismatch_block",
-                   "kvbridge_read_source")
+                   "kvbridge_read_source", "kvbridge_load")
 
 
 class HttpError(Exception):
