@@ -25,10 +25,10 @@ Timings come from the engines' own Prometheus histograms, read before and after 
 lookup, the asynchronous KV load and the scheduling around it), its prefill (compute) time,
 NIXL's transfer time; decode's time to first token. When kvbridge reads decode's KV within the
 step that computes the request (a synchronous read, ``X-Kvbridge-Load: sync``), the engine's
-prefill time includes the transfer, which is taken out of compute and reported as transfer. A turn's ``ttft_ms`` is the client's
-prefill round trip plus decode's time to first token, the same way in every leg; the kvbridge
-leg also records the TTFT its client saw through the gateway (``client_ttft_ms``), which adds
-the gateway's routing and proxying.
+prefill time includes the transfer, which is taken out of compute and reported as transfer.
+A turn's ``ttft_ms`` is the client's prefill round trip plus decode's time to first token, the
+same way in every leg; the kvbridge leg also records the TTFT its client saw through the
+gateway (``client_ttft_ms``), which adds the gateway's routing and proxying.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ _METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 # Engine histograms read around each request.
 PREFILL_METRICS = ("vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count",
                    "vllm:request_prefill_time_seconds_sum", "vllm:nixl_xfer_time_seconds_sum",
-                   "vllm:nixl_xfer_time_seconds_count")
+                   "vllm:nixl_xfer_time_seconds_count", "vllm:e2e_request_latency_seconds_sum")
 DECODE_METRICS = ("vllm:time_to_first_token_seconds_sum",
                   "vllm:time_to_first_token_seconds_count")
 
@@ -127,6 +127,9 @@ class Record:
     client_ttft_ms: float | None = None
     decision: str | None = None
     read_source: str | None = None  # kvbridge: "route" (pinned by the router) or "lookup"
+    # Prefill's own request latency (vLLM's e2e histogram: from its API server taking the
+    # request to the response): prefill_ms minus this is HTTP and request handling.
+    engine_ms: float | None = None
 
 
 # ---- talking to engines -------------------------------------------------------------------------
@@ -346,6 +349,7 @@ class TwoStepRunner:
             "compute_ms": p_delta["vllm:request_prefill_time_seconds_sum"] * 1000,
             "kv_xfer_ms": p_delta["vllm:nixl_xfer_time_seconds_sum"] * 1000,
             "decode_ttft_ms": d_delta["vllm:time_to_first_token_seconds_sum"] * 1000,
+            "engine_ms": p_delta["vllm:e2e_request_latency_seconds_sum"] * 1000,
             "reused_tokens": cached, "recomputed_tokens": len(prompt) - cached}
 
 
@@ -395,6 +399,7 @@ class GatewayRunner:
             "compute_ms": compute_ms,
             "kv_xfer_ms": kv_xfer_ms,
             "decode_ttft_ms": d_delta["vllm:time_to_first_token_seconds_sum"] * 1000,
+            "engine_ms": p_delta["vllm:e2e_request_latency_seconds_sum"] * 1000,
             "reused_tokens": reused, "recomputed_tokens": len(prompt) - reused,
             "lookup_ms": optional("x-kvbridge-lookup-ms"),
             "load_ms": optional("x-kvbridge-transfer-ms"),
@@ -431,7 +436,8 @@ class _Conversation:
             lookup_ms=m.get("lookup_ms"), load_ms=m.get("load_ms"),
             client_ttft_ms=(round(m["client_ttft_ms"], 2) if m.get("client_ttft_ms")
                             else None),
-            decision=m.get("decision"), read_source=m.get("read_source"))
+            decision=m.get("decision"), read_source=m.get("read_source"),
+            engine_ms=round(m["engine_ms"], 2))
         self.previous = history + answer
         self.history = self.previous + workload.user_turn(self.rng)
         return record
@@ -487,11 +493,15 @@ def summarize(records: list[Record]) -> dict[str, dict[str, dict[str, float]]]:
             # Prefill time that is not compute: transfer, lookup, waiting, HTTP. Compute time on
             # this shared machine swings by 20% between runs of the same work; this does not.
             "overhead_ms": statistics.fmean(r.prefill_ms - r.compute_ms for r in rs),
+            "queue_ms": statistics.fmean(r.queue_ms for r in rs),
             "wait_ms": statistics.fmean(r.wait_ms for r in rs),
             "reused_tokens": statistics.fmean(r.reused_tokens for r in rs),
             "recomputed_tokens": statistics.fmean(r.recomputed_tokens for r in rs),
             "turns": len(rs),
         }
+        http = [r.prefill_ms - r.engine_ms for r in rs if r.engine_ms is not None]
+        if http:  # outside the engine: HTTP, request parsing, the response
+            entry["http_ms"] = statistics.fmean(http)
         for name in ("lookup_ms", "load_ms"):
             values = [v for r in rs if (v := getattr(r, name)) is not None]
             if values:
