@@ -210,6 +210,14 @@ class Stack:
     model: str
     gateway_url: str = ""
     stop_actions: list[Any] = field(default_factory=list)
+    roots: list[int] = field(default_factory=list)  # process trees of its engines
+
+    def park(self, parked: bool) -> None:
+        """Idle-class (or back) the NIXL pollers of this stack, when stacks run side by side."""
+        from kvbridge.engines import park_pollers
+
+        for root in self.roots:
+            park_pollers(root, parked)
 
     def stop(self) -> None:
         for action in reversed(self.stop_actions):
@@ -245,6 +253,7 @@ def two_step_stack(leg: str, model: Path, max_len: int, work: Path,
             engine = start_engine(spec, work)
             engines.append(engine)
             stack.stop_actions.append(engine.stop)
+            stack.roots.append(engine.process.pid)
         for engine in engines:
             wait_ready(engine, engine_timeout)
         stack.prefill_url, stack.decode_url = engines[0].spec.url, engines[1].spec.url
@@ -279,6 +288,7 @@ def kvbridge_stack(model: Path, max_len: int, work: Path, engine_timeout: float
                 process.wait()
 
     stack.stop_actions.append(stop)
+    stack.roots.append(process.pid)
     try:
         deadline = time.monotonic() + engine_timeout
         while not ready.exists():
@@ -448,7 +458,8 @@ def run_legs(runners: dict[str, TwoStepRunner | GatewayRunner], workload: Worklo
     """Run the legs' conversations. With several legs (stacks up side by side), their turns
     alternate: turn t of every leg, in an order that rotates, then turn t+1. The legs then see
     the same machine: on this shared host compute speed drifts by tens of percent within
-    minutes (steal time), which sequential legs would read as differences between them."""
+    minutes (steal time), which sequential legs would read as differences between them. The
+    stacks not in use have their NIXL pollers parked in the idle scheduling class."""
     for length in workload.lengths:
         for index in range(workload.conversations):
             legs = [leg for leg in runners
@@ -461,6 +472,9 @@ def run_legs(runners: dict[str, TwoStepRunner | GatewayRunner], workload: Worklo
             for turn in range(1, workload.turns + 1):
                 shift = (turn + index) % len(legs)
                 for leg in legs[shift:] + legs[:shift]:
+                    if len(runners) > 1:
+                        for other, runner in runners.items():
+                            runner.stack.park(other != leg)
                     record = conversations[leg].turn(turn)
                     records.append(record)
                     sink.write(json.dumps(asdict(record)) + "\n")
@@ -785,6 +799,8 @@ def multiturn_bench(out_dir: Path, lengths: str, conversations: int, off_convers
                         stack = stacks.enter_context(two_step_stack(
                             leg, model, shape.max_len, leg_work, engine_timeout_s))
                         runners[leg] = TwoStepRunner(leg, stack, workload)
+                    if len(group) > 1:  # ready and idle until its turns come
+                        stack.park(True)
                 click.echo(f"legs {names}: stacks ready in "
                            f"{time.monotonic() - group_started:.0f} s", err=True)
                 run_legs(runners, workload, records, sink)

@@ -18,6 +18,7 @@ from kvbridge.engines import (
     Engine,
     EngineSpec,
     demote_busy_pollers,
+    park_pollers,
     pin_to_core,
 )
 
@@ -79,6 +80,26 @@ def test_demote_busy_pollers_renices_a_spinning_helper_thread_only() -> None:
         assert os.getpriority(os.PRIO_PROCESS, spinner) == POLLER_NICE
         for tid in (proc.pid, sleeper):  # the main thread computes: never demoted
             assert os.getpriority(os.PRIO_PROCESS, tid) == nice
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_park_pollers_idles_only_the_demoted_threads_and_back() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _POLLER], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    spinner, sleeper = map(int, proc.stdout.readline().split())
+    try:
+        os.setpriority(os.PRIO_PROCESS, spinner, POLLER_NICE)  # as demote_busy_pollers does
+        assert park_pollers(proc.pid, True) == 1
+        assert os.sched_getscheduler(spinner) == os.SCHED_IDLE
+        for tid in (proc.pid, sleeper):
+            assert os.sched_getscheduler(tid) == os.SCHED_OTHER
+        assert park_pollers(proc.pid, True) == 0  # already parked
+        assert park_pollers(proc.pid, False) == 1
+        assert os.sched_getscheduler(spinner) == os.SCHED_OTHER
+        assert os.getpriority(os.PRIO_PROCESS, spinner) == POLLER_NICE
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGKILL)
