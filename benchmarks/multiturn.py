@@ -211,15 +211,19 @@ class Stack:
     gateway_url: str = ""
     stop_actions: list[Any] = field(default_factory=list)
     roots: list[int] = field(default_factory=list)  # process trees of its engines
+    frozen: bool = False
 
-    def park(self, parked: bool) -> None:
-        """Idle-class (or back) the NIXL pollers of this stack, when stacks run side by side."""
-        from kvbridge.engines import park_pollers
+    def freeze(self, frozen: bool) -> None:
+        """Stop (or resume) every process of this stack, when stacks run side by side."""
+        from kvbridge.engines import freeze_tree
 
-        for root in self.roots:
-            park_pollers(root, parked)
+        if frozen != self.frozen:
+            for root in self.roots:
+                freeze_tree(root, frozen)
+            self.frozen = frozen
 
     def stop(self) -> None:
+        self.freeze(False)
         for action in reversed(self.stop_actions):
             try:
                 action()
@@ -273,7 +277,10 @@ def kvbridge_stack(model: Path, max_len: int, work: Path, engine_timeout: float
                "--model", str(model), "--max-model-len", str(max_len),
                "--work-dir", str(work), "--ready-json", str(ready),
                "--registry-listen", "127.0.0.1:0", "--router-listen", "127.0.0.1:0",
-               "--gateway-listen", "127.0.0.1:0", "--idle-ttl-s", "600"]
+               "--gateway-listen", "127.0.0.1:0", "--idle-ttl-s", "600",
+               # Side by side with other legs, this stack is stopped between its turns: the
+               # decode's heartbeats must outlast the other legs' turns.
+               "--holder-ttl-s", "120"]
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     stack = Stack("", "", model.name)
@@ -459,7 +466,8 @@ def run_legs(runners: dict[str, TwoStepRunner | GatewayRunner], workload: Worklo
     alternate: turn t of every leg, in an order that rotates, then turn t+1. The legs then see
     the same machine: on this shared host compute speed drifts by tens of percent within
     minutes (steal time), which sequential legs would read as differences between them. The
-    stacks not in use have their NIXL pollers parked in the idle scheduling class."""
+    stacks not in use are stopped (SIGSTOP): idle engines are not idle (an engine holding KV for
+a peer steps continuously; NIXL's progress thread polls)."""
     for length in workload.lengths:
         for index in range(workload.conversations):
             legs = [leg for leg in runners
@@ -473,8 +481,10 @@ def run_legs(runners: dict[str, TwoStepRunner | GatewayRunner], workload: Worklo
                 shift = (turn + index) % len(legs)
                 for leg in legs[shift:] + legs[:shift]:
                     if len(runners) > 1:
+                        runners[leg].stack.freeze(False)
                         for other, runner in runners.items():
-                            runner.stack.park(other != leg)
+                            if other != leg:
+                                runner.stack.freeze(True)
                     record = conversations[leg].turn(turn)
                     records.append(record)
                     sink.write(json.dumps(asdict(record)) + "\n")
@@ -799,8 +809,8 @@ def multiturn_bench(out_dir: Path, lengths: str, conversations: int, off_convers
                         stack = stacks.enter_context(two_step_stack(
                             leg, model, shape.max_len, leg_work, engine_timeout_s))
                         runners[leg] = TwoStepRunner(leg, stack, workload)
-                    if len(group) > 1:  # ready and idle until its turns come
-                        stack.park(True)
+                    if len(group) > 1:  # ready, and stopped until its turns come
+                        stack.freeze(True)
                 click.echo(f"legs {names}: stacks ready in "
                            f"{time.monotonic() - group_started:.0f} s", err=True)
                 run_legs(runners, workload, records, sink)

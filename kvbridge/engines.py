@@ -354,30 +354,19 @@ def demote_busy_pollers(root: int, sample_s: float = 1.0, busy: float = 0.5) -> 
     return demoted
 
 
-def park_pollers(root: int, parked: bool) -> int:
-    """Move the demoted pollers (threads at nice 19, see `demote_busy_pollers`) of `root`'s
-    process tree to the idle scheduling class (`parked`), or back to the normal one at nice 19;
-    returns how many threads changed. For benchmarks that keep several stacks up and use one
-    at a time: an unused stack's pollers then take nothing from the one being measured (at
-    nice 19 they would still take a share each). Linux only."""
-    if not hasattr(os, "sched_setscheduler") or not os.path.isdir("/proc"):
-        return 0
-    policy = os.SCHED_IDLE if parked else os.SCHED_OTHER
-    changed = 0
+def freeze_tree(root: int, frozen: bool) -> int:
+    """Stop (SIGSTOP) or resume (SIGCONT) every process of `root`'s tree; returns how many
+    were signalled. For benchmarks that keep several stacks up and use one at a time: an idle
+    vLLM engine is not idle (an engine holding KV for a peer steps continuously, its worker
+    spinning on the step queue, and NIXL's progress thread polls), and with three stacks on two
+    cores the unused ones took more than half of the measured one's core. POSIX only."""
+    sig = signal.SIGSTOP if frozen else signal.SIGCONT
+    count = 0
     for pid in _process_tree(root):
-        try:
-            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-        except OSError:
-            continue
-        for tid in tids:
-            with contextlib.suppress(OSError):
-                if tid == pid or os.getpriority(os.PRIO_PROCESS, tid) != POLLER_NICE:
-                    continue
-                if os.sched_getscheduler(tid) != policy:
-                    os.sched_setscheduler(tid, policy, os.sched_param(0))
-                    os.setpriority(os.PRIO_PROCESS, tid, POLLER_NICE)
-                    changed += 1
-    return changed
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+            count += 1
+    return count
 
 
 def post_json(url: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:

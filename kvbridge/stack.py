@@ -72,6 +72,7 @@ class UpOptions:
     model: Path | None = None
     work_dir: Path = field(default_factory=lambda: Path(".kvbridge"))
     idle_ttl_s: float = 120.0
+    holder_ttl_s: float = 10.0
     read_deadline_s: float = 5.0  # CPU engines busy-poll the cores the control plane shares
     api_keys_file: str = ""
     engine_timeout_s: float = 600.0
@@ -175,7 +176,7 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
                                     "metrics_port": metrics_port, "rpc_timeout_s": 5.0}
         if role == "decode":
             settings = {"idle_ttl_s": opts.idle_ttl_s, "metrics_port": metrics_port,
-                        "rpc_timeout_s": 5.0}
+                        "rpc_timeout_s": 5.0, "holder_ttl_s": opts.holder_ttl_s}
         urls.connector_metrics[role] = f"http://127.0.0.1:{metrics_port}/metrics"
         spec = EngineSpec(role, str(model), _free_port(), _free_port(), f"kvbridge-{role}-0",
                           registry, cpu=cpu, kvbridge=settings, served_name=name,
@@ -272,6 +273,10 @@ def _print_ready(urls: Urls) -> None:
 @click.option("--gateway-listen", default="127.0.0.1:8080", show_default=True)
 @click.option("--idle-ttl-s", default=120.0, show_default=True, type=click.FloatRange(min=1),
               help="decode: how long a conversation's KV is kept between turns")
+@click.option("--holder-ttl-s", default=10.0, show_default=True,
+              type=click.FloatRange(min=1, max=300),
+              help="decode: how long the registry waits for the engine's heartbeat (sent every "
+                   "third of it) before its leases are lost")
 @click.option("--api-keys-file", default="", help="'API_KEY TENANT' lines (default: open)")
 @click.option("--demo", "demo_turns", type=click.IntRange(min=0), default=0,
               help="run a conversation of this many turns through the gateway, print it, and "
@@ -285,9 +290,9 @@ def _print_ready(urls: Urls) -> None:
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
               default="info", show_default=True)
 def up_command(cpu_engines: bool, model: Path | None, work_dir: Path, registry_listen: str,
-               router_listen: str, gateway_listen: str, idle_ttl_s: float, api_keys_file: str,
-               demo_turns: int, as_json: bool, max_model_len: int, ready_json: Path | None,
-               log_level: str) -> None:
+               router_listen: str, gateway_listen: str, idle_ttl_s: float, holder_ttl_s: float,
+               api_keys_file: str, demo_turns: int, as_json: bool, max_model_len: int,
+               ready_json: Path | None, log_level: str) -> None:
     """Start registry, router and gateway in one process (and, with --cpu-engines, a prefill
     and a decode vLLM engine on this CPU), wait until all are healthy, print the URLs, and run
     until Ctrl-C.
@@ -301,7 +306,8 @@ def up_command(cpu_engines: bool, model: Path | None, work_dir: Path, registry_l
     # Logs go to stderr so that --demo --json output stays parseable.
     logs.configure(log_level if not as_json else "warning", "auto")
     opts = UpOptions(registry_listen, router_listen, gateway_listen, cpu_engines, model,
-                     work_dir, idle_ttl_s, api_keys_file=api_keys_file,
+                     work_dir, idle_ttl_s, holder_ttl_s=holder_ttl_s,
+                     api_keys_file=api_keys_file,
                      max_model_len=max_model_len, ready_json=ready_json)
 
     async def main() -> None:

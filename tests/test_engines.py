@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from kvbridge.engines import (
     Engine,
     EngineSpec,
     demote_busy_pollers,
-    park_pollers,
+    freeze_tree,
     pin_to_core,
 )
 
@@ -86,23 +87,33 @@ def test_demote_busy_pollers_renices_a_spinning_helper_thread_only() -> None:
         proc.wait()
 
 
-def test_park_pollers_idles_only_the_demoted_threads_and_back() -> None:
-    proc = subprocess.Popen([sys.executable, "-c", _POLLER], stdout=subprocess.PIPE, text=True)
+def test_freeze_tree_stops_and_resumes_the_whole_tree() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", _TREE], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    spinner, sleeper = map(int, proc.stdout.readline().split())
+    child = int(proc.stdout.readline())
+
+    def stopped() -> list[bool]:
+        """Whether each process is stopped, once signal delivery (asynchronous) agrees."""
+        states: list[bool] = []
+        for _ in range(200):
+            states = []
+            for pid in (proc.pid, child):
+                with open(f"/proc/{pid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0] == "T")
+            if len(set(states)) == 1:
+                break
+            time.sleep(0.01)
+        return states
+
     try:
-        os.setpriority(os.PRIO_PROCESS, spinner, POLLER_NICE)  # as demote_busy_pollers does
-        assert park_pollers(proc.pid, True) == 1
-        assert os.sched_getscheduler(spinner) == os.SCHED_IDLE
-        for tid in (proc.pid, sleeper):
-            assert os.sched_getscheduler(tid) == os.SCHED_OTHER
-        assert park_pollers(proc.pid, True) == 0  # already parked
-        assert park_pollers(proc.pid, False) == 1
-        assert os.sched_getscheduler(spinner) == os.SCHED_OTHER
-        assert os.getpriority(os.PRIO_PROCESS, spinner) == POLLER_NICE
+        assert freeze_tree(proc.pid, True) == 2
+        assert stopped() == [True, True]
+        assert freeze_tree(proc.pid, False) == 2
+        assert stopped() == [False, False]
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, signal.SIGKILL)
+        for pid in (child, proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         proc.wait()
 
 
