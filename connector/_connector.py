@@ -165,7 +165,9 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             count, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
             if decided and not count:
                 self.prefill.decline(request)
-            elif decided and count and self._may_read_sync(request):
+            elif count and load_async and (
+                    request.request_id in self._sync_planned  # asked again: no blocks then
+                    or (decided and self._may_read_sync(request))):
                 self._sync_planned.add(request.request_id)
                 self.prefill.reading_sync(request.request_id)
                 return count, False
