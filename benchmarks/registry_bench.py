@@ -9,6 +9,9 @@ stack in the same run (ratios, not absolute numbers, are what transfer between m
   (so that each sees the offered rate, and a stall of the machine falls on both), requests
   built ahead of time for both; the same through the client library beside them;
 - the highest sustained AcquireRead rate (closed loop, many calls in flight), and the echo's;
+- with `--auth`, the same two figures (keys ending `_auth`) for a second registry that
+  authenticates every call by bearer token (as deployed; the first runs in insecure local
+  mode), a reader token limited to the bench's tenant, interleaved with the others;
 - lease renewals per second through the batched RenewLeases;
 - resident memory per lease, from the registry's RSS before and after granting N leases;
 - how late expiry fires (p99), from the registry's own lateness figure on EXPIRED events,
@@ -208,11 +211,20 @@ class _Registries:
         return [p.port for p in self.procs]
 
 
-def _registry_proc(leases: int, extra: Sequence[str] = ()) -> _Proc:
-    proc = _spawn([sys.executable, "-m", "kvbridge.cli", "registry", "serve", "--insecure",
+# The secured registry's token table (`--auth`): an admin sets up, a reader limited to the
+# bench's tenant reads (as a prefill engine would).
+_ADMIN_TOKEN = "bench-admin-" + uuid.uuid4().hex
+_READER_TOKEN = "bench-reader-" + uuid.uuid4().hex
+_TOKENS = f"{_ADMIN_TOKEN} admin; {_READER_TOKEN} reader tenants=bench name=bench-reader"
+
+
+def _registry_proc(leases: int, extra: Sequence[str] = (), secured: bool = False) -> _Proc:
+    proc = _spawn([sys.executable, "-m", "kvbridge.cli", "registry", "serve",
+                   *(() if secured else ("--insecure",)),
                    "--listen", "127.0.0.1:0", "--metrics-listen", "",
                    "--log-level", "info", "--log-format", "json",
-                   "--max-leases", str(leases * 2 + 100000), *extra])
+                   "--max-leases", str(leases * 2 + 100000), *extra],
+                  env={"KVBRIDGE_AUTH_TOKENS": _TOKENS} if secured else None)
     # The registry logs nothing per RPC; drain its output so a burst of warnings cannot block.
     assert proc.popen.stdout is not None
     threading.Thread(target=proc.popen.stdout.read, daemon=True).start()
@@ -221,7 +233,8 @@ def _registry_proc(leases: int, extra: Sequence[str] = ()) -> _Proc:
 
 async def _run(leases: int, blocks: int, rate: float, duration: float, concurrency: int,
                rounds: int, log: Callable[[str], None],
-               registries: _Registries | None = None) -> dict[str, Any]:
+               registries: _Registries | None = None, secured: bool = False
+               ) -> dict[str, Any]:
     block_size = 16
     if registries is None:
         single = _registry_proc(leases)
@@ -230,6 +243,8 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
     echo = _spawn([sys.executable, "-c",
                    "from kvbridge import aio; from kvbridge.benchmarks.registry_bench import"
                    " _echo_main; aio.run(_echo_main())"])
+    # With `secured`, a second registry that authenticates every call (memory backend).
+    auth_proc = _registry_proc(4096, secured=True) if secured else None
     out: dict[str, Any] = {"leases": leases, "blocks_per_lease": blocks,
                            "offered_rate_rps": rate, "replicas": len(registries.procs)}
     try:
@@ -335,14 +350,39 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             for k in range(min(leases, 4096))]
         run = uuid.uuid4().hex[:16]
 
-        async def acquire_raw(i: int) -> None:
+        async def acquire_raw(i: int, calls: Sequence[Callable[..., Awaitable[bytes]]]
+                              = raw_calls, metadata: Any = None) -> None:
             request_id = f"{run}{i:016x}".encode()  # field 7 (request_id), 32 bytes
-            reply = await raw_calls[i % len(raw_calls)](
-                templates[i % len(templates)] + b"\x3a\x20" + request_id, timeout=30)
+            reply = await calls[i % len(calls)](
+                templates[i % len(templates)] + b"\x3a\x20" + request_id, timeout=30,
+                metadata=metadata)
             if i % 16 == 0:
                 resp = pb.AcquireReadResponse.FromString(reply)
                 if resp.miss_reason != pb.MISS_REASON_UNSPECIFIED or not resp.pin.pin_id:
                     raise RuntimeError(f"unexpected miss {resp.miss_reason}")
+
+        if auth_proc is not None:
+            # The secured registry holds the leases the raw calls read (conv-0 .. conv-4095).
+            admin = AsyncRegistryClient(f"127.0.0.1:{auth_proc.port}", timeout=30, retries=0,
+                                        token=_ADMIN_TOKEN)
+            await admin.register_holder("bench-decode", "127.0.0.1", 5600, block_size,
+                                        "bench-fingerprint", ttl=300)
+
+            async def grant_secured(i: int) -> None:
+                await admin.grant_lease(
+                    "bench-decode", "bench", f"conv-{i}", f"req-{i}", block_ids, tokens,
+                    hashes[i % 256], idle_ttl=3600.0, max_lifetime=3600.0,
+                    request_id=f"bench-{i}")
+
+            await _bounded(grant_secured, len(templates), concurrency)
+            await admin.close()
+            auth_channel = grpc.aio.insecure_channel(f"127.0.0.1:{auth_proc.port}")
+            auth_calls = [auth_channel.unary_unary(ACQUIRE_METHOD, request_serializer=_identity,
+                                                   response_deserializer=_identity)]
+            reader_metadata = (("authorization", f"Bearer {_READER_TOKEN}"),)
+
+            async def acquire_auth(i: int) -> None:
+                await acquire_raw(i, auth_calls, reader_metadata)
 
         # The same measurements against the trivial echo service, interleaved round by round
         # with the registry's so that the machine's noise falls on both alike.
@@ -365,9 +405,18 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         # name: (call for throughput, process)
         targets: dict[str, tuple[Callable[[int], Awaitable[Any]], Callable[[], float]]] = {
             "acquire": (acquire_raw, registries.cpu_seconds), "echo": (ping, echo.cpu_seconds)}
-        latencies: dict[str, list[float]] = {"acquire": [], "echo": [], "client": []}
-        rates: dict[str, list[float]] = {"acquire": [], "echo": [], "client": []}
-        cpu: dict[str, list[float]] = {"acquire": [], "echo": []}
+        latency_calls: dict[str, Callable[[int], Awaitable[Any]]] = {
+            "acquire": acquire_probe, "echo": ping, "client": acquire}
+        if auth_proc is not None:
+            targets["acquire_auth"] = (acquire_auth, auth_proc.cpu_seconds)
+
+            async def acquire_auth_probe(i: int) -> None:
+                await acquire_auth(probe_base + i)
+
+            latency_calls["acquire_auth"] = acquire_auth_probe
+        latencies: dict[str, list[float]] = {name: [] for name in latency_calls}
+        rates: dict[str, list[float]] = {name: [] for name in latency_calls}
+        cpu: dict[str, list[float]] = {name: [] for name in targets}
         for call, _ in targets.values():
             await _closed_loop(call, concurrency, 1.0)  # warm-up
         await _closed_loop(acquire, concurrency, 0.5)
@@ -376,10 +425,9 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         for r in range(rounds):
             # Latency: each service offered `rate` in short windows taken in turn, so each
             # sees the offered rate alone and a stall of this shared machine hits all alike.
-            windows = await _open_loop_alternating((acquire_probe, ping, acquire), rate,
-                                                   per_round)
+            windows = await _open_loop_alternating(tuple(latency_calls.values()), rate, per_round)
             probe_base += 10_000_000
-            for name, values in zip(("acquire", "echo", "client"), windows, strict=True):
+            for name, values in zip(latency_calls, windows, strict=True):
                 latencies[name] += values
             for name, (call, cpu_seconds) in targets.items():
                 cpu0 = cpu_seconds()
@@ -392,11 +440,15 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
                 f"(through the client library {rates['client'][-1]:.0f}), "
                 f"echo {rates['echo'][-1]:.0f} RPC/s; p99 so far: acquire "
                 f"{_pct(latencies['acquire'], 0.99):.2f} ms, echo "
-                f"{_pct(latencies['echo'], 0.99):.2f} ms")
+                f"{_pct(latencies['echo'], 0.99):.2f} ms"
+                + (f"; with tokens {rates['acquire_auth'][-1]:.0f} RPC/s, p99 "
+                   f"{_pct(latencies['acquire_auth'], 0.99):.2f} ms" if auth_proc else ""))
         await client.close()
         await channel.close()
         for ch in raw_channels:
             await ch.close()
+        if auth_proc is not None:
+            await auth_channel.close()
         out["acquire_read_p50_ms"] = round(_pct(latencies["acquire"], 0.5), 3)
         out["acquire_read_p99_ms"] = round(_pct(latencies["acquire"], 0.99), 3)
         out["client_acquire_read_p50_ms"] = round(_pct(latencies["client"], 0.5), 3)
@@ -413,10 +465,23 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             f"{out['echo_p99_ms']} ms, max {out['echo_max_rps']} RPC/s")
         out["acquire_p99_vs_echo"] = round(out["acquire_read_p99_ms"] / out["echo_p99_ms"], 2)
         out["max_rps_vs_echo"] = round(out["max_rps"] / out["echo_max_rps"], 2)
+        if auth_proc is not None:
+            out["acquire_read_p50_ms_auth"] = round(_pct(latencies["acquire_auth"], 0.5), 3)
+            out["acquire_read_p99_ms_auth"] = round(_pct(latencies["acquire_auth"], 0.99), 3)
+            out["max_rps_auth"] = round(statistics.median(rates["acquire_auth"]))
+            out["server_cpu_us_per_rpc_auth"] = round(statistics.median(cpu["acquire_auth"]))
+            out["acquire_p99_vs_echo_auth"] = round(
+                out["acquire_read_p99_ms_auth"] / out["echo_p99_ms"], 2)
+            out["max_rps_vs_echo_auth"] = round(out["max_rps_auth"] / out["echo_max_rps"], 2)
+            log(f"  with bearer tokens: acquire-read p50 {out['acquire_read_p50_ms_auth']} ms "
+                f"p99 {out['acquire_read_p99_ms_auth']} ms, max {out['max_rps_auth']} RPC/s, "
+                f"{out['server_cpu_us_per_rpc_auth']} us CPU per call")
     finally:
         for proc in registries.procs:
             proc.stop()
         echo.stop()
+        if auth_proc is not None:
+            auth_proc.stop()
     return out
 
 
@@ -427,6 +492,12 @@ TARGETS = [
     ("renewals_per_s", ">=", 20000, "batched renewals/s"),
     ("bytes_per_lease", "<=", 2048, "resident bytes per 64-block lease"),
     ("expiry_late_p99_ms", "<=", 50, "expiry lateness p99 (ms)"),
+]
+AUTH_TARGETS = [
+    ("acquire_read_p99_ms_auth", "<=", 1.0,
+     "acquire-read p99 at the offered rate, bearer tokens (ms)"),
+    ("acquire_p99_vs_echo_auth", "<=", 1.25, "acquire-read p99 / echo p99, bearer tokens"),
+    ("max_rps_auth", ">=", 4000, "sustained AcquireRead RPC/s, bearer tokens"),
 ]
 REDIS_TARGETS = [
     ("acquire_read_p99_ms", "<=", 2.0, "acquire-read p99 at 1,000 RPC/s on Redis (ms)"),
@@ -499,6 +570,8 @@ def _report(result: dict[str, Any], targets: list[tuple[str, str, float, str]]) 
     for key, value in result.items():
         click.echo(f"{key:<26} {value}")
     click.echo("targets:")
+    if "max_rps_auth" in result:
+        targets = targets + AUTH_TARGETS
     for key, op, bound, what in targets:
         value = result[key]
         ok = value <= bound if op == "<=" else value >= bound
@@ -530,10 +603,13 @@ def _report(result: dict[str, Any], targets: list[tuple[str, str, float, str]]) 
               type=click.IntRange(min=1000),
               help="with --backend redis: live leases in each Redis configuration (each is "
                    "granted through a Lua script; memory and expiry figures are per lease)")
+@click.option("--auth", "secured", is_flag=True,
+              help="also measure a registry that authenticates every call by bearer token "
+                   "(memory backend), interleaved with the others; its figures end in _auth")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def registry_bench(leases: int, blocks: int, rate: float, duration: float, concurrency: int,
                    rounds: int, backend: str, replicas: int, redis_url: str,
-                   redis_leases: int, as_json: bool) -> None:
+                   redis_leases: int, secured: bool, as_json: bool) -> None:
     """Measure the registry beside a trivial gRPC echo service (about a minute; with
     --backend redis, a few more). Memory backend: one JSON object. Redis: one object per
     configuration, keyed memory, redis_1, ..., redis_N."""
@@ -542,7 +618,8 @@ def registry_bench(leases: int, blocks: int, rate: float, duration: float, concu
         click.echo(msg, err=True)
 
     if backend == "memory":
-        result = aio.run(_run(leases, blocks, rate, duration, concurrency, rounds, log))
+        result = aio.run(_run(leases, blocks, rate, duration, concurrency, rounds, log,
+                              secured=secured))
         if as_json:
             click.echo(json.dumps(result, sort_keys=True))
         else:
@@ -551,7 +628,8 @@ def registry_bench(leases: int, blocks: int, rate: float, duration: float, concu
 
     results: dict[str, dict[str, Any]] = {}
     log("== memory backend")
-    results["memory"] = aio.run(_run(leases, blocks, rate, duration, concurrency, rounds, log))
+    results["memory"] = aio.run(_run(leases, blocks, rate, duration, concurrency, rounds, log,
+                                     secured=secured))
     redis = _RedisServer(redis_url)
     try:
         for n in range(1, replicas + 1):
