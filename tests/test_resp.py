@@ -129,3 +129,33 @@ async def test_unreachable_and_unanswered_calls_fail_fast() -> None:
         await pipe.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_store_on_a_url_the_pipe_does_not_take_uses_redis_py(
+        redis_server: Any, redis_namespace: str, kv: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TLS URLs go through redis-py (the batcher): the same store, pipelined or not."""
+    from test_store_contract import grant_spec, holder
+
+    from kvbridge.clock import SystemClock
+    from kvbridge.services.registry import RegistryConfig, _redis
+    from kvbridge.services.registry._model import MissReason
+
+    monkeypatch.setattr(_redis, "supported", lambda url: False)
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace)
+    store = _redis.RedisStore(config, SystemClock(), recovering=False)
+    await store.start()
+    try:
+        assert store._pipe is None and store._batcher is not None
+        await store.register_holder(holder(ttl=300.0))
+        lease = (await store.grant(grant_spec(kv, kv.tokens(8)))).lease
+        prompt = kv.prompt_hashes(kv.tokens(8))
+        reads = await asyncio.gather(*(store.acquire_read("t1", "c1", prompt)
+                                       for _ in range(5)))  # one loop turn: one pipeline
+        assert all(r.miss is MissReason.HIT and r.lease is not None
+                   and r.lease.lease_id == lease.lease_id for r in reads)
+        assert reads[0].pin is not None
+        assert await store.release_read(reads[0].pin.pin_id)
+    finally:
+        await store.close()
