@@ -23,7 +23,7 @@ import asyncio
 import collections
 import importlib
 import time
-from typing import Any
+from typing import Any, cast
 
 from redis.connection import UnixDomainSocketConnection, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -182,7 +182,7 @@ class ScriptPipe:
 
     def __init__(self, url: str, script: str, sha: str, *, connect_timeout: float,
                  timeout: float) -> None:
-        kwargs = parse_url(url)
+        kwargs: dict[str, Any] = cast(Any, parse_url)(url)  # untyped in some redis-py
         self._unix = kwargs.get("connection_class") is UnixDomainSocketConnection
         self._path = kwargs.get("path", "")
         self._host = kwargs.get("host", "localhost")
