@@ -82,6 +82,7 @@ from kvbridge.services.registry._model import (
     Pin,
 )
 from kvbridge.services.registry._redis_lua import LUA
+from kvbridge.services.registry._resp import ScriptPipe, supported
 
 log = structlog.get_logger("kvbridge.registry")
 
@@ -107,10 +108,12 @@ class RedisStore:
         self.prefix = f"{{{config.redis_namespace}}}:"
         self._quotas = config.tenant_quotas()
         self._events_key = self.prefix + "events"
+        self._keys = [self._events_key]
         self._redis: aioredis.Redis | None = None
         self._tail: aioredis.Redis | None = None  # blocking XREADs get their own connection
         self._script: Any = None
         self._batcher: _Batcher | None = None
+        self._pipe: ScriptPipe | None = None  # the script calls' own connection (not TLS)
         self._listeners: list[Listener] = []
         self._renewal_listeners: list[Listener] = []
         self._block_sizes: dict[str, int] = {}  # holder -> block size, to check grants first
@@ -137,7 +140,11 @@ class RedisStore:
             await self.close()
             raise OSError(f"cannot reach Redis at {url}: {exc}") from exc
         self._script = self._redis.register_script(LUA)
-        self._batcher = _Batcher(self._redis, self._script, self._events_key)
+        if supported(url):
+            self._pipe = ScriptPipe(url, LUA, self._script.sha, connect_timeout=2.0,
+                                    timeout=5.0)
+        else:
+            self._batcher = _Batcher(self._redis, self._script, self._events_key)
         await self.tick()  # loads the script, primes counts
         last_id: Any = last[0][0] if last else b"0-0"
         self._reader = asyncio.create_task(self._read_events(last_id), name="registry-events")
@@ -158,6 +165,10 @@ class RedisStore:
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
         self._reader = None
+        if self._pipe is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._pipe.close(), 2.0)
+            self._pipe = None
         for client in (self._redis, self._tail):
             if client is not None:
                 with contextlib.suppress(Exception):
@@ -166,11 +177,17 @@ class RedisStore:
 
     async def _run(self, *args: Any) -> list[Any]:
         """Run one script command; raise Unavailable when Redis cannot be reached."""
-        if self._script is None or self._batcher is None:
+        if self._script is None:
             raise Unavailable("the Redis store is not started", backend="redis")
+        argv = [args[0], self.config.redis_events_maxlen, self._grace, *args[1:]]
         try:
-            reply: list[Any] = await self._batcher.call(
-                [args[0], self.config.redis_events_maxlen, self._grace, *args[1:]])
+            reply: list[Any]
+            if self._pipe is not None:
+                reply = await self._pipe.call(self._keys, argv)
+            elif self._batcher is not None:
+                reply = await self._batcher.call(argv)
+            else:
+                raise Unavailable("the Redis store is not started", backend="redis")
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             # Only unreachability: a script error is a bug and must not look like an outage.
             raise Unavailable(f"Redis unreachable: {exc}", backend="redis") from exc
