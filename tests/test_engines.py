@@ -92,24 +92,25 @@ def test_freeze_tree_stops_and_resumes_the_whole_tree() -> None:
     assert proc.stdout is not None
     child = int(proc.stdout.readline())
 
-    def stopped() -> list[bool]:
-        """Whether each process is stopped, once signal delivery (asynchronous) agrees."""
-        states: list[bool] = []
+    def states(want: bool) -> list[bool]:
+        """Whether each process is stopped, once both are as wanted or after 2 s (signal
+        delivery is asynchronous)."""
+        out: list[bool] = []
         for _ in range(200):
-            states = []
+            out = []
             for pid in (proc.pid, child):
                 with open(f"/proc/{pid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0] == "T")
-            if len(set(states)) == 1:
+                    out.append(f.read().rsplit(")", 1)[1].split()[0] == "T")
+            if out == [want, want]:
                 break
             time.sleep(0.01)
-        return states
+        return out
 
     try:
         assert freeze_tree(proc.pid, True) == 2
-        assert stopped() == [True, True]
+        assert states(True) == [True, True]
         assert freeze_tree(proc.pid, False) == 2
-        assert stopped() == [False, False]
+        assert states(False) == [False, False]
     finally:
         for pid in (child, proc.pid):
             with contextlib.suppress(ProcessLookupError):
