@@ -30,6 +30,12 @@ REMOTE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "r
 
 
 
+def _forget_remote_blocks(params: dict[str, Any]) -> None:
+    """No (more) remote blocks to read for this request: NIXL will not queue its read again."""
+    params.pop("remote_block_ids", None)
+    params["remote_num_tokens"] = 0
+
+
 class ReadClient(Protocol):
     """Where reads are resolved: the registry (RegistryClient) or a router (RouterClient)."""
 
@@ -249,8 +255,7 @@ class PrefillReuse:
         recomputes rather than wait for a read that will not come again."""
         active = self._active.get(request_id)
         if active is not None:
-            active.params.pop("remote_block_ids", None)
-            active.params["remote_num_tokens"] = 0
+            _forget_remote_blocks(active.params)
 
     def read_done(self, request_id: str, ok: bool, *, why: str | None = None) -> str | None:
         """The read ended (landed, or failed and recomputes). Returns the decode engine it
@@ -260,8 +265,7 @@ class PrefillReuse:
             return None
         # The read is over: a preempted request must recompute, not wait for a read that NIXL
         # will never queue again.
-        active.params.pop("remote_block_ids", None)
-        active.params["remote_num_tokens"] = 0
+        _forget_remote_blocks(active.params)
         self._release(active.pin_id)
         elapsed = time.monotonic() - active.started
         if ok:

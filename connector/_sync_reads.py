@@ -21,6 +21,7 @@ The worker reports each read's outcome back to the scheduler side in `SyncReadRe
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,10 +57,14 @@ class SyncReads:
     """Worker side. `before` runs ahead of NIXL's `start_load_kv`, `after` right after it, both
     before the forward pass of the step (vLLM starts loads first when a step has sync loads)."""
 
-    def __init__(self, worker: Any, timeout_s: float, poll_s: float = 0.0002) -> None:
+    def __init__(self, worker: Any, timeout_s: float, poll_s: float = 0.0002, *,
+                 clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.worker = worker
         self.timeout_s = timeout_s
         self.poll_s = poll_s
+        self._clock = clock
+        self._sleep = sleep
         self._results = SyncReadResults()
 
     def before(self, metadata: Any) -> set[str]:
@@ -86,7 +91,7 @@ class SyncReads:
         if not sync:
             return
         worker = self.worker
-        started = time.perf_counter()
+        started = self._clock()
         metas: dict[str, Any] = {}
         handles: dict[str, list[int]] = {}
         failed: dict[str, str] = {}
@@ -108,7 +113,7 @@ class SyncReads:
                     handles[req_id] = self._poll(req_id, metas[req_id], pending, failed)
             if not any(handles.values()):
                 break
-            if time.perf_counter() >= deadline and not cancelled:
+            if self._clock() >= deadline and not cancelled:
                 cancelled = True
                 for req_id, pending in handles.items():
                     if pending:
@@ -119,8 +124,8 @@ class SyncReads:
                     log.error("sync_read_uncancellable", waiting=sorted(
                         r for r, h in handles.items() if h))
                 continue
-            time.sleep(self.poll_s)
-        elapsed_ms = round((time.perf_counter() - started) * 1000, 2)
+            self._sleep(self.poll_s)
+        elapsed_ms = round((self._clock() - started) * 1000, 2)
         for req_id, meta in metas.items():
             if req_id in failed:
                 worker.xfer_stats.record_failed_transfer()

@@ -179,7 +179,9 @@ def test_a_read_past_its_deadline_is_cancelled_and_recomputed() -> None:
     worker = Worker()
     worker.nixl_wrapper.script = {1: ["PROC"]}
     worker.nixl_wrapper.releasable = {1}
-    reads = SyncReads(worker, timeout_s=0.01, poll_s=0.001)
+    now = [0.0]
+    reads = SyncReads(worker, timeout_s=2.0, poll_s=0.5, clock=lambda: now[0],
+                      sleep=lambda s: now.__setitem__(0, now[0] + s))
     results = run_step(worker, reads, metadata({"r1"}, r1=("decode-1", [2, 3])), {"r1": [1]})
     assert results is not None and results.why == {"r1": "timeout"}
     assert worker.nixl_wrapper.released == [1]
