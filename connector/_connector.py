@@ -23,9 +23,10 @@ from kvbridge import blockhash
 from kvbridge.clients import RegistryClient
 from kvbridge.clients._router import RouterClient
 from kvbridge.connector._decode import DecodeRetention
+from kvbridge.connector._layerwise import capturing
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._prefill import PrefillReuse, ReadClient
-from kvbridge.connector._settings import REMOTE_ID_PREFIX, ConnectorSettings
+from kvbridge.connector._settings import REMOTE_ID_PREFIX, ConnectorSettings, parse_cpus
 from kvbridge.connector._sync_reads import SYNC_READS_ATTR, SyncReadResults, SyncReads
 from kvbridge.connector._version import check_vllm_version, software_version
 
@@ -87,7 +88,9 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         if role == KVConnectorRole.WORKER:
             worker = self.connector_worker
             worker.nixl_wrapper = _NotificationFilter(worker.nixl_wrapper)
-            self.sync_reads = SyncReads(worker, self.settings.sync_read_timeout_s)
+            self.sync_reads = SyncReads(worker, self.settings.sync_read_timeout_s,
+                                        layerwise=self.settings.layerwise_reads,
+                                        read_cpus=parse_cpus(self.settings.read_cpus))
             return
         if not self.settings.registry and not self.settings.router:
             log.warning("kvbridge_disabled", why="neither kvbridge.registry nor kvbridge.router "
@@ -232,6 +235,11 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                 for req_id, ok in results.ok.items():
                     if ok:  # counted when the request finishes
                         self.metrics.transfer_seconds.observe(results.ms.get(req_id, 0.0) / 1000)
+                        copy_ms = results.layered.get(req_id)
+                        self.metrics.sync_reads.labels(
+                            "whole" if copy_ms is None else "layered").inc()
+                        if copy_ms is not None:
+                            self.metrics.layered_copy_seconds.observe(copy_ms / 1000)
                         continue
                     engine = self.prefill.read_done(req_id, False, why=results.why.get(req_id))
                     if engine:
@@ -243,12 +251,43 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         if self.sync_reads is None:
             super().start_load_kv(forward_context, **kwargs)
             return
-        sync = self.sync_reads.before(self._connector_metadata)
-        super().start_load_kv(forward_context, **kwargs)
+        self.sync_reads.finish()  # a step that ended without wait_for_save (cannot happen)
+        metadata = self._connector_metadata
+        sync = self.sync_reads.before(metadata)
+        with capturing(self.connector_worker, self.sync_reads.owners(metadata, sync)):
+            super().start_load_kv(forward_context, **kwargs)
         self.sync_reads.after(sync)
 
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.sync_reads is not None:
+            self.sync_reads.wait_for_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        # Layered reads end before NIXL's worker is used again (one thread at a time).
+        if self.sync_reads is not None:
+            self.sync_reads.finish()
+        super().wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        if self.sync_reads is not None:
+            self.sync_reads.finish()
+        return super().get_finished(finished_req_ids)  # type: ignore[no-any-return]
+
+    def get_transfer_results(self, *args: Any, **kwargs: Any) -> Any:
+        if self.sync_reads is not None:
+            self.sync_reads.finish()
+        return super().get_transfer_results(*args, **kwargs)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.sync_reads is not None:
+            self.sync_reads.finish()
+        return set(super().get_block_ids_with_load_errors())
+
     def build_connector_worker_meta(self) -> Any:
-        return self.sync_reads.results() if self.sync_reads is not None else None
+        if self.sync_reads is None:
+            return None
+        self.sync_reads.finish()
+        return self.sync_reads.results()
 
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
@@ -275,6 +314,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         return bool(super().has_pending_block_frees())
 
     def shutdown(self) -> None:
+        if self.sync_reads is not None:
+            self.sync_reads.close()
         if self.decode is not None:
             self.decode.close()
         if self.prefill is not None:

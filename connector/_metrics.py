@@ -20,6 +20,15 @@ class ConnectorMetrics:
         self.transfer_seconds = Histogram(
             "kvbridge_connector_transfer_seconds", "Decision to finished D->P read",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0), registry=r)
+        self.sync_reads = Counter(
+            "kvbridge_connector_sync_reads",
+            "Synchronous reads that landed, by mode: whole (before the step's forward pass) or "
+            "layered (layer by layer, overlapping it); their wait is in transfer_seconds",
+            ["mode"], registry=r)
+        self.layered_copy_seconds = Histogram(
+            "kvbridge_connector_layered_copy_seconds",
+            "Layered reads: first layer posted to last layer landed (overlaps the forward pass)",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0), registry=r)
         self.leases_granted = Counter(
             "kvbridge_connector_leases_granted", "Leases granted over retained decode KV",
             registry=r)

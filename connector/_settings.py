@@ -79,6 +79,15 @@ class ConnectorSettings:
     sync_read_timeout_s: float = 2.0
     """Prefill: a synchronous read still in flight after this long is cancelled and its
     tokens recomputed (the engine step waits for it meanwhile)."""
+    layerwise_reads: bool = True
+    """Prefill: split a synchronous read by layer; a reading thread posts the layers in order
+    and the forward pass waits for each layer just before attending over it, so the copy
+    overlaps the compute (see `kvbridge.connector._layerwise`). False: the whole read lands
+    before the forward pass."""
+    read_cpus: str = "all"
+    """Prefill: CPUs for the thread that posts layered reads: "all" (the kernel picks a core the
+    engine is not computing on; on the CPU, NIXL's READ is a copy made by that thread),
+    "inherit" (the engine's own) or a list like "1" or "2-3"."""
     metrics_port: int = 0
     """Port for the connector's Prometheus metrics in the engine-core process (0: off)."""
     metrics_host: str = "127.0.0.1"
@@ -92,6 +101,7 @@ class ConnectorSettings:
             raise ValueError("kvbridge.free_watermark must be in [0, 1)")
         if not 0.0 <= self.headroom_cap <= 1.0:
             raise ValueError("kvbridge.headroom_cap must be in [0, 1]")
+        parse_cpus(self.read_cpus)  # a bad list fails here, at start-up
         if self.pin_margin_s >= self.pin_ttl_s:
             raise ValueError("kvbridge.pin_margin_s must be smaller than pin_ttl_s")
 
@@ -135,6 +145,28 @@ class ConnectorSettings:
             except (TypeError, ValueError) as exc:
                 raise ValueError(f"kvbridge.{name}: {exc}") from exc
         return cls(**kwargs)
+
+
+def parse_cpus(spec: str) -> set[int] | None:
+    """`read_cpus`: "all" (every CPU this machine has; the kernel puts the reading thread where
+    the engine is not computing), "inherit" (the engine's own), or a list like "1" or "2-3,6"."""
+    spec = spec.strip().lower()
+    if spec in ("", "inherit"):
+        return None
+    if spec == "all":
+        return set(range(os.cpu_count() or 1))
+    cpus: set[int] = set()
+    for item in spec.split(","):
+        lo, _, hi = item.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"kvbridge.read_cpus: expected all, inherit or a CPU list like "
+                             f"'1' or '2-3,6', got {spec!r}") from None
+        if first < 0 or last < first:
+            raise ValueError(f"kvbridge.read_cpus: bad CPU range {item.strip()!r}")
+        cpus.update(range(first, last + 1))
+    return cpus
 
 
 def conversation_of(params: Mapping[str, Any] | None) -> tuple[str, str] | None:

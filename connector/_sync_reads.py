@@ -28,6 +28,8 @@ from typing import Any
 import structlog
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
+from kvbridge.connector._layerwise import Captured, LayerReader, Layout, Part, Plan
+
 log = structlog.get_logger("kvbridge.connector")
 
 # The attribute of the scheduler's NixlConnectorMetadata naming this step's synchronous reads.
@@ -39,8 +41,9 @@ class SyncReadResults(KVConnectorWorkerMetadata):  # type: ignore[misc]
     """Per request: whether its synchronous read landed, and how long it took (ms)."""
 
     ok: dict[str, bool] = field(default_factory=dict)
-    ms: dict[str, float] = field(default_factory=dict)
+    ms: dict[str, float] = field(default_factory=dict)  # what the step waited for the read
     why: dict[str, str] = field(default_factory=dict)
+    layered: dict[str, float] = field(default_factory=dict)  # read by layer: the copy's ms
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, SyncReadResults):
@@ -50,6 +53,8 @@ class SyncReadResults(KVConnectorWorkerMetadata):  # type: ignore[misc]
             self.ms[req_id] = max(self.ms.get(req_id, 0.0), other.ms.get(req_id, 0.0))
             if req_id in other.why:
                 self.why.setdefault(req_id, other.why[req_id])
+            if req_id in other.layered:
+                self.layered[req_id] = max(self.layered.get(req_id, 0.0), other.layered[req_id])
         return self
 
 
@@ -58,14 +63,41 @@ class SyncReads:
     before the forward pass of the step (vLLM starts loads first when a step has sync loads)."""
 
     def __init__(self, worker: Any, timeout_s: float, poll_s: float = 0.0002, *,
+                 layerwise: bool = False, read_cpus: set[int] | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.worker = worker
         self.timeout_s = timeout_s
         self.poll_s = poll_s
+        self.layerwise = layerwise
+        self.read_cpus = read_cpus
         self._clock = clock
         self._sleep = sleep
         self._results = SyncReadResults()
+        self._layout: Layout | None = None
+        self._reader: LayerReader | None = None
+        self._layout_checked = False
+        self._plan_metas: dict[str, Any] = {}
+        self._plan_ms: dict[str, float] = {}
+
+    def _layer_reader(self) -> LayerReader | None:
+        """The reading thread, when layered reads apply to this engine (decided on first use,
+        once NIXL's worker knows its KV layout)."""
+        if not self.layerwise:
+            return None
+        if not self._layout_checked:
+            self._layout_checked = True
+            self._layout = Layout.of(self.worker)
+            if self._layout is not None:
+                self._reader = LayerReader(self.worker, cpus=self.read_cpus,
+                                           poll_s=self.poll_s, clock=self._clock,
+                                           sleep=self._sleep)
+                log.info("layerwise_reads_on", layers=len(dict.fromkeys(
+                    self._layout.region_layers)), regions=len(self._layout.region_layers),
+                    read_cpus=sorted(self.read_cpus) if self.read_cpus else "inherit")
+        if self._reader is not None and not self._reader.enabled:
+            return None
+        return self._reader
 
     def before(self, metadata: Any) -> set[str]:
         """This step's synchronous reads. Those that cannot be posted now (no NIXL handshake
@@ -85,26 +117,54 @@ class SyncReads:
                 self._fail(req_id, meta, "no_handshake", 0.0)
         return sync
 
+    def owners(self, metadata: Any, sync: set[str]) -> dict[str, str]:
+        """remote request id -> request id, for the reads to capture (and split by layer)
+        while NIXL's worker prepares them; empty when layered reads are off."""
+        layers = self._layer_reader()
+        if layers is None or self._layout is None or not sync:
+            return {}
+        return {metadata.reqs_to_recv[req_id].remote.request_id: req_id for req_id in sync
+                if metadata.reqs_to_recv.get(req_id) is not None}
+
     def after(self, sync: set[str]) -> None:
         """Take NIXL's bookkeeping of the posted reads over (it must never report these as
-        finished_recving: the requests are running, not waiting) and wait for them."""
+        finished_recving: the requests are running, not waiting) and wait for them: whole, or,
+        for reads captured for layering, their boundary blocks, the rest being left to the
+        reading thread and the forward pass's per-layer waits."""
         if not sync:
             return
         worker = self.worker
         started = self._clock()
         metas: dict[str, Any] = {}
-        handles: dict[str, list[int]] = {}
+        handles: dict[str, list[Any]] = {}
         failed: dict[str, str] = {}
+        layered: dict[str, list[tuple[str, Part]]] = {}
         for req_id in sync:
             meta = worker._recving_metadata.pop(req_id, None)
             posted = worker._recving_transfers.pop(req_id, None)
             if meta is None:  # nothing to read after all (cannot happen with blocks to load)
                 continue
             metas[req_id] = meta
-            handles[req_id] = list(posted or [])
+            handles[req_id] = []
             if req_id in worker._recv_failures or posted is None:
                 worker._recv_failures.discard(req_id)
                 failed[req_id] = "not_posted"
+            for handle in posted or []:
+                if not isinstance(handle, Captured):
+                    handles[req_id].append(handle)
+                    continue
+                split = (self._layout.split(handle) if self._layout is not None
+                         and req_id not in failed else None)
+                part = handle.whole() if split is None else split[0]
+                if split is not None:
+                    layered.setdefault(req_id, []).extend(split[1])
+                if req_id in failed:
+                    continue
+                posted_handle = self._post(part, meta)
+                if posted_handle is None:
+                    failed[req_id] = "not_posted"
+                else:
+                    handles[req_id].append(posted_handle)
         deadline = started + self.timeout_s
         cancelled = False
         while any(handles.values()):
@@ -126,14 +186,56 @@ class SyncReads:
                 continue
             self._sleep(self.poll_s)
         elapsed_ms = round((self._clock() - started) * 1000, 2)
+        parts = [(layer, part) for req_id, req_parts in layered.items() if req_id not in failed
+                 for layer, part in req_parts]
+        if parts:
+            # Interleave by layer so that each layer's event fires once all requests have it.
+            order = {layer: i for i, layer in enumerate(self._layout.region_layers)} \
+                if self._layout is not None else {}
+            parts.sort(key=lambda item: order.get(item[0], 0))
+            assert self._reader is not None
+            self._plan_metas = {req_id: metas[req_id] for req_id in layered
+                                if req_id not in failed}
+            self._plan_ms = {req_id: elapsed_ms for req_id in self._plan_metas}
+            self._reader.start(Plan(parts, deadline))
         for req_id, meta in metas.items():
             if req_id in failed:
-                worker.xfer_stats.record_failed_transfer()
-                worker._failed_remote_engines.add(meta.remote.engine_id)
-                self._fail(req_id, meta, failed[req_id], elapsed_ms)
-            else:
+                self._record_failure(req_id, meta, failed[req_id], elapsed_ms)
+            elif req_id not in layered:
                 self._results.ok[req_id] = True
                 self._results.ms[req_id] = elapsed_ms
+
+    def wait_for_layer(self, layer: str) -> None:
+        if self._reader is not None:
+            self._reader.wait_for_layer(layer)
+
+    def finish(self) -> None:
+        """End the step's layered reads (before NIXL's worker is used again): wait for the
+        reading thread, fail what did not land, report the rest."""
+        if self._reader is None or not self._reader.active():
+            return
+        plan = self._reader.finish()
+        if plan is None:
+            return
+        for telemetry in plan.telemetry:
+            self.worker.xfer_stats.record_transfer(telemetry)
+        for req_id, meta in self._plan_metas.items():
+            # What the step lost to this read: the boundary blocks plus the forward's waits.
+            exposed = self._plan_ms.get(req_id, 0.0) + plan.wait_s.get(req_id, 0.0) * 1000
+            why = plan.failed.get(req_id)
+            if why == "layer_not_waited":  # not the transfer's fault
+                self._fail(req_id, meta, why, round(exposed, 2))
+            elif why is not None:
+                self._record_failure(req_id, meta, why, round(exposed, 2))
+            else:
+                self._results.ok[req_id] = True
+                self._results.ms[req_id] = round(exposed, 2)
+                self._results.layered[req_id] = round(plan.copy_s * 1000, 2)
+        self._plan_metas, self._plan_ms = {}, {}
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
 
     def results(self) -> SyncReadResults | None:
         if not self._results.ok:
@@ -170,6 +272,28 @@ class SyncReads:
             if not worker._try_release_xfer_handle(req_id, handle):
                 left.append(handle)
         return left
+
+    def _post(self, part: Part, meta: Any) -> Any:
+        """Post a captured READ; its handle, or None if NIXL refused it."""
+        wrapper = self.worker.nixl_wrapper
+        handle = None
+        try:
+            handle = wrapper.make_prepped_xfer("READ", part.local, part.local_ids, part.remote,
+                                               part.remote_ids, notif_msg=part.notif)
+            wrapper.transfer(handle)
+            return handle
+        except Exception as exc:
+            self.worker._log_failure(failure_type="transfer_setup_failed", req_id=part.req_id,
+                                     error=exc, meta=meta, load="sync")
+            if handle is not None:
+                while not self.worker._try_release_xfer_handle(part.req_id, handle):
+                    self._sleep(self.poll_s)
+            return None
+
+    def _record_failure(self, req_id: str, meta: Any, why: str, elapsed_ms: float) -> None:
+        self.worker.xfer_stats.record_failed_transfer()
+        self.worker._failed_remote_engines.add(meta.remote.engine_id)
+        self._fail(req_id, meta, why, elapsed_ms)
 
     def _fail(self, req_id: str, meta: Any, why: str, elapsed_ms: float) -> None:
         """Report the request's blocks as not loaded: the scheduler recomputes them."""

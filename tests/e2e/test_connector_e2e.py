@@ -131,6 +131,12 @@ def test_turns_reuse_decode_kv_and_match_recompute(stack: Stack) -> None:
     assert reused_per_turn[0] == 0, "turn 1 has nothing to reuse"
     assert all(r > 0 for r in reused_per_turn[1:]), (reused_per_turn, decided)
     assert stack.decode_counters()["kvbridge_connector_leases_granted_total"] >= 5
+    # Turn 2 reads asynchronously (the first read from this decode engine does the NIXL
+    # handshake); turns 3-5 read synchronously, layer by layer, overlapping the forward pass.
+    counters = stack.prefill_counters()
+    assert counters.get('kvbridge_connector_sync_reads_total{mode="layered"}', 0) >= 3, {
+        k: v for k, v in counters.items() if "sync_reads" in k}
+    assert counters.get("kvbridge_connector_layered_copy_seconds_count", 0) >= 3
 
 
 def test_edited_history_reuses_only_the_leading_matching_blocks(stack: Stack) -> None:
