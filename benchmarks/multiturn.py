@@ -63,6 +63,10 @@ _METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 PREFILL_METRICS = ("vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count",
                    "vllm:request_prefill_time_seconds_sum", "vllm:nixl_xfer_time_seconds_sum",
                    "vllm:nixl_xfer_time_seconds_count", "vllm:e2e_request_latency_seconds_sum")
+CONNECTOR_METRICS = ("kvbridge_connector_transfer_seconds_sum",
+                     "kvbridge_connector_transfer_seconds_count",
+                     "kvbridge_connector_layered_copy_seconds_sum",
+                     "kvbridge_connector_layered_copy_seconds_count")
 DECODE_METRICS = ("vllm:time_to_first_token_seconds_sum",
                   "vllm:time_to_first_token_seconds_count")
 
@@ -130,6 +134,9 @@ class Record:
     # Prefill's own request latency (vLLM's e2e histogram: from its API server taking the
     # request to the response): prefill_ms minus this is HTTP and request handling.
     engine_ms: float | None = None
+    # kvbridge, layered reads: the copy, which overlaps the forward pass (kv_xfer_ms is then
+    # what the step waited for it: the boundary blocks and the per-layer waits).
+    kv_copy_ms: float | None = None
 
 
 # ---- talking to engines -------------------------------------------------------------------------
@@ -209,6 +216,7 @@ class Stack:
     decode_url: str
     model: str
     gateway_url: str = ""
+    prefill_connector_metrics: str = ""  # kvbridge: the prefill connector's /metrics
     stop_actions: list[Any] = field(default_factory=list)
     roots: list[int] = field(default_factory=list)  # process trees of its engines
     frozen: bool = False
@@ -310,6 +318,7 @@ def kvbridge_stack(model: Path, max_len: int, work: Path, engine_timeout: float
         stack.gateway_url = urls["gateway"]
         stack.prefill_url = urls["engines"]["prefill"]
         stack.decode_url = urls["engines"]["decode"]
+        stack.prefill_connector_metrics = urls.get("connector_metrics", {}).get("prefill", "")
         stack.model = urls["model"]
         yield stack
     finally:
@@ -388,6 +397,8 @@ class GatewayRunner:
         p_metrics = f"{stack.prefill_url}/metrics"
         d_metrics = f"{stack.decode_url}/metrics"
         p_before, d_before = scrape(p_metrics, PREFILL_METRICS), scrape(d_metrics, DECODE_METRICS)
+        c_url = stack.prefill_connector_metrics
+        c_before = scrape(c_url, CONNECTOR_METRICS) if c_url else None
         client_ttft, headers, tokens = _first_chunk_ms(
             f"{stack.gateway_url}/v1/completions",
             {"model": stack.model, "prompt": prompt, "max_tokens": self.workload.answer_tokens,
@@ -406,15 +417,28 @@ class GatewayRunner:
 
         kv_xfer_ms = p_delta["vllm:nixl_xfer_time_seconds_sum"] * 1000
         compute_ms = p_delta["vllm:request_prefill_time_seconds_sum"] * 1000
+        kv_copy_ms = None
         if h.get("x-kvbridge-load") == "sync":
             # Read within the step that computed the request: the engine's prefill time
-            # includes the transfer, which is reported apart.
+            # includes what the step waited for the read, which is reported apart. A layered
+            # read's copy overlaps the forward pass: only the connector knows the wait.
+            if c_url and c_before is not None:
+                c = scrape(c_url, CONNECTOR_METRICS)
+                if c["kvbridge_connector_transfer_seconds_count"] > c_before[
+                        "kvbridge_connector_transfer_seconds_count"]:
+                    kv_xfer_ms = (c["kvbridge_connector_transfer_seconds_sum"]
+                                  - c_before["kvbridge_connector_transfer_seconds_sum"]) * 1000
+                if c["kvbridge_connector_layered_copy_seconds_count"] > c_before[
+                        "kvbridge_connector_layered_copy_seconds_count"]:
+                    kv_copy_ms = (c["kvbridge_connector_layered_copy_seconds_sum"] - c_before[
+                        "kvbridge_connector_layered_copy_seconds_sum"]) * 1000
             compute_ms = max(compute_ms - kv_xfer_ms, 0.0)
         return tokens, {
             "prefill_ms": float(h.get("x-kvbridge-prefill-ms", 0.0)),
             "queue_ms": p_delta["vllm:request_queue_time_seconds_sum"] * 1000,
             "compute_ms": compute_ms,
             "kv_xfer_ms": kv_xfer_ms,
+            "kv_copy_ms": kv_copy_ms,
             "decode_ttft_ms": d_delta["vllm:time_to_first_token_seconds_sum"] * 1000,
             "engine_ms": p_delta["vllm:e2e_request_latency_seconds_sum"] * 1000,
             "reused_tokens": reused, "recomputed_tokens": len(prompt) - reused,
@@ -454,7 +478,9 @@ class _Conversation:
             client_ttft_ms=(round(m["client_ttft_ms"], 2) if m.get("client_ttft_ms")
                             else None),
             decision=m.get("decision"), read_source=m.get("read_source"),
-            engine_ms=round(m["engine_ms"], 2))
+            engine_ms=round(m["engine_ms"], 2),
+            kv_copy_ms=(round(m["kv_copy_ms"], 2) if m.get("kv_copy_ms") is not None
+                        else None))
         self.previous = history + answer
         self.history = self.previous + workload.user_turn(self.rng)
         return record
