@@ -152,6 +152,11 @@ class Layout:
         regions = int(getattr(worker, "num_regions", 0) or 0)
         if regions < 2 or len(names) != regions:
             reasons.append("fewer than two KV regions")
+        caches = getattr(worker, "device_kv_caches", None) or {}
+        if caches and set(caches) != set(names):
+            # Layers sharing another layer's KV (or drafter layers): their attention would
+            # find no per-layer wait under their own name.
+            reasons.append("KV caches shared between layers")
         if reasons:
             log.info("layerwise_reads_off", why=", ".join(reasons))
             return None
@@ -206,6 +211,7 @@ class Plan:
     wait_s: dict[str, float] = field(default_factory=dict)  # request -> time the forward waited
     telemetry: list[Any] = field(default_factory=list)
     copy_s: float = 0.0
+    abandoned: bool = False  # a layer outlived the deadline: the forward pass stops waiting
     done: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
@@ -239,7 +245,7 @@ class LayerReader:
     # ---- engine thread ----------------------------------------------------------------------
 
     def start(self, plan: Plan) -> None:
-        if self._thread is None:
+        if self._thread is None or not self._thread.is_alive():
             self._thread = threading.Thread(target=self._run, name="kvbridge-layer-reads",
                                             daemon=True)
             self._thread.start()
@@ -258,14 +264,16 @@ class LayerReader:
         if event is None:
             return
         started = self._clock()
-        if not event.is_set():
+        if not event.is_set() and not plan.abandoned:
             # Past the deadline the reading thread cancels what is in flight; a transfer that
             # cannot be cancelled is waited for in `finish`, not here: the forward goes on and
-            # the requests still reading this layer recompute.
+            # every request of the plan recomputes (their later layers queue behind it).
             limit = max(plan.deadline - started, 0.0) + 0.5
             if not event.wait(limit):
-                for req_id in plan.requests_of(layer):
-                    plan.failed.setdefault(req_id, "timeout")
+                plan.abandoned = True
+        if plan.abandoned and not event.is_set():
+            for _, part in plan.parts:
+                plan.failed.setdefault(part.req_id, "timeout")
         plan.waited.add(layer)
         spent = self._clock() - started
         for req_id in plan.requests_of(layer):
@@ -322,6 +330,8 @@ class LayerReader:
     def _read(self, plan: Plan) -> None:
         started = self._clock()
         for i, (layer, part) in enumerate(plan.parts):
+            if part.req_id not in plan.failed and self._clock() >= plan.deadline:
+                plan.failed[part.req_id] = "timeout"  # not posted: it could only be cancelled
             if part.req_id not in plan.failed:
                 why = self._read_part(part, plan)
                 if why is not None:
@@ -341,6 +351,19 @@ class LayerReader:
             worker._log_failure(failure_type="transfer_setup_failed", req_id=part.req_id,
                                 error=exc, load="layerwise")
             return "not_posted"
+        released = False
+        try:
+            why, released = self._wait(part, plan, wrapper, handle)
+            return why
+        finally:
+            # Whatever happened, the handle is released (a transfer the backend still holds
+            # is waited for) before the plan can end and its blocks be reused.
+            while not released and not worker._try_release_xfer_handle(part.req_id, handle):
+                self._sleep(self.poll_s)
+
+    def _wait(self, part: Part, plan: Plan, wrapper: Any, handle: Any) -> tuple[str | None, bool]:
+        """Wait for a posted READ: (the failure reason or None, whether it was released)."""
+        worker = self.worker
         try:
             state = wrapper.transfer(handle)
         except Exception as exc:
@@ -352,7 +375,7 @@ class LayerReader:
             if self._clock() >= plan.deadline and not cancelled:
                 cancelled = True
                 if worker._try_release_xfer_handle(part.req_id, handle):
-                    return "timeout"
+                    return "timeout", True
                 log.error("sync_read_uncancellable", request_id=part.req_id)
             self._sleep(self.poll_s)
             try:
@@ -361,18 +384,14 @@ class LayerReader:
                 worker._log_failure(failure_type="transfer_exception", req_id=part.req_id,
                                     error=exc, load="layerwise")
                 state = "ERR"
-        why = None
         if state == "DONE":
             with contextlib.suppress(Exception):
                 plan.telemetry.append(wrapper.get_xfer_telemetry(handle))
-        else:
-            if state != "ERR":
-                worker._log_failure(failure_type="transfer_failed", req_id=part.req_id,
-                                    xfer_state=state, load="layerwise")
-            why = "transfer_failed"
-        while not worker._try_release_xfer_handle(part.req_id, handle):
-            self._sleep(self.poll_s)  # a failed transfer still in the backend's hands
-        return why
+            return None, False
+        if state != "ERR":
+            worker._log_failure(failure_type="transfer_failed", req_id=part.req_id,
+                                xfer_state=state, load="layerwise")
+        return "transfer_failed", False
 
 
 @contextlib.contextmanager

@@ -174,6 +174,7 @@ class SyncReads:
                     failed[req_id] = "not_posted"
                 else:
                     handles[req_id].append(posted_handle)
+        self._post_stray_captures(sync)
         deadline = started + self.timeout_s
         cancelled = False
         while any(handles.values()):
@@ -298,6 +299,27 @@ class SyncReads:
                 while not self.worker._try_release_xfer_handle(part.req_id, handle):
                     self._sleep(self.poll_s)
             return None
+
+    def _post_stray_captures(self, sync: set[str]) -> None:
+        """A READ captured for a request NIXL tracks itself (an asynchronous read, e.g. one whose
+        handshake just finished, of the same decode request as a synchronous one): posted
+        whole, as NIXL would have, so that its bookkeeping only ever holds real handles."""
+        worker = self.worker
+        for req_id, pending in list(worker._recving_transfers.items()):
+            if req_id in sync or not any(isinstance(h, Captured) for h in pending):
+                continue
+            real = []
+            for handle in pending:
+                if not isinstance(handle, Captured):
+                    real.append(handle)
+                    continue
+                handle.req_id = req_id
+                posted = self._post(handle.whole(), worker._recving_metadata.get(req_id))
+                if posted is None:
+                    worker._recv_failures.add(req_id)
+                else:
+                    real.append(posted)
+            worker._recving_transfers[req_id] = real
 
     def _record_failure(self, req_id: str, meta: Any, why: str, elapsed_ms: float) -> None:
         self.worker.xfer_stats.record_failed_transfer()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -361,3 +362,50 @@ def test_a_decode_request_id_that_an_async_read_also_uses_is_not_captured() -> N
     results = reads.results()
     assert results is not None and results.ok == {"r1": True} and not results.layered
     assert worker._recving_transfers == {"r2": [1]}
+
+
+def test_an_async_read_captured_alongside_is_posted_whole_for_nixl() -> None:
+    worker = Worker()
+    reads = SyncReads(worker, timeout_s=5.0, poll_s=0.0, layerwise=True)
+    meta = metadata({"r1"}, r1=[4, 5])
+    sync = reads.before(meta)
+    owners = reads.owners(meta, sync)
+    with capturing(worker, owners):
+        worker.start_load_kv(meta)
+        # An asynchronous read whose handshake just finished, posted in the same call, of the
+        # same decode request: its READ is captured too.
+        late = Metadata({"r9": Meta([[8, 9]], Remote("decode-1", "kvbridge-r1"))})
+        worker.start_load_kv(late)
+    reads.after(sync)
+    forward(reads)
+    reads.finish()
+    assert all(isinstance(h, int) for h in worker._recving_transfers["r9"])
+    (handle,) = worker._recving_transfers["r9"]
+    assert worker.agent.posted[handle]["local"] == descs([8, 9], [0, 1, 2])
+    results = reads.results()
+    assert results is not None and results.ok == {"r1": True}
+
+
+def test_after_a_layer_times_out_the_forward_pass_stops_waiting() -> None:
+    worker = Worker()
+    worker.agent.stuck = set(descs([4], [0]))
+    worker.agent.unreleasable = True
+    reads = SyncReads(worker, timeout_s=0.02, poll_s=0.001, layerwise=True)
+    start_step(worker, reads, metadata({"r1"}, r1=[4, 5]))
+    reads.wait_for_layer(LAYERS[0])  # times out (the deadline plus 0.5 s)
+    started = time.perf_counter()
+    reads.wait_for_layer(LAYERS[1])
+    reads.wait_for_layer(LAYERS[2])
+    assert time.perf_counter() - started < 0.25
+    worker.agent.unreleasable = False
+    worker.agent.stuck = set()
+    reads.finish()
+    results = reads.results()
+    assert results is not None and results.why == {"r1": "timeout"}
+
+
+def test_layers_sharing_a_kv_cache_keep_whole_reads() -> None:
+    worker = Worker()
+    worker.device_kv_caches = {name: None for name in [*LAYERS, "model.layers.3.attn"]}  # type: ignore[attr-defined]
+    reads = SyncReads(worker, timeout_s=5.0, poll_s=0.0, layerwise=True)
+    assert reads.owners(metadata({"r1"}, r1=[3, 4]), {"r1"}) == {}
