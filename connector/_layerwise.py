@@ -25,7 +25,8 @@ What keeps this exact:
   that does not call the connector's per-layer hook), the step's layered reads are failed
   (recomputed) and layered reads are switched off for the engine's life.
 - Layouts this does not understand (several KV-cache groups, Mamba state, mixed memory types,
-  a host staging buffer, context parallelism) keep the whole-request read.
+  a host staging buffer, context parallelism, KV caches shared between layers) and engines
+  with speculative decoding keep the whole-request read.
 """
 
 from __future__ import annotations
@@ -148,6 +149,10 @@ class Layout:
             reasons.append("a host staging buffer")
         if getattr(worker, "dcp_size", 1) > 1 or getattr(worker, "pcp_size", 1) > 1:
             reasons.append("context parallelism")
+        if getattr(getattr(worker, "vllm_config", None), "speculative_config", None):
+            # A drafter's layers run after the step's transfer results are taken: their
+            # layers would never be waited for, and layered reads would turn themselves off.
+            reasons.append("speculative decoding")
         names = list(getattr(worker, "region_names", []) or [])
         regions = int(getattr(worker, "num_regions", 0) or 0)
         if regions < 2 or len(names) != regions:

@@ -409,3 +409,10 @@ def test_layers_sharing_a_kv_cache_keep_whole_reads() -> None:
     worker.device_kv_caches = {name: None for name in [*LAYERS, "model.layers.3.attn"]}  # type: ignore[attr-defined]
     reads = SyncReads(worker, timeout_s=5.0, poll_s=0.0, layerwise=True)
     assert reads.owners(metadata({"r1"}, r1=[3, 4]), {"r1"}) == {}
+
+
+def test_an_engine_with_speculative_decoding_keeps_whole_reads() -> None:
+    worker = Worker()
+    worker.vllm_config = type("Config", (), {"speculative_config": object()})()  # type: ignore[attr-defined]
+    reads = SyncReads(worker, timeout_s=5.0, poll_s=0.0, layerwise=True)
+    assert reads.owners(metadata({"r1"}, r1=[3, 4]), {"r1"}) == {}
