@@ -77,8 +77,8 @@ class SyncReads:
         self._layout: Layout | None = None
         self._reader: LayerReader | None = None
         self._layout_checked = False
-        self._plan_metas: dict[str, Any] = {}
-        self._plan_ms: dict[str, float] = {}
+        self._plan_metas: dict[str, Any] = {}  # the requests of the step's layered reads
+        self._plan_boundary_ms = 0.0  # what the step waited for their boundary blocks
 
     def _layer_reader(self) -> LayerReader | None:
         """The reading thread, when layered reads apply to this engine (decided on first use,
@@ -200,13 +200,12 @@ class SyncReads:
                  for layer, part in req_parts]
         if parts:
             # Interleave by layer so that each layer's event fires once all requests have it.
-            order = {layer: i for i, layer in enumerate(self._layout.region_layers)} \
-                if self._layout is not None else {}
-            parts.sort(key=lambda item: order.get(item[0], 0))
-            assert self._reader is not None
+            assert self._layout is not None and self._reader is not None
+            order = {layer: i for i, layer in enumerate(self._layout.region_layers)}
+            parts.sort(key=lambda item: order[item[0]])
             self._plan_metas = {req_id: metas[req_id] for req_id in layered
                                 if req_id not in failed}
-            self._plan_ms = {req_id: elapsed_ms for req_id in self._plan_metas}
+            self._plan_boundary_ms = elapsed_ms
             self._reader.start(Plan(parts, deadline))
         for req_id, meta in metas.items():
             if req_id in failed:
@@ -231,7 +230,7 @@ class SyncReads:
             self.worker.xfer_stats.record_transfer(telemetry)
         for req_id, meta in self._plan_metas.items():
             # What the step lost to this read: the boundary blocks plus the forward's waits.
-            exposed = self._plan_ms.get(req_id, 0.0) + plan.wait_s.get(req_id, 0.0) * 1000
+            exposed = self._plan_boundary_ms + plan.wait_s.get(req_id, 0.0) * 1000
             why = plan.failed.get(req_id)
             if why == "layer_not_waited":  # not the transfer's fault
                 self._fail(req_id, meta, why, round(exposed, 2))
@@ -241,7 +240,7 @@ class SyncReads:
                 self._results.ok[req_id] = True
                 self._results.ms[req_id] = round(exposed, 2)
                 self._results.layered[req_id] = round(plan.copy_s * 1000, 2)
-        self._plan_metas, self._plan_ms = {}, {}
+        self._plan_metas = {}
 
     def close(self) -> None:
         if self._reader is not None:
