@@ -30,7 +30,6 @@ log = structlog.get_logger("kvbridge.registry")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RegistryService"].full_name
 _MAX_TICK_SLEEP = 0.02  # bounds expiry lateness even if a deadline moves earlier
-_MIN_TICK_SLEEP = 0.002  # pins and leases due within this are batched into one tick
 
 
 def split_hostport(value: str) -> tuple[str, int]:
@@ -85,6 +84,8 @@ class RegistryServer:
 
     async def _run_expiry(self) -> None:
         store, clock = self.store, self.store.clock
+        shortest = self.config.expiry_tick_s
+        longest = max(_MAX_TICK_SLEEP, shortest)
         while not self._stopping:
             try:
                 expired = await store.tick()
@@ -95,8 +96,8 @@ class RegistryServer:
                 await asyncio.sleep(0)  # more are due: let RPCs in, then continue
                 continue
             deadline = store.next_deadline()
-            delay = _MAX_TICK_SLEEP if deadline is None else deadline - clock.monotonic()
-            await asyncio.sleep(min(max(delay, _MIN_TICK_SLEEP), _MAX_TICK_SLEEP))
+            delay = longest if deadline is None else deadline - clock.monotonic()
+            await asyncio.sleep(min(max(delay, shortest), longest))
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting RPCs, give in-flight ones `grace` seconds, then close."""

@@ -1,0 +1,58 @@
+"""The registry's expiry scheduler: how often it ticks when deadlines keep falling due."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from kvbridge.clock import SystemClock
+from kvbridge.services.registry._config import RegistryConfig
+from kvbridge.services.registry._server import RegistryServer
+
+
+class _AlwaysDue:
+    """A store whose next deadline is always now (a stream of pins expiring), counting ticks."""
+
+    def __init__(self, config: RegistryConfig) -> None:
+        self.config = config
+        self.clock = SystemClock()
+        self.ticks = 0
+
+    async def tick(self) -> int:
+        self.ticks += 1
+        return 0
+
+    def next_deadline(self) -> float:
+        return self.clock.monotonic()
+
+
+async def _ticks_in(seconds: float, **settings: Any) -> int:
+    config = RegistryConfig(insecure=True, **settings)
+    store = _AlwaysDue(config)
+    server = RegistryServer(config, store, None, None, 0, None)  # type: ignore[arg-type]
+    task = asyncio.create_task(server._run_expiry())
+    await asyncio.sleep(seconds)
+    server._stopping = True
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return store.ticks
+
+
+@pytest.mark.timeout(30)
+async def test_due_deadlines_are_batched_into_ticks_expiry_tick_s_apart():
+    # 0.5 s with a tick at most every 0.1 s: at most 6 ticks (the first runs at once), however
+    # fast the machine; without the floor, a deadline always due would tick without pause.
+    assert 1 <= await _ticks_in(0.5, expiry_tick_s=0.1) <= 6
+
+
+@pytest.mark.timeout(30)
+async def test_expiry_tick_above_the_longest_pause_is_honoured():
+    # The scheduler otherwise wakes at least every 20 ms; a longer tick floor wins.
+    assert 1 <= await _ticks_in(0.5, expiry_tick_s=0.3) <= 2
+
+
+def test_expiry_tick_must_be_positive():
+    with pytest.raises(ValueError, match="expiry_tick_s must be positive"):
+        RegistryConfig(insecure=True, expiry_tick_s=0)
