@@ -383,6 +383,37 @@ async def test_read_hits_partials_and_misses(b: Backend, kv: Any) -> None:
     assert (await b.store.get_lease(lease.lease_id)).pin_count == 3
 
 
+async def test_a_hit_reports_the_lease_and_holder_as_stored(b: Backend, kv: Any) -> None:
+    """A hit's lease and holder are the state the read left behind (Redis answers a hit from
+    what it read before updating, so every field it changes must be reported changed)."""
+    await b.store.register_holder(holder(ttl=300.0))
+    await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c0"))
+    tokens = kv.tokens(10)
+    await b.store.grant(grant_spec(kv, tokens, idle_ttl=10.0))
+    await b.advance(4.0)
+    for pins in (1, 2):
+        read = await b.store.acquire_read("t1", "c1", kv.prompt_hashes(tokens), reader_id="p1",
+                                          request_id=f"r{pins}")
+        assert read.miss is MissReason.HIT and read.lease is not None
+        stored = await b.store.get_lease(read.lease.lease_id)
+        got, want = read.lease, stored
+        assert (got.lease_id, got.tenant, got.conversation_id, got.remote_request_id,
+                got.token_count, got.epoch, got.state, got.pin_count) == (
+            want.lease_id, want.tenant, want.conversation_id, want.remote_request_id,
+            want.token_count, want.epoch, want.state, want.pin_count)
+        assert got.pin_count == pins
+        assert got.block_id_list() == want.block_id_list()
+        assert b.left(got.expire_at) == pytest.approx(b.left(want.expire_at), abs=0.5)
+        assert b.left(got.expire_at) == pytest.approx(10.0, abs=0.5)  # renewed by the read
+        h, stored_holder = got.holder, await b.store.get_holder("h1")
+        assert (h.holder_id, h.nixl_host, h.nixl_port, h.tp_size, h.block_size, h.fingerprint,
+                h.state, h.lease_count, h.retained_blocks) == (
+            stored_holder.holder_id, stored_holder.nixl_host, stored_holder.nixl_port,
+            stored_holder.tp_size, stored_holder.block_size, stored_holder.fingerprint,
+            stored_holder.state, stored_holder.lease_count, stored_holder.retained_blocks)
+        assert h.lease_count == 2
+
+
 async def test_read_is_idempotent_by_request_id(b: Backend, kv: Any) -> None:
     await b.store.register_holder(holder())
     await b.store.grant(grant_spec(kv, kv.tokens(8)))

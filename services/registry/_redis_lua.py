@@ -46,12 +46,17 @@ local NOW = tonumber(t[1]) + tonumber(t[2]) / 1000000
   + tonumber(redis.call('GET', P .. 'clock_offset') or '0')
 
 -- State that starts empty (a new namespace, or a Redis that lost its data) may be a restarted
--- one: readers may hold pins from before. Report nothing reclaimable for the grace.
-if redis.call('EXISTS', P .. 'started') == 0 then
-  redis.call('SET', P .. 'started', string.format('%.6f', NOW))
-  redis.call('SET', P .. 'hold_until', string.format('%.6f', NOW + GRACE))
+-- one: readers may hold pins from before. Report nothing reclaimable for the grace. A read
+-- (the hot path) neither starts state nor reports reclaimable leases: it skips this, and
+-- anything it might ask is held back.
+local HOLD_UNTIL = math.huge
+if cmd ~= 'read' then
+  if redis.call('EXISTS', P .. 'started') == 0 then
+    redis.call('SET', P .. 'started', string.format('%.6f', NOW))
+    redis.call('SET', P .. 'hold_until', string.format('%.6f', NOW + GRACE))
+  end
+  HOLD_UNTIL = tonumber(redis.call('GET', P .. 'hold_until') or '0')
 end
-local HOLD_UNTIL = tonumber(redis.call('GET', P .. 'hold_until') or '0')
 
 local ACTIVE, EXPIRED, REVOKED, SUPERSEDED, HOLDER_LOST = 1, 2, 3, 4, 5
 local H_ACTIVE, H_DRAINING, H_LOST = 1, 2, 3
@@ -504,21 +509,28 @@ elseif cmd == 'read' then
   local idem, max_pin = ARGS[10] == '1', tonumber(ARGS[11])
   local lid = redis.call('GET', P .. 'c:' .. tenant .. ' ' .. conv)
   if not lid then return {'OK', F(NOW), 1, 0, 0, 0} end
-  local s = refresh(lid)
   local L = P .. 'l:' .. lid
-  local hid = redis.call('HGET', L, 'h')
+  -- The hot path reads the lease and its holder once each and answers from what it read.
+  -- Anything but a live lease of an active, unexpired holder takes the general path below,
+  -- which applies passed deadlines first (refresh) and reports the miss.
+  local lf = redis.call('HMGET', L, unpack(LF))  -- t c h r p n e i m ct x s k
+  local hid = lf[3]
+  local hf = hid and redis.call('HMGET', P .. 'h:' .. hid, unpack(HF))  -- host .. s rb
   local function miss(reason, k, matched, partial)
     return {'OK', F(NOW), reason, k, matched, partial, lease_enc(lid), holder_enc(hid)}
   end
-  if s ~= ACTIVE then return miss(MISS_FOR_STATE[s], 0, 0, 0) end
-  local hf = redis.call('HMGET', P .. 'h:' .. hid, 's', 'bs')
-  if tonumber(hf[1]) ~= H_ACTIVE then return miss(3, 0, 0, 0) end
-  local f = redis.call('HMGET', L, 'n', 'p', 'i', 'ct', 'm')
-  local n, bs = tonumber(f[1]), tonumber(hf[2])
+  if not (hf and hf[9] and tonumber(lf[12]) == ACTIVE and tonumber(lf[11]) > NOW
+          and tonumber(hf[9]) == H_ACTIVE and tonumber(hf[7]) > NOW) then
+    local s = refresh(lid)
+    if s ~= ACTIVE then return miss(MISS_FOR_STATE[s], 0, 0, 0) end
+    return miss(3, 0, 0, 0)  -- a live lease of a draining holder
+  end
+  local n, bs = tonumber(lf[6]), tonumber(hf[4])
+  local created, life = tonumber(lf[10]), tonumber(lf[9])
   local full = math.floor(n / bs)
   local k, partial, reusable
   if mode == 'a' then
-    k = matching(f[2], prompt, full)
+    k = matching(lf[5], prompt, full)
     partial = k == full and n % bs ~= 0
     reusable = k * bs
     if partial then reusable = reusable + n - full * bs end
@@ -537,21 +549,26 @@ elseif cmd == 'read' then
   local existing = false
   if idem then existing = redis.call('HMGET', PK, 'l', 'x') end
   local deadline
+  local pins = tonumber(lf[13])
   if existing and existing[1] then
     if existing[1] ~= lid then return {'ERR', 'REQUEST_ID_REUSED'} end
     deadline = tonumber(existing[2])
   else
-    deadline = math.min(NOW + pin_ttl, tonumber(f[4]) + tonumber(f[5]) + max_pin)
+    deadline = math.min(NOW + pin_ttl, created + life + max_pin)
     if deadline <= NOW then return miss(2, k, 0, 0) end
     redis.call('HSET', PK, 'l', lid, 'x', F(deadline))
     redis.call('ZADD', P .. 'pexp', F(deadline), pin_id)
-    redis.call('HINCRBY', L, 'k', 1)
+    pins = pins + 1
   end
   -- A read is conversation activity: keep the lease for the turn that follows.
-  local x = math.min(NOW + tonumber(f[3]), tonumber(f[4]) + tonumber(f[5]))
-  redis.call('HSET', L, 'x', F(x))
-  redis.call('ZADD', P .. 'lexp', F(x), lid)
-  return {'OK', F(NOW), 0, k, k, pflag, lease_enc(lid), holder_enc(hid), pin_id, F(deadline)}
+  local x = F(math.min(NOW + tonumber(lf[8]), created + life))
+  redis.call('HSET', L, 'x', x, 'k', pins)
+  redis.call('ZADD', P .. 'lexp', x, lid)
+  lf[11], lf[13] = x, pins
+  table.insert(lf, 1, lid)
+  table.insert(hf, 1, hid)
+  hf[#hf + 1] = redis.call('SCARD', P .. 'ha:' .. hid)
+  return {'OK', F(NOW), 0, k, k, pflag, lf, hf, pin_id, F(deadline)}
 
 elseif cmd == 'release' then
   local pin = ARGS[3]
