@@ -18,7 +18,6 @@ Invariants kept here (DESIGN.md):
 from __future__ import annotations
 
 import hashlib
-import heapq
 import secrets
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -259,7 +258,8 @@ class LeaseTable:
         self._pins: dict[str, Pin] = {}
         self._expiry: ExpiryWheel[Lease] = ExpiryWheel()  # lazily rescheduled on renewal
         self._durations: dict[float, float] = {}  # one float object per distinct TTL
-        self._pin_heap: list[tuple[float, str]] = []
+        # Pins by deadline (a pin's deadline never moves; a released pin stays until then).
+        self._pin_expiry: ExpiryWheel[Pin] = ExpiryWheel()
         self._listeners: list[Listener] = []
         self._renewal_listeners: list[Listener] = []
         now = clock.monotonic()
@@ -635,7 +635,7 @@ class LeaseTable:
             pin = Pin(pin_id or "p-" + secrets.token_hex(8), lease, deadline)
             self._pins[pin.pin_id] = pin
             lease.pin_count += 1
-            heapq.heappush(self._pin_heap, (deadline, pin.pin_id))
+            self._pin_expiry.add(pin, deadline)
         # A read is conversation activity: keep the lease for the turn that follows.
         lease.expire_at = min(now + lease.idle_ttl, lease.max_expire_at)
         return Read(MissReason.HIT, k, lease, k, partial, pin)
@@ -771,12 +771,10 @@ class LeaseTable:
         number of leases expired."""
         now = self.clock.monotonic()
         self._expire_holders(now)
-        heap = self._pin_heap
-        while heap and heap[0][0] <= now:
-            _, pin_id = heapq.heappop(heap)
-            pin = self._pins.get(pin_id)
-            if pin is not None and pin.expire_at <= now:
-                del self._pins[pin_id]
+        pins = self._pins
+        for pin in self._pin_expiry.due(now, len(self._pin_expiry)):
+            if pins.get(pin.pin_id) is pin:  # not released
+                del pins[pin.pin_id]
                 self._unpin(pin.lease)
         expired = 0
         for lease in self._expiry.due(now, self.config.expiry_batch):
@@ -807,10 +805,8 @@ class LeaseTable:
 
     def next_deadline(self) -> float | None:
         """The earliest pending deadline, for the scheduler's sleep."""
-        candidates = [self._pin_heap[0][0]] if self._pin_heap else []
-        lease_due = self._expiry.next_deadline()
-        if lease_due is not None:
-            candidates.append(lease_due)
+        candidates = [due for due in (self._pin_expiry.next_deadline(),
+                                      self._expiry.next_deadline()) if due is not None]
         candidates += [h.expire_at for h in self._holders.values()
                        if h.state is not HolderState.LOST]
         return min(candidates) if candidates else None
