@@ -619,6 +619,29 @@ async def test_redis_that_lost_its_data_holds_reclaims_again(redis_server: Any,
         await store.close()
 
 
+async def test_redis_read_of_a_lease_evicted_under_its_conversation_misses(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """A Redis that evicts keys (a maxmemory policy other than noeviction) can drop a lease's
+    hash while its conversation still points at it: the read is a plain miss (prefill
+    recomputes), not a script error."""
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace)
+    store = RedisStore(config, SystemClock())
+    await store.start()
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await store.register_holder(holder(ttl=300.0))
+        tokens = kv.tokens(8)
+        lease = (await store.grant(grant_spec(kv, tokens))).lease
+        assert (await store.acquire_read("t1", "c1", kv.prompt_hashes(tokens))).pin is not None
+        await client.delete(store.prefix + "l:" + lease.lease_id)
+        read = await store.acquire_read("t1", "c1", kv.prompt_hashes(tokens))
+        assert (read.miss, read.lease, read.pin) == (MissReason.NO_LEASE, None, None)
+    finally:
+        await client.aclose()
+        await store.close()
+
+
 # ---- Redis down, Redis back --------------------------------------------------------------
 
 

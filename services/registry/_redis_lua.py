@@ -515,15 +515,16 @@ elseif cmd == 'read' then
   -- which applies passed deadlines first (refresh) and reports the miss.
   local lf = redis.call('HMGET', L, unpack(LF))  -- t c h r p n e i m ct x s k
   local hid = lf[3]
-  local hf = hid and redis.call('HMGET', P .. 'h:' .. hid, unpack(HF))  -- host .. s rb
+  if not hid then return {'OK', F(NOW), 1, 0, 0, 0} end  -- a pointer to a lease now gone
+  local hf = redis.call('HMGET', P .. 'h:' .. hid, unpack(HF))  -- host .. s rb
   local function miss(reason, k, matched, partial)
     return {'OK', F(NOW), reason, k, matched, partial, lease_enc(lid), holder_enc(hid)}
   end
-  if not (hf and hf[9] and tonumber(lf[12]) == ACTIVE and tonumber(lf[11]) > NOW
+  if not (hf[9] and tonumber(lf[12]) == ACTIVE and tonumber(lf[11]) > NOW
           and tonumber(hf[9]) == H_ACTIVE and tonumber(hf[7]) > NOW) then
     local s = refresh(lid)
     if s ~= ACTIVE then return miss(MISS_FOR_STATE[s], 0, 0, 0) end
-    return miss(3, 0, 0, 0)  -- a live lease of a draining holder
+    return miss(3, 0, 0, 0)  -- a live lease whose holder is draining (or unknown)
   end
   local n, bs = tonumber(lf[6]), tonumber(hf[4])
   local created, life = tonumber(lf[10]), tonumber(lf[9])
