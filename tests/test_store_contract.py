@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from structlog.testing import capture_logs
 
 from kvbridge import errors
 from kvbridge.clients import AsyncRegistryClient
@@ -617,6 +618,26 @@ async def test_redis_that_lost_its_data_holds_reclaims_again(redis_server: Any,
     finally:
         await client.aclose()
         await store.close()
+
+
+@pytest.mark.parametrize("policy, warned", [("allkeys-lru", True), ("noeviction", False),
+                                            ("volatile-lru", False)])
+async def test_redis_that_may_evict_any_key_is_warned_of(policy: str, warned: bool,
+                                                         redis_namespace: str) -> None:
+    from conftest import RedisProcess
+
+    server = RedisProcess("--save", "", "--appendonly", "no", "--maxmemory-policy", policy)
+    config = RegistryConfig(backend="redis", redis_url=server.url,
+                            redis_namespace=redis_namespace)
+    store = RedisStore(config, SystemClock())
+    try:
+        with capture_logs() as logs:
+            await store.start()
+        warnings = [e for e in logs if e["event"] == "redis_may_evict_leases"]
+        assert [e["maxmemory_policy"] for e in warnings] == ([policy] if warned else [])
+    finally:
+        await store.close()
+        server.stop()
 
 
 async def test_redis_read_of_a_lease_evicted_under_its_conversation_misses(

@@ -139,6 +139,7 @@ class RedisStore:
         except (RedisError, OSError, ValueError) as exc:
             await self.close()
             raise OSError(f"cannot reach Redis at {url}: {exc}") from exc
+        await self._check_eviction_policy()
         self._script = self._redis.register_script(LUA)
         if supported(url):
             self._pipe = ScriptPipe(url, LUA, self._script.sha, connect_timeout=2.0,
@@ -149,6 +150,21 @@ class RedisStore:
         last_id: Any = last[0][0] if last else b"0-0"
         self._reader = asyncio.create_task(self._read_events(last_id), name="registry-events")
         log.info("redis_store_started", url=_redacted(url), namespace=self.config.redis_namespace)
+
+    async def _check_eviction_policy(self) -> None:
+        """Warn when Redis may evict any key: a lease, pin or conversation key dropped under
+        memory pressure loses state the fleet relies on (pins most of all)."""
+        assert self._redis is not None
+        try:
+            policy = (await self._redis.config_get("maxmemory-policy")).get("maxmemory-policy")
+        except RedisError:  # CONFIG is often disabled on managed Redis: nothing to check
+            return
+        if isinstance(policy, bytes):
+            policy = policy.decode()
+        if policy and policy.startswith("allkeys"):
+            log.warning("redis_may_evict_leases", maxmemory_policy=policy,
+                        hint="set maxmemory-policy noeviction (or a volatile-* policy): an "
+                             "evicted key loses a lease or a pin")
 
     async def close(self) -> None:
         """Stop the event tail and close connections; every wait is bounded (a blocked XREAD
