@@ -159,8 +159,6 @@ class RedisStore:
             policy = (await self._redis.config_get("maxmemory-policy")).get("maxmemory-policy")
         except RedisError:  # CONFIG is often disabled on managed Redis: nothing to check
             return
-        if isinstance(policy, bytes):
-            policy = policy.decode()
         if policy and policy.startswith("allkeys"):
             log.warning("redis_may_evict_leases", maxmemory_policy=policy,
                         hint="set maxmemory-policy noeviction (or a volatile-* policy): an "

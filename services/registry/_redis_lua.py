@@ -160,15 +160,16 @@ local function reclaimable_of(hid)
 end
 
 local LF = {'t', 'c', 'h', 'r', 'p', 'n', 'e', 'i', 'm', 'ct', 'x', 's', 'k'}
-local function lease_enc(lid)
-  local f = redis.call('HMGET', P .. 'l:' .. lid, unpack(LF))
+-- The lease as replies carry it; `f`: its LF fields when the caller has read them already.
+local function lease_enc(lid, f)
+  f = f or redis.call('HMGET', P .. 'l:' .. lid, unpack(LF))
   table.insert(f, 1, lid)
   return f
 end
 
 local HF = {'host', 'port', 'tp', 'bs', 'fp', 'ttl', 'x', 'ver', 's', 'rb'}
-local function holder_enc(hid)
-  local f = redis.call('HMGET', P .. 'h:' .. hid, unpack(HF))
+local function holder_enc(hid, f)
+  f = f or redis.call('HMGET', P .. 'h:' .. hid, unpack(HF))
   table.insert(f, 1, hid)
   f[#f + 1] = redis.call('SCARD', P .. 'ha:' .. hid)
   return f
@@ -566,10 +567,8 @@ elseif cmd == 'read' then
   redis.call('HSET', L, 'x', x, 'k', pins)
   redis.call('ZADD', P .. 'lexp', x, lid)
   lf[11], lf[13] = x, pins
-  table.insert(lf, 1, lid)
-  table.insert(hf, 1, hid)
-  hf[#hf + 1] = redis.call('SCARD', P .. 'ha:' .. hid)
-  return {'OK', F(NOW), 0, k, k, pflag, lf, hf, pin_id, F(deadline)}
+  return {'OK', F(NOW), 0, k, k, pflag, lease_enc(lid, lf), holder_enc(hid, hf), pin_id,
+          F(deadline)}
 
 elseif cmd == 'release' then
   local pin = ARGS[3]
