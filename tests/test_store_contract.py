@@ -663,6 +663,60 @@ async def test_redis_read_of_a_lease_evicted_under_its_conversation_misses(
         await store.close()
 
 
+async def test_redis_grant_over_an_evicted_lease_supersedes_nothing_and_raises_the_epoch(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """The conversation's next grant after Redis evicted its current lease's hash succeeds
+    (the conversation is not stuck), its epoch exceeds the lost one, and it is readable."""
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace)
+    store = RedisStore(config, SystemClock())
+    await store.start()
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await store.register_holder(holder(ttl=300.0))
+        first = (await store.grant(grant_spec(kv, kv.tokens(8)))).lease
+        second = (await store.grant(grant_spec(kv, kv.tokens(12)))).lease
+        assert second.epoch == first.epoch + 1
+        await client.delete(store.prefix + "l:" + second.lease_id)
+        tokens = kv.tokens(16)
+        third = await store.grant(grant_spec(kv, tokens))
+        assert third.superseded is None
+        assert third.lease.epoch > second.epoch
+        read = await store.acquire_read("t1", "c1", kv.prompt_hashes(tokens))
+        assert read.miss is MissReason.HIT and read.lease is not None
+        assert read.lease.lease_id == third.lease.lease_id
+        fourth = (await store.grant(grant_spec(kv, kv.tokens(20)))).lease
+        assert fourth.epoch == third.lease.epoch + 1
+    finally:
+        await client.aclose()
+        await store.close()
+
+
+async def test_redis_expiry_skips_an_evicted_lease_and_goes_on(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """A lease whose hash Redis evicted comes due like any other: the tick skips it instead
+    of failing (a failing tick would stop every expiry of the fleet) and the rest expire."""
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace)
+    store = RedisStore(config, SystemClock())
+    await store.start()
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await store.register_holder(holder(ttl=300.0))
+        gone = (await store.grant(grant_spec(kv, kv.tokens(8), idle_ttl=5.0))).lease
+        kept = (await store.grant(grant_spec(kv, kv.tokens(8), conversation="c2",
+                                             idle_ttl=5.0))).lease
+        await client.delete(store.prefix + "l:" + gone.lease_id)
+        await store.advance_clock(6.0)
+        assert await store.tick() == 1  # the evicted one is not counted
+        assert (await store.get_lease(kept.lease_id)).state is LeaseState.EXPIRED
+        assert await client.zscore(store.prefix + "lexp", gone.lease_id) is None
+        await store.tick()  # and the next tick is fine too
+    finally:
+        await client.aclose()
+        await store.close()
+
+
 # ---- Redis down, Redis back --------------------------------------------------------------
 
 

@@ -71,9 +71,16 @@ local function emit(etype, lid, tenant, conv, hid, epoch, lateness)
              'c', conv, 'h', hid, 'e', epoch, 'w', F(NOW), 'lt', F(lateness))
 end
 
+-- Leases whose hash a key-evicting Redis dropped (see the README) are skipped by kill and
+-- forget below rather than failing the script: an error there would fail every tick, and no
+-- pin, lease or holder would expire again.
 local function kill(lid, state, lateness)
   local L = P .. 'l:' .. lid
   local f = redis.call('HMGET', L, 't', 'c', 'h', 'e', 'k', 'b')
+  if not f[1] then
+    redis.call('ZREM', P .. 'lexp', lid)
+    return false
+  end
   redis.call('HSET', L, 's', state)
   redis.call('ZREM', P .. 'lexp', lid)
   redis.call('SREM', P .. 'ha:' .. f[3], lid)
@@ -83,6 +90,7 @@ local function kill(lid, state, lateness)
   redis.call('SADD', P .. 'hd:' .. f[3], lid)
   emit(DEAD_EVENT[state], lid, f[1], f[2], f[3], f[4], lateness)
   if tonumber(f[5]) == 0 then emit(7, lid, f[1], f[2], f[3], f[4], 0) end
+  return true
 end
 
 local function lose_holder(hid)
@@ -125,6 +133,10 @@ end
 local function forget(lid)
   local L = P .. 'l:' .. lid
   local f = redis.call('HMGET', L, 't', 'c', 'h', 'e', 'b')
+  if not f[1] then
+    redis.call('ZREM', P .. 'leases', lid)
+    return
+  end
   redis.call('SREM', P .. 'hd:' .. f[3], lid)
   redis.call('HINCRBY', P .. 'h:' .. f[3], 'rb', -tonumber(f[5]))
   redis.call('DEL', L)
@@ -205,7 +217,7 @@ local function restore(hid, b)
   local C = P .. 'c:' .. tenant .. ' ' .. conv
   local cur = redis.call('GET', C)
   local newer = true
-  if cur then
+  if cur and redis.call('EXISTS', P .. 'l:' .. cur) == 1 then
     local f = redis.call('HMGET', P .. 'l:' .. cur, 'e', 'ct', 's')
     local ce, cc = tonumber(f[1]), tonumber(f[2])
     newer = ce < epoch or (ce == epoch and cc < created)
@@ -296,6 +308,7 @@ elseif cmd == 'heartbeat' then
     local lid = ARGS[j]
     if redis.call('SISMEMBER', P .. 'hd:' .. hid, lid) == 1 and pins_of(lid) == 0 then
       forget(lid)
+      redis.call('SREM', P .. 'hd:' .. hid, lid)  -- also when its hash was evicted
     end
   end
   return {'OK', F(NOW), reclaimable_of(hid), ttl}
@@ -348,6 +361,15 @@ elseif cmd == 'grant' then
   end
   local C = P .. 'c:' .. tenant .. ' ' .. conv
   local cur = redis.call('GET', C)
+  -- A Redis that evicts keys (see the README) may have dropped the current lease's hash: then
+  -- there is nothing to supersede, and the new epoch, which must still exceed the lost one,
+  -- comes from the clock (milliseconds) instead of the lost lease.
+  local epoch = 1
+  if cur and redis.call('EXISTS', P .. 'l:' .. cur) == 0 then
+    redis.call('SREM', P .. 'ta:' .. tenant, cur)
+    cur = false
+    epoch = math.floor(NOW * 1000)
+  end
   local evicted = {}
   local QL, QB = tonumber(ARGS[16]), tonumber(ARGS[17])
   if QL > 0 or QB > 0 then
@@ -389,7 +411,6 @@ elseif cmd == 'grant' then
       for _, v in ipairs(evicted) do kill(v, REVOKED, 0) end
     end
   end
-  local epoch = 1
   local sup = {}
   if cur then
     local f = redis.call('HMGET', P .. 'l:' .. cur, 'e', 's', 'h')
@@ -611,8 +632,7 @@ elseif cmd == 'tick' then
   local due = redis.call('ZRANGEBYSCORE', P .. 'lexp', '-inf', F(NOW), 'WITHSCORES',
                          'LIMIT', 0, batch)
   for i = 1, #due, 2 do
-    kill(due[i], EXPIRED, NOW - tonumber(due[i + 1]))
-    expired = expired + 1
+    if kill(due[i], EXPIRED, NOW - tonumber(due[i + 1])) then expired = expired + 1 end
   end
   local nxt = nil
   for _, z in ipairs({'holders', 'pexp', 'lexp'}) do
