@@ -692,6 +692,34 @@ async def test_redis_grant_over_an_evicted_lease_supersedes_nothing_and_raises_t
         await store.close()
 
 
+async def test_redis_reregistration_restores_a_lease_whose_hash_was_evicted(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """A holder that still holds a lease Redis evicted restores it on re-registration: the
+    conversation points at it again and it is readable (and the conversation's pointer, which
+    names the restored lease itself, does not make it look superseded)."""
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace)
+    store = RedisStore(config, SystemClock())
+    await store.start()
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await store.register_holder(holder(ttl=300.0))
+        tokens = kv.tokens(8)
+        spec = grant_spec(kv, tokens)
+        lease = (await store.grant(spec)).lease
+        await client.delete(store.prefix + "l:" + lease.lease_id)
+        reg = await store.register_holder(holder(ttl=300.0),
+                                          [Snapshot(lease.lease_id, spec, lease.epoch, 1.0)])
+        assert reg.restored == [lease.lease_id]
+        assert (await store.get_lease(lease.lease_id)).state is LeaseState.ACTIVE
+        read = await store.acquire_read("t1", "c1", kv.prompt_hashes(tokens))
+        assert read.miss is MissReason.HIT and read.lease is not None
+        assert read.lease.lease_id == lease.lease_id
+    finally:
+        await client.aclose()
+        await store.close()
+
+
 async def test_redis_expiry_skips_an_evicted_lease_and_goes_on(
         redis_server: Any, redis_namespace: str, kv: Any) -> None:
     """A lease whose hash Redis evicted comes due like any other: the tick skips it instead

@@ -217,7 +217,7 @@ local function restore(hid, b)
   local C = P .. 'c:' .. tenant .. ' ' .. conv
   local cur = redis.call('GET', C)
   local newer = true
-  if cur and redis.call('EXISTS', P .. 'l:' .. cur) == 1 then
+  if cur and cur ~= lid and redis.call('EXISTS', P .. 'l:' .. cur) == 1 then
     local f = redis.call('HMGET', P .. 'l:' .. cur, 'e', 'ct', 's')
     local ce, cc = tonumber(f[1]), tonumber(f[2])
     newer = ce < epoch or (ce == epoch and cc < created)
