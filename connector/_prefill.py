@@ -193,7 +193,10 @@ class PrefillReuse:
             if mine is not None and mine == read.partial_block_hash:
                 usable = read.lease.token_count
                 block_ids.append(read.partial_block_id)
-        usable = min(usable, len(tokens))
+        # At least the prompt's last token is computed here: the scheduler needs one new token
+        # to schedule (a read naming the whole prompt would leave none, and a synchronous read
+        # does not go through the asynchronous path's own step back by one token).
+        usable = min(usable, len(tokens) - 1)
         why = None
         if usable <= num_computed_tokens:
             why = "local_cache"

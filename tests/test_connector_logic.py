@@ -736,6 +736,22 @@ def test_prefill_hit_names_verified_blocks(prefill: PrefillKit, client: Registry
     assert pins(client, lease.lease_id) == 1  # pinned until the read is done
 
 
+def test_prefill_read_of_the_whole_prompt_leaves_its_last_token_to_compute(
+        prefill: PrefillKit, client: RegistryClient):
+    """A turn sent again with the same prompt (a retry, a regeneration) matches the lease in
+    full: the read stops one token short, since the scheduler must have a token to compute (a
+    synchronous read naming every token would leave it none)."""
+    prompt = LEASE_TOKENS[:36]  # nine full blocks, all in the lease
+    lease = grant(client, "c1", prompt)
+    request = prefill.request("p-1", prompt)
+    assert prefill.resolve(request) is True
+    params = request.kv_transfer_params
+    assert params["remote_num_tokens"] == len(prompt) - 1
+    assert params["remote_block_ids"] == [LEASE_BLOCKS[:9]]  # the last block holds token 34
+    assert prefill.reuse._outcomes["p-1"]["kvbridge_recomputed_tokens"] == 1
+    assert pins(client, lease.lease_id) == 1
+
+
 def test_prefill_cache_salt_is_part_of_the_hash(prefill: PrefillKit, client: RegistryClient):
     grant(client, "c1", LEASE_TOKENS)
     kv = {"do_remote_decode": True, "kvbridge": conv_key("c1")}
