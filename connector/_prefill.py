@@ -345,9 +345,11 @@ class PrefillReuse:
             log.debug("release_read_failed", pin_id=pin_id, error=err.reason)
 
     def _release_late(self, future: Future[pb.AcquireReadResponse]) -> None:
+        # Runs on whichever thread completes the future, or inline on the scheduler thread when
+        # it is done already: the release itself goes to the pool, never blocking either.
         try:
             read = future.result()
         except Exception:
             return
         if read.pin.pin_id:
-            self._release_quietly(read.pin.pin_id)
+            self._release(read.pin.pin_id)

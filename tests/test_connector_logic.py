@@ -1071,6 +1071,41 @@ def pinned_read(client: RegistryClient, conversation: str = "c1", pin_ttl: float
                                         reader_id=READER), 0.0)
 
 
+class SlowReleaseClient(NoLookupClient):
+    """Releases that take `delay` seconds, as against a registry that is slow to answer."""
+
+    def __init__(self, *args: Any, delay: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.delay = delay
+        self.released: list[tuple[str, str]] = []
+
+    def release_read(self, pin_id: str, *, timeout: float | None = None) -> bool:
+        time.sleep(self.delay)
+        self.released.append((pin_id, threading.current_thread().name))
+        return super().release_read(pin_id, timeout=timeout)
+
+
+def test_prefill_aborted_routed_request_never_waits_for_the_release(
+        registry: ThreadedRegistry, holder: pb.Holder, client: RegistryClient):
+    """A routed request aborted before it was scheduled has its pin released in the
+    background: the scheduler thread does not wait for the registry's answer."""
+    lease = grant(client, "c1", LEASE_TOKENS)
+    slow = SlowReleaseClient(registry.target, timeout=5.0, retries=1, delay=1.0)
+    kit = make_prefill(registry.target, client=slow)
+    try:
+        kit.request("p-1", LEASE_TOKENS + EXTRA,
+                    kvbridge={**conv_key("c1"), "read": pinned_read(client)})
+        started = time.monotonic()
+        kit.reuse.finished("p-1")
+        assert time.monotonic() - started < 0.5
+        wait_for(lambda: slow.released, "the pin's release")
+        assert slow.released[0][1].startswith("kvbridge-read")
+        wait_unpinned(client, lease.lease_id)
+    finally:
+        kit.reuse.close()
+        slow.close()
+
+
 @pytest.mark.parametrize(("prompt", "n_blocks", "usable"), [
     pytest.param(LEASE_TOKENS + EXTRA, 10, 38, id="exact-with-partial-block"),
     pytest.param(LEASE_TOKENS[:36] + [7, 7] + EXTRA, 9, 36, id="partial-block-differs"),
