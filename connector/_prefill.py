@@ -67,7 +67,9 @@ class _Active:
     started: float
     conversation: str
     params: dict[str, Any]
+    pin_end: float  # when the pin runs out (monotonic, as the reply was received)
     sync: bool = False  # read within the step that computes the request
+    posted: bool = False  # the read went out (a synchronous one, in this step)
 
 
 class PrefillReuse:
@@ -157,7 +159,7 @@ class PrefillReuse:
         its kv_transfer_params now name verified remote blocks to read, False to recompute."""
         pending = self._pending.get(request.request_id)
         if pending is None:
-            return False
+            return self._asked_again(request)
         tokens = request.prompt_token_ids or []
         if not pending.future.done():
             if time.monotonic() < pending.deadline:
@@ -224,7 +226,8 @@ class PrefillReuse:
         )
         self._active[request.request_id] = _Active(
             read.pin.pin_id, usable - num_computed_tokens, time.monotonic(),
-            pending.conversation, params)
+            pending.conversation, params,
+            pin_end=(pending.answered or time.monotonic()) + seconds(read.pin.expires_in))
         self._decide(request, "hit", usable - num_computed_tokens, len(tokens) - usable,
                      conversation=pending.conversation, lookup_ms=lookup_ms,
                      source=pending.source,
@@ -232,8 +235,21 @@ class PrefillReuse:
                      epoch=read.lease.epoch, holder=read.holder.holder_id)
         return True
 
-    def decline(self, request: Any) -> None:
-        """The engine will not read after all (e.g. NIXL's own threshold): undo the hit."""
+    def _asked_again(self, request: Any) -> bool:
+        """The scheduler asks again about a request it decided on before (it could not
+        allocate its blocks then). A hit stands only while its pin has more than the margin
+        left: past that, decode may free the blocks before the read is done."""
+        active = self._active.get(request.request_id)
+        if active is None or active.posted:
+            return False
+        if active.pin_end - time.monotonic() < self.settings.pin_margin_s:
+            self.decline(request, "pin_margin_when_asked_again")
+            return False
+        return True
+
+    def decline(self, request: Any, why: str = "declined_by_engine") -> None:
+        """The engine will not read after all (e.g. NIXL's own threshold), or the pin ran too
+        low while the request waited for blocks: undo the hit."""
         active = self._active.pop(request.request_id, None)
         if active is None:
             return
@@ -241,8 +257,11 @@ class PrefillReuse:
             request.kv_transfer_params.pop(name, None)
         self._release(active.pin_id)
         self.metrics.recomputed_tokens.inc(active.tokens)
-        self.metrics.decisions.labels("declined_by_engine").inc()
-        self._undo_reuse(request.request_id, "declined_by_engine", active.tokens)
+        self.metrics.decisions.labels(why).inc()
+        self._undo_reuse(request.request_id, why, active.tokens)
+        if why != "declined_by_engine":
+            log.info("prefill_hit_withdrawn", request_id=request.request_id, why=why,
+                     conversation=active.conversation, tokens=active.tokens)
 
     def reading_sync(self, request_id: str) -> None:
         """The hit will be read within the step that computes the request (`_sync_reads`)."""
@@ -258,6 +277,7 @@ class PrefillReuse:
         recomputes rather than wait for a read that will not come again."""
         active = self._active.get(request_id)
         if active is not None:
+            active.posted = True
             _forget_remote_blocks(active.params)
 
     def read_done(self, request_id: str, ok: bool, *, why: str | None = None) -> str | None:

@@ -204,6 +204,10 @@ def diagnose_probe(first: Turn, second: Turn | None, lease_seen: bool) -> list[F
                                "kv_recompute_threshold may be above the reusable tokens"),
         "pin_margin": (WARN, "the read's pin was about to end",
                        "raise kvbridge.pin_ttl_s or lower pin_margin_s"),
+        "pin_margin_when_asked_again": (
+            WARN, "the request waited for KV blocks on prefill until its pin ran low",
+            "prefill is short of KV blocks (see its queue and kv cache usage), or raise "
+            "kvbridge.pin_ttl_s"),
     }
     if d == "miss_hash_mismatch":
         k = second.mismatch_block or 0

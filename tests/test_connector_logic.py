@@ -915,6 +915,32 @@ def test_prefill_declines_pin_within_margin(client: RegistryClient):
         reg.close()
 
 
+def test_prefill_hit_asked_about_again_stands_only_while_its_pin_does(
+        registry: ThreadedRegistry, holder: pb.Holder, client: RegistryClient):
+    """The scheduler asks again about a request it could not allocate blocks for: the hit
+    stands while the pin has more than the margin left, and is withdrawn (fields stripped,
+    pin released, counted as recomputed) once it has not."""
+    lease = grant(client, "c1", LEASE_TOKENS)
+    kit = make_prefill(registry.target, pin_ttl_s=2.5, pin_margin_s=2.0)
+    try:
+        request = kit.request("p-1", LEASE_TOKENS + EXTRA)
+        assert kit.resolve(request) is True
+        assert kit.reuse.resolve(request, 0) is True  # asked again at once: still a hit
+        assert request.kv_transfer_params["remote_num_tokens"] == 38
+        time.sleep(0.6)  # the pin now has less than the 2 s margin left
+        assert kit.reuse.resolve(request, 0) is False
+        assert no_remote_fields(request.kv_transfer_params)
+        assert kit.decision("pin_margin_when_asked_again") == 1
+        outcome = kit.reuse.finished("p-1")
+        assert outcome is not None
+        assert outcome["kvbridge_decision"] == "pin_margin_when_asked_again"
+        assert outcome["kvbridge_reused_tokens"] == 0
+        wait_unpinned(client, lease.lease_id)
+    finally:
+        kit.reuse.close()
+        kit.client.close()
+
+
 def test_prefill_registry_unreachable_recomputes():
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
