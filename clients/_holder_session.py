@@ -11,13 +11,19 @@ leases and remembers them, and calls `on_reclaim(lease_ids)` when blocks may be 
 After `on_reclaim` returns, the freed ids are acknowledged on the next heartbeat. When the
 registry no longer knows the holder (it restarted, or this engine missed its TTL), the session
 re-registers and re-sends the leases it still holds; the registry restores or rejects them.
-Registry outages never raise into the engine: `grant` returns None and the caller simply does
-not retain the blocks.
+
+A grant the registry refused returns None: the caller does not retain the blocks. A grant
+whose outcome is unknown (it ran out of time, or the connection broke after it was sent) may
+have made a lease that readers will use, so it raises `GrantOutcomeUnknown` and the caller
+must keep the blocks: the session asks again with the same request id (grants are idempotent)
+after each heartbeat, and reports the outcome through `on_grant_resolved(request_id, lease)`,
+with None when there is no lease to keep (refused, or past the grant's hard deadline).
 """
 
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -26,13 +32,46 @@ import structlog
 
 from kvbridge.clients._registry import RegistryClient, duration, seconds
 from kvbridge.clock import Clock, SystemClock
-from kvbridge.errors import HolderNotFound, KvbridgeError
+from kvbridge.errors import DeadlineExceeded, HolderNotFound, KvbridgeError, Unavailable
 from kvbridge.registry.v1 import registry_pb2 as pb
 
 log = structlog.get_logger("kvbridge.holder")
 
 ReclaimCallback = Callable[[list[str]], None]
+GrantResolvedCallback = Callable[[str, "pb.Lease | None"], None]
 DEFAULT_MAX_PIN_TTL = 30.0
+# A grant that names no maximum lifetime gets the registry's default, which the holder does not
+# know: an unresolved one is bounded by the longest lifetime a registry allows by default.
+UNKNOWN_MAX_LIFETIME = 86400.0
+_RESOLVE_ATTEMPTS = 5  # after that, an unresolved grant waits for its hard deadline
+
+
+class GrantOutcomeUnknown(Exception):
+    """The grant may or may not have made a lease: keep the blocks until the session reports
+    the outcome (`on_grant_resolved`) or `hard_deadline` (holder's monotonic clock) passes."""
+
+    def __init__(self, request_id: str, hard_deadline: float, cause: str) -> None:
+        super().__init__(f"grant {request_id}: outcome unknown ({cause})")
+        self.request_id = request_id
+        self.hard_deadline = hard_deadline
+
+
+def outcome_unknown(err: KvbridgeError) -> bool:
+    """Whether a failed call may have taken effect: it ran out of time, the connection broke,
+    or the server failed without saying why. A refusal the registry explains did not, nor did
+    a call that never left because no connection could be made."""
+    if isinstance(err, Unavailable) and "failed to connect" in err.message.lower():
+        return False
+    return isinstance(err, (Unavailable, DeadlineExceeded)) or type(err) is KvbridgeError
+
+
+@dataclass(slots=True)
+class _PendingGrant:
+    request_id: str
+    args: tuple[str, str, str, list[int], int, bytes, float, float]
+    life: float
+    hard_deadline: float
+    attempts: int = 0
 
 
 @dataclass(slots=True)
@@ -74,7 +113,7 @@ class HolderSession:
         self, client: RegistryClient, *, holder_id: str, nixl_host: str, nixl_port: int,
         block_size: int, engine_fingerprint: str, on_reclaim: ReclaimCallback, tp_size: int = 1,
         ttl: float = 10.0, hard_deadline_margin: float = 5.0, clock: Clock | None = None,
-        software_version: str = "",
+        software_version: str = "", on_grant_resolved: GrantResolvedCallback | None = None,
     ) -> None:
         self.client = client
         self.holder_id = holder_id
@@ -85,11 +124,13 @@ class HolderSession:
         self.ttl = ttl
         self.margin = hard_deadline_margin
         self.on_reclaim = on_reclaim
+        self.on_grant_resolved = on_grant_resolved
         self.clock = clock or SystemClock()
         self.max_pin_ttl = DEFAULT_MAX_PIN_TTL
         self.registered = False
         self.last_ok: float | None = None
         self._held: dict[str, HeldLease] = {}
+        self._pending: dict[str, _PendingGrant] = {}  # by request id: outcome unknown
         self._acks: set[str] = set()
         self._lock = threading.Lock()
         self._register_lock = threading.Lock()
@@ -171,14 +212,57 @@ class HolderSession:
             with self._lock:
                 self._acks.difference_update(acks)
             self._reclaim(list(resp.reclaimable_lease_ids), "reclaimable")
+            self._resolve_pending()
         self._enforce_hard_deadlines()
 
     def _enforce_hard_deadlines(self) -> None:
         now = self.clock.monotonic()
         with self._lock:
             due = [lid for lid, lease in self._held.items() if lease.hard_deadline <= now]
+            lapsed = [p for p in self._pending.values() if p.hard_deadline <= now]
+            for p in lapsed:
+                del self._pending[p.request_id]
         if due:
             self._reclaim(due, "hard_deadline")
+        for p in lapsed:
+            log.warning("lease_grant_unresolved", holder=self.holder_id,
+                        request_id=p.request_id, attempts=p.attempts, why="hard_deadline")
+            self._grant_resolved(p.request_id, None)
+
+    def _resolve_pending(self) -> None:
+        """Ask again about grants whose outcome is unknown, with their own request ids: the
+        registry answers with the lease if it made one (or makes it now), or refuses."""
+        with self._lock:
+            pending = [p for p in self._pending.values() if p.attempts < _RESOLVE_ATTEMPTS]
+        for p in pending:
+            try:
+                lease = self._send_grant(p, timeout=self.ttl / 3)
+            except HolderNotFound:
+                return  # the next heartbeat registers again, then asks
+            except KvbridgeError as err:
+                if outcome_unknown(err):
+                    log.info("lease_grant_still_unknown", holder=self.holder_id,
+                             request_id=p.request_id, attempts=p.attempts, error=str(err))
+                    continue
+                with self._lock:
+                    self._pending.pop(p.request_id, None)
+                log.warning("lease_grant_failed", holder=self.holder_id,
+                            request_id=p.request_id, error=str(err), resolved=True)
+                self._grant_resolved(p.request_id, None)
+                continue
+            with self._lock:
+                self._pending.pop(p.request_id, None)
+            log.info("lease_grant_resolved", holder=self.holder_id, request_id=p.request_id,
+                     lease_id=lease.lease_id, state=pb.LeaseState.Name(lease.state))
+            self._grant_resolved(p.request_id, lease)
+
+    def _grant_resolved(self, request_id: str, lease: pb.Lease | None) -> None:
+        if self.on_grant_resolved is None:
+            return
+        try:
+            self.on_grant_resolved(request_id, lease)
+        except Exception:  # the engine's callback failing must not kill the heartbeat
+            log.exception("grant_resolved_callback_failed", holder=self.holder_id)
 
     def _reclaim(self, lease_ids: list[str], why: str) -> None:
         with self._lock:
@@ -205,39 +289,69 @@ class HolderSession:
               idle_ttl: float = 0.0, max_lifetime: float = 0.0,
               timeout: float | None = None) -> pb.Lease | None:
         """Grant a lease over blocks the caller keeps. None means: do not keep them.
+        `GrantOutcomeUnknown` means: keep them until `on_grant_resolved` says what became of
+        the grant (see the module docstring).
 
         A registry that no longer knows this holder (it restarted, or heartbeats were starved
         past the TTL) gets a re-registration and the grant once more."""
+        budget = timeout if timeout is not None else float(getattr(self.client, "timeout", 0) or
+                                                           30.0)
+        life = max_lifetime if max_lifetime > 0 else UNKNOWN_MAX_LIFETIME
+        p = _PendingGrant(uuid.uuid4().hex,
+                          (tenant, conversation_id, remote_request_id, list(block_ids),
+                           token_count, block_hashes, idle_ttl, max_lifetime), life, 0.0)
         for attempt in range(2):
             if not self.registered and (attempt == 0 or not self._register()):
                 return None
-            sent_at = self.clock.monotonic()
             try:
-                resp = self.client.grant_lease(
-                    self.holder_id, tenant, conversation_id, remote_request_id, block_ids,
-                    token_count, block_hashes, idle_ttl, max_lifetime, timeout=timeout)
-                break
+                return self._send_grant(p, timeout=budget)
             except HolderNotFound:
                 self.registered = False
                 log.warning("holder_unknown_to_registry", holder=self.holder_id)
             except KvbridgeError as err:
+                if outcome_unknown(err):
+                    with self._lock:
+                        self._pending[p.request_id] = p
+                    log.warning("lease_grant_outcome_unknown", holder=self.holder_id,
+                                conversation=conversation_id, request_id=p.request_id,
+                                error=str(err), hard_deadline_in_s=round(
+                                    p.hard_deadline - self.clock.monotonic(), 1))
+                    raise GrantOutcomeUnknown(p.request_id, p.hard_deadline, str(err)) from err
                 log.warning("lease_grant_failed", holder=self.holder_id,
                             conversation=conversation_id, error=str(err))
                 return None
-        else:
-            return None
+        return None
+
+    def _send_grant(self, p: _PendingGrant, timeout: float) -> pb.Lease:
+        """One GrantLease for `p`, with its request id. Before sending, `p`'s hard deadline
+        covers a lease made by this attempt: the registry runs no grant past its deadline, so
+        such a lease is younger than the send time plus `timeout`. On success the lease is
+        held (its hard deadline counted from this send) and returned."""
+        tenant, conversation, rrid, block_ids, tokens, hashes, idle_ttl, max_lifetime = p.args
+        sent_at = self.clock.monotonic()
+        p.hard_deadline = max(p.hard_deadline, sent_at + timeout + p.life + self.max_pin_ttl +
+                              self.margin)
+        p.attempts += 1
+        resp = self.client.grant_lease(
+            self.holder_id, tenant, conversation, rrid, block_ids, tokens, hashes, idle_ttl,
+            max_lifetime, request_id=p.request_id, timeout=timeout)
         lease = resp.lease
         life = seconds(lease.max_lifetime)
-        held = HeldLease(lease.lease_id, tenant, conversation_id, remote_request_id,
-                         list(block_ids), token_count, block_hashes, lease.epoch,
-                         seconds(lease.idle_ttl), life, sent_at,
-                         sent_at + life + self.max_pin_ttl + self.margin)
+        held = HeldLease(lease.lease_id, tenant, conversation, rrid, list(block_ids), tokens,
+                         hashes, lease.epoch, seconds(lease.idle_ttl), life, sent_at,
+                         max(sent_at + life + self.max_pin_ttl + self.margin,
+                             p.hard_deadline if p.attempts > 1 else 0.0))
         with self._lock:
             self._held[lease.lease_id] = held
         if resp.superseded_lease_id:
             log.debug("lease_superseded", lease_id=resp.superseded_lease_id,
-                      by=lease.lease_id, conversation=conversation_id)
+                      by=lease.lease_id, conversation=conversation)
         return lease
+
+    def pending_grants(self) -> list[str]:
+        """Request ids of grants whose outcome is not known yet."""
+        with self._lock:
+            return list(self._pending)
 
     def revoke(self, lease_ids: Iterable[str], reason: str = "memory_pressure") -> Revoked:
         """Revoke leases (e.g. under memory pressure). Those reclaimable right away are freed

@@ -21,6 +21,7 @@ import structlog
 
 from kvbridge import blockhash
 from kvbridge.clients import HolderSession, RegistryClient
+from kvbridge.clients._holder_session import GrantOutcomeUnknown
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._settings import REMOTE_ID_PREFIX, ConnectorSettings, conversation_of
 
@@ -36,6 +37,7 @@ class _Retained:
     tokens: int
     since: float
     lease_id: str = ""
+    grant_request_id: str = ""  # set while the grant's outcome is unknown
 
 
 class DecodeRetention:
@@ -50,12 +52,15 @@ class DecodeRetention:
             client, holder_id=holder_id, nixl_host=nixl_host, nixl_port=nixl_port,
             block_size=block_size, engine_fingerprint=fingerprint, tp_size=tp_size,
             ttl=settings.holder_ttl_s, hard_deadline_margin=settings.hard_deadline_margin_s,
-            on_reclaim=self._on_reclaim, software_version=software_version)
+            on_reclaim=self._on_reclaim, software_version=software_version,
+            on_grant_resolved=self._on_grant_resolved)
         self._pool: Any = None  # vLLM BlockPool, bound by the scheduler
         self._grants = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-grant")
         self._lock = threading.Lock()
         self._by_key: dict[str, _Retained] = {}
         self._by_lease: dict[str, str] = {}
+        self._by_grant: dict[str, str] = {}  # grant request id (outcome unknown) -> key
+        self._resolved_early: dict[str, Any] = {}  # resolved before _grant recorded the id
         self._frees: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._reclaimed_early: set[str] = set()  # reported before _grant recorded the lease
         self._revoking = False
@@ -224,13 +229,51 @@ class DecodeRetention:
     # ---- background threads -----------------------------------------------------------------
 
     def _grant(self, retained: _Retained, tenant: str, conversation: str, hashes: bytes) -> None:
-        lease = self.session.grant(
-            tenant, conversation, retained.key, retained.block_ids, retained.tokens, hashes,
-            idle_ttl=self.settings.idle_ttl_s, max_lifetime=self.settings.max_lifetime_s,
-            timeout=self.settings.rpc_timeout_s)
+        try:
+            lease = self.session.grant(
+                tenant, conversation, retained.key, retained.block_ids, retained.tokens, hashes,
+                idle_ttl=self.settings.idle_ttl_s, max_lifetime=self.settings.max_lifetime_s,
+                timeout=self.settings.rpc_timeout_s)
+        except GrantOutcomeUnknown as unknown:
+            # The registry may have made the lease, and a reader may use it: the blocks stay
+            # until the session learns the outcome (or the grant's hard deadline passes).
+            self.metrics.grants_unresolved.inc()
+            with self._lock:
+                resolved = unknown.request_id in self._resolved_early
+                early = self._resolved_early.pop(unknown.request_id, None)
+                if not resolved:
+                    retained.grant_request_id = unknown.request_id
+                    self._by_grant[unknown.request_id] = retained.key
+                    return
+            # The heartbeat thread resolved it before this thread got here.
+            if early is None:
+                self._frees.put((retained.key, "grant_unresolved"))
+            else:
+                self._record(retained, early, conversation)
+            return
         if lease is None:  # no lease, no reader: free right away
             self._frees.put((retained.key, "grant_failed"))
             return
+        self._record(retained, lease, conversation)
+
+    def _on_grant_resolved(self, request_id: str, lease: Any) -> None:
+        """The session learned what became of a grant whose outcome was unknown."""
+        with self._lock:
+            key = self._by_grant.pop(request_id, None)
+            if key is None:  # _grant has not recorded it yet: it will find this there
+                self._resolved_early[request_id] = lease
+                return
+            retained = self._by_key.get(key)
+            if retained is not None:
+                retained.grant_request_id = ""
+        if retained is None:
+            return
+        if lease is None:  # refused, or its hard deadline passed: no reader can use them now
+            self._frees.put((retained.key, "grant_unresolved"))
+            return
+        self._record(retained, lease, lease.conversation_id)
+
+    def _record(self, retained: _Retained, lease: Any, conversation: str) -> None:
         with self._lock:
             retained.lease_id = lease.lease_id
             self._by_lease[lease.lease_id] = retained.key

@@ -32,6 +32,10 @@ class ConnectorMetrics:
         self.leases_granted = Counter(
             "kvbridge_connector_leases_granted", "Leases granted over retained decode KV",
             registry=r)
+        self.grants_unresolved = Counter(
+            "kvbridge_connector_grants_outcome_unknown",
+            "Grants that timed out or lost their connection: their blocks are kept until the "
+            "registry says whether it made the lease", registry=r)
         self.blocks_freed = Counter(
             "kvbridge_connector_retained_blocks_freed", "Retained decode blocks freed, by why",
             ["why"], registry=r)

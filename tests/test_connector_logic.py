@@ -8,6 +8,7 @@ bounded polling of the registry or of the connector's metrics.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -422,6 +423,104 @@ def test_decode_grant_failure_frees_at_next_drain(decode: DecodeKit,
     assert decode.retained() == 0
     assert decode.granted() == 0
     assert decode.retention.drain() == 0
+
+
+@contextmanager
+def grants_answer_late(registry: ThreadedRegistry, delay: float) -> Iterator[None]:
+    """The registry makes each lease at once but answers `delay` seconds later (a slow
+    network or an overloaded registry): a holder whose deadline is shorter cannot tell
+    whether its grant happened."""
+    assert registry.server is not None
+    store = registry.server.store
+    original = store.grant
+
+    async def late(spec: Any) -> Any:
+        grant = await original(spec)
+        await asyncio.sleep(delay)
+        return grant
+
+    store.grant = late  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        store.grant = original  # type: ignore[method-assign]
+
+
+def test_decode_grant_of_unknown_outcome_keeps_the_blocks_until_resolved(
+        decode: DecodeKit, registry: ThreadedRegistry, client: RegistryClient):
+    """A grant that timed out may have made a lease that readers will use: its blocks are
+    kept, and the next heartbeat asks again with the same request id and adopts that lease
+    (before: the blocks were freed under a live lease, and the next turn read other data)."""
+    table = [5, 6, 7, 8, 9, 10, 11]
+    with grants_answer_late(registry, 1.5):
+        decode.finish("req-1", "c1", PROMPT1, OUTPUT1, table)
+        wait_for(lambda: decode.retention.session.pending_grants(), "the grant to time out")
+        lease = only_lease(client, "c1")  # the registry did make it
+        assert lease.state == pb.LEASE_STATE_ACTIVE
+        assert decode.retention.drain() == 0
+        assert decode.pool.refs(table) == [1] * 7
+        assert decode.granted() == 0
+        assert sample(decode.metrics, "kvbridge_connector_grants_outcome_unknown_total") == 1
+    decode.retention.session.heartbeat_once()  # resolves it: the same lease, now held
+    assert decode.retention.session.pending_grants() == []
+    decode.wait_granted(1)
+    assert [h.lease_id for h in decode.retention.session.held()] == [lease.lease_id]
+    assert only_lease(client, "c1").lease_id == lease.lease_id  # no second lease made
+    assert decode.retention.drain() == 0
+    assert decode.pool.refs(table) == [1] * 7
+    # And it is an ordinary lease from now on: a newer turn supersedes it and it is freed.
+    client.revoke_lease(lease.lease_id, "test", HOLDER)
+    decode.retention.session.heartbeat_once()
+    wait_for(lambda: decode.retention.drain() == 7, "the revoked lease's blocks to be freed")
+    assert decode.pool.refs(table) == [0] * 7
+
+
+def test_decode_unresolved_grant_is_freed_at_its_hard_deadline(
+        decode: DecodeKit, registry: ThreadedRegistry):
+    """A grant whose outcome stays unknown (the registry is gone) keeps its blocks until the
+    hard deadline a lease of that grant could have had, then frees them."""
+    table = [5, 6]  # 7 computed tokens: 2 blocks
+    with grants_answer_late(registry, 1.5):
+        decode.finish("req-1", "c1", PROMPT1[:6], OUTPUT1[:2], table)
+        wait_for(lambda: decode.retention.session.pending_grants(), "the grant to time out")
+    registry.stop()
+    session = decode.retention.session
+    (request_id,) = session.pending_grants()
+    deadline = session._pending[request_id].hard_deadline
+    # max lifetime + the registry's max pin TTL + the margin, after the send and its timeout
+    assert deadline - time.monotonic() > decode.retention.settings.max_lifetime_s
+    session.heartbeat_once()  # unreachable: nothing resolved, nothing freed
+    assert decode.retention.drain() == 0 and decode.pool.refs(table) == [1] * 2
+    session._pending[request_id].hard_deadline = time.monotonic()  # as if that time came
+    session.heartbeat_once()
+    assert session.pending_grants() == []
+    wait_for(lambda: decode.retention.drain() == 2, "the unresolved grant's blocks to be freed")
+    assert decode.freed("grant_unresolved") == 2
+    assert decode.pool.refs(table) == [0] * 2
+
+
+def test_registry_runs_no_grant_past_its_deadline(registry: ThreadedRegistry, holder: pb.Holder,
+                                                  client: RegistryClient,
+                                                  monkeypatch: pytest.MonkeyPatch):
+    """A grant whose handler starts only after its deadline passed is not made: so a holder
+    whose grant timed out knows how old a lease of it could be."""
+    from kvbridge.services.registry._servicer import RegistryServicer
+
+    original = RegistryServicer._grant_spec
+
+    def slow(self: Any, request: Any, holder_id: str) -> Any:
+        if request.conversation_id == "late":
+            time.sleep(0.5)  # the registry is busy: the caller's 0.3 s run out meanwhile
+        return original(self, request, holder_id)
+
+    monkeypatch.setattr(RegistryServicer, "_grant_spec", slow)
+    hashes = blockhash.block_hashes(list(range(8)), BS, FP, include_partial=True)
+    with (RegistryClient(registry.target, timeout=0.3, retries=0) as hasty,
+          pytest.raises(errors.DeadlineExceeded)):
+        hasty.grant_lease(HOLDER, TENANT, "late", "r-late", [1, 2], 8, hashes)
+    client.get_server_info()  # the registry has finished the late call by now
+    assert list(client.list_leases(tenant=TENANT, conversation_id="late",
+                                   include_inactive=True).leases) == []
 
 
 def test_decode_watermark_revokes_oldest_leases(decode: DecodeKit, client: RegistryClient):

@@ -18,7 +18,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from kvbridge import __version__, blockhash
 from kvbridge._grpc_status import to_status
-from kvbridge.errors import CapacityExhausted, KvbridgeError, LeaseNotFound
+from kvbridge.errors import CapacityExhausted, DeadlineExceeded, KvbridgeError, LeaseNotFound
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
 from kvbridge.services.registry import _access
@@ -203,7 +203,13 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     @_rpc
     async def GrantLease(self, request: pb.GrantLeaseRequest,
                          context: Ctx) -> pb.GrantLeaseResponse:
-        grant = await self.store.grant(self._grant_spec(request, request.holder_id))
+        spec = self._grant_spec(request, request.holder_id)
+        # No grant runs past the caller's deadline: a holder whose grant timed out bounds the
+        # age of any lease it may have made by the send time plus its timeout.
+        left = context.time_remaining()
+        if left is not None and left <= 0:
+            raise DeadlineExceeded("the grant's deadline passed before it ran: nothing granted")
+        grant = await self.store.grant(spec)
         return pb.GrantLeaseResponse(
             lease=self._lease(grant.lease),
             superseded_lease_id=grant.superseded.lease_id if grant.superseded else "",
