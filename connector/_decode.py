@@ -56,11 +56,14 @@ class DecodeRetention:
             on_grant_resolved=self._on_grant_resolved)
         self._pool: Any = None  # vLLM BlockPool, bound by the scheduler
         self._grants = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-grant")
+        # Revocations make room for arriving requests: never queued behind slow grants.
+        self._revokes = ThreadPoolExecutor(1, thread_name_prefix="kvbridge-revoke")
         self._lock = threading.Lock()
         self._by_key: dict[str, _Retained] = {}
         self._by_lease: dict[str, str] = {}
         self._by_grant: dict[str, str] = {}  # grant request id (outcome unknown) -> key
         self._resolved_early: dict[str, Any] = {}  # resolved before _grant recorded the id
+        self._granting = 0  # grants submitted and not finished (queued or in flight)
         self._frees: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._reclaimed_early: set[str] = set()  # reported before _grant recorded the lease
         self._revoking = False
@@ -115,6 +118,13 @@ class DecodeRetention:
         blocks = list(block_ids[0][: -(-computed // self.block_size)])
         if computed <= 0 or not blocks or 0 in blocks:
             return None
+        with self._lock:
+            unsettled = self._granting + len(self._by_grant)
+        if unsettled >= self.settings.max_unsettled_grants:
+            self.metrics.retention_skipped.inc()
+            log.warning("retention_skipped", request_id=request.request_id,
+                        why="registry slow or unreachable", unsettled_grants=unsettled)
+            return None
         tokens = list(request.all_token_ids[:computed])
         hashes = blockhash.block_hashes(tokens, self.block_size, self.fingerprint,
                                         request.cache_salt or "", include_partial=True)
@@ -126,6 +136,8 @@ class DecodeRetention:
             self._by_key[retained.key] = retained
         self.metrics.retained_blocks.inc(len(blocks))
         tenant, conversation = key
+        with self._lock:
+            self._granting += 1
         self._grants.submit(self._grant, retained, tenant, conversation, hashes)
         return {"kvbridge_retained_tokens": computed}
 
@@ -224,11 +236,19 @@ class DecodeRetention:
             self._revoking = True
             self._revoked.update(victims)
         self.metrics.revocations.labels(cause).inc()
-        self._grants.submit(self._revoke, victims, time.monotonic(), cause)
+        self._revokes.submit(self._revoke, victims, time.monotonic(), cause)
 
     # ---- background threads -----------------------------------------------------------------
 
     def _grant(self, retained: _Retained, tenant: str, conversation: str, hashes: bytes) -> None:
+        try:
+            self._grant_once(retained, tenant, conversation, hashes)
+        finally:
+            with self._lock:
+                self._granting -= 1
+
+    def _grant_once(self, retained: _Retained, tenant: str, conversation: str,
+                    hashes: bytes) -> None:
         try:
             lease = self.session.grant(
                 tenant, conversation, retained.key, retained.block_ids, retained.tokens, hashes,
@@ -322,4 +342,5 @@ class DecodeRetention:
 
     def close(self) -> None:
         self._grants.shutdown(wait=False, cancel_futures=True)
+        self._revokes.shutdown(wait=False, cancel_futures=True)
         self.session.close()

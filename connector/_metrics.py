@@ -36,6 +36,10 @@ class ConnectorMetrics:
             "kvbridge_connector_grants_outcome_unknown",
             "Grants that timed out or lost their connection: their blocks are kept until the "
             "registry says whether it made the lease", registry=r)
+        self.retention_skipped = Counter(
+            "kvbridge_connector_retention_skipped",
+            "Finished turns not retained: too many grants waiting (max_unsettled_grants)",
+            registry=r)
         self.blocks_freed = Counter(
             "kvbridge_connector_retained_blocks_freed", "Retained decode blocks freed, by why",
             ["why"], registry=r)

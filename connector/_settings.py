@@ -50,6 +50,10 @@ class ConnectorSettings:
     """Decode: holder heartbeat TTL (heartbeats every third of it)."""
     hard_deadline_margin_s: float = 5.0
     """Decode: margin past max lifetime + max pin TTL after which blocks are freed regardless."""
+    max_unsettled_grants: int = 16
+    """Decode: at most this many finished turns may wait for their lease (a grant queued, in
+    flight, or of unknown outcome after a timeout); past it a finishing turn is not retained,
+    so a slow or unreachable registry cannot fill decode's memory with blocks under no lease."""
     free_watermark: float = 0.1
     """Decode: keep at least this fraction of KV blocks free by revoking the oldest idle
     leases."""
@@ -97,6 +101,8 @@ class ConnectorSettings:
             value = getattr(self, field.name)
             if isinstance(value, float) and value < 0:
                 raise ValueError(f"kvbridge.{field.name} must not be negative, got {value}")
+        if self.max_unsettled_grants < 1:
+            raise ValueError("kvbridge.max_unsettled_grants must be at least 1")
         if not 0.0 <= self.free_watermark < 1.0:
             raise ValueError("kvbridge.free_watermark must be in [0, 1)")
         if not 0.0 <= self.headroom_cap <= 1.0:

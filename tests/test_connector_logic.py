@@ -499,6 +499,25 @@ def test_decode_unresolved_grant_is_freed_at_its_hard_deadline(
     assert decode.pool.refs(table) == [0] * 2
 
 
+def test_decode_retains_no_more_turns_than_its_grants_can_settle(registry: ThreadedRegistry):
+    """With grants slow to settle, at most max_unsettled_grants turns wait for a lease: a turn
+    finishing past that is not retained (its blocks go back at once), and retention resumes
+    once the grants settle."""
+    with decode_kit(registry, max_unsettled_grants=2) as kit, \
+            grants_answer_late(registry, 0.5):
+        kit.finish("req-1", "c1", PROMPT1, OUTPUT1, [1, 2, 3, 4, 5, 6, 7])
+        kit.finish("req-2", "c2", PROMPT1, OUTPUT1, [11, 12, 13, 14, 15, 16, 17])
+        third = [21, 22, 23, 24, 25, 26, 27]
+        kit.finish("req-3", "c3", PROMPT1, OUTPUT1, third)
+        assert kit.last_extra is None
+        assert kit.pool.refs(third) == [0] * 7
+        assert sample(kit.metrics, "kvbridge_connector_retention_skipped_total") == 1
+        kit.wait_granted(2)
+        kit.finish("req-4", "c4", PROMPT1, OUTPUT1, third)
+        assert kit.last_extra is not None
+        kit.wait_granted(3)
+
+
 def test_registry_runs_no_grant_past_its_deadline(registry: ThreadedRegistry, holder: pb.Holder,
                                                   client: RegistryClient,
                                                   monkeypatch: pytest.MonkeyPatch):
