@@ -159,3 +159,113 @@ async def test_a_store_on_a_url_the_pipe_does_not_take_uses_redis_py(
         assert await store.release_read(reads[0].pin.pin_id)
     finally:
         await store.close()
+
+
+TRANSIENT_REPLIES = {
+    "LOADING": "LOADING Redis is loading the dataset in memory",
+    "BUSY": "BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN "
+            "NOSCRIPT.",
+    "READONLY": "READONLY You can't write against a read only replica.",
+    "MASTERDOWN": "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set "
+                  "to 'no'.",
+    "TRYAGAIN": "TRYAGAIN Multiple keys request during rehashing of slot",
+}
+
+
+@pytest.mark.parametrize("code", sorted(TRANSIENT_REPLIES))
+async def test_a_redis_not_serving_now_is_unavailable(code: str, reader_kind: str) -> None:
+    """Replies of a Redis that cannot serve now (loading, busy, a replica, ...) fail the call
+    as Unavailable (clients retry or fail over), not as a script error; after READONLY and
+    MASTERDOWN (a failover) the connection is closed, so the next call connects anew."""
+    from kvbridge.errors import Unavailable
+
+    accepted: list[asyncio.StreamWriter] = []
+    reply = b"-" + TRANSIENT_REPLIES[code].encode() + b"\r\n"
+
+    async def refuse(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+        while await reader.read(65536):  # one call per read: the test awaits each
+            writer.write(reply)
+
+    server = await asyncio.start_server(refuse, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pipe = ScriptPipe(f"redis://127.0.0.1:{port}/0", SCRIPT, SHA, connect_timeout=1.0,
+                      timeout=2.0)
+    try:
+        for _ in range(2):
+            with pytest.raises(Unavailable) as caught:
+                await pipe.call(["k"], [b"x", 1])
+            assert caught.value.metadata["redis_error"] == code
+        assert len(accepted) == (2 if code in ("READONLY", "MASTERDOWN") else 1)
+    finally:
+        await pipe.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_store_on_redis_py_maps_a_redis_not_serving_to_unavailable(
+        redis_server: Any, redis_namespace: str, kv: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The redis-py path (TLS URLs) maps the same replies as the pipe does."""
+    from redis.exceptions import MasterDownError, ReadOnlyError
+    from test_store_contract import holder
+
+    from kvbridge.clock import SystemClock
+    from kvbridge.errors import Unavailable
+    from kvbridge.services.registry import RegistryConfig, _redis
+
+    monkeypatch.setattr(_redis, "supported", lambda url: False)
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace)
+    store = _redis.RedisStore(config, SystemClock(), recovering=False)
+    await store.start()
+    try:
+        await store.register_holder(holder(ttl=300.0))
+        assert store._batcher is not None
+        send = store._batcher.call
+        for exc in (ReadOnlyError("You can't write against a read only replica.",
+                                  status_code="READONLY"),
+                    MasterDownError("Link with MASTER is down", status_code="MASTERDOWN"),
+                    ResponseError("BUSY Redis is busy running a script.")):
+            def refuse(args: list[Any], exc: Exception = exc) -> Any:
+                future = asyncio.get_running_loop().create_future()
+                future.set_exception(exc)
+                return future
+
+            monkeypatch.setattr(store._batcher, "call", refuse)
+            with pytest.raises(Unavailable):
+                await store.heartbeat("h1")
+        monkeypatch.setattr(store._batcher, "call", send)
+        assert (await store.heartbeat("h1"))[1] == 300.0
+        with pytest.raises(ResponseError):  # a script's own error is still not an outage
+            await store._run("renew", "not a number")
+    finally:
+        await store.close()
+
+
+async def test_a_store_on_redis_py_replaces_a_connection_redis_closed(
+        kv: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Script calls through redis-py are never resent, so a pooled connection that a restarted
+    Redis closed must be replaced before a call is written to it, not fail that call."""
+    from conftest import RedisProcess
+    from test_store_contract import holder
+
+    from kvbridge.clock import SystemClock
+    from kvbridge.services.registry import RegistryConfig, _redis
+
+    monkeypatch.setattr(_redis, "supported", lambda url: False)
+    durable = ("--dir", str(tmp_path), "--appendonly", "yes", "--appendfsync", "always",
+               "--save", "")
+    server = RedisProcess(*durable)
+    config = RegistryConfig(backend="redis", redis_url=server.url, redis_namespace="restart")
+    store = _redis.RedisStore(config, SystemClock(), recovering=False)
+    await store.start()
+    try:
+        await store.register_holder(holder(ttl=300.0))
+        server.stop()
+        await asyncio.sleep(0.1)  # the store's loop sees its connections closed
+        server = RedisProcess(*durable, port=server.port)
+        assert await store.heartbeat("h1") == ([], 300.0)
+    finally:
+        await store.close()
+        server.stop()

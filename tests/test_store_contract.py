@@ -1062,3 +1062,243 @@ async def test_tenant_quota_revokes_the_tenants_own_leases_only(make_backend: Fa
               if x.state is LeaseState.ACTIVE]
     assert sorted(active) == ["c2", "c4"]
     await b.wait_events(first.lease_id, ["GRANTED", "REVOKED", "RECLAIMABLE"])
+
+
+# ---- Redis: replays, replicas' caches, the event tail -----------------------------------------
+
+
+def _redis_config(url: str, namespace: str, **overrides: Any) -> RegistryConfig:
+    return RegistryConfig(backend="redis", redis_url=url, redis_namespace=namespace,
+                          **overrides)
+
+
+async def _until(done: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Wait until `done()` (the event tail delivers asynchronously), at most `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if done() or time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.01)
+
+
+def _run_twice(store: RedisStore, commands: set[str]) -> list[str]:
+    """Run every script call of `commands` twice with the same arguments, as a client that
+    resends a call whose reply it lost would (Redis ran it); the caller gets the second reply."""
+    run = store._run
+    replayed: list[str] = []
+
+    async def twice(*args: Any) -> list[Any]:
+        if args[0] in commands:
+            await run(*args)
+            replayed.append(args[0])
+        return await run(*args)
+
+    store._run = twice  # type: ignore[method-assign]
+    return replayed
+
+
+async def test_redis_replayed_grants_and_reads_change_nothing(redis_server: Any,
+                                                              redis_namespace: str,
+                                                              kv: Any) -> None:
+    """A grant or a read without request_id run twice (a replayed script call) is one grant or
+    one pin: the lease is not superseded by itself (ACTIVE yet reclaimable, its pins wiped),
+    and a pin is not counted twice (a dead lease never reclaimable)."""
+    store = RedisStore(_redis_config(redis_server.url, redis_namespace), SystemClock(),
+                       recovering=False)
+    await store.start()
+    events: list[LeaseEvent] = []
+    store.add_listener(events.append)
+    try:
+        await store.register_holder(holder(ttl=300.0))
+        replayed = _run_twice(store, {"grant", "read"})
+        first = await store.grant(grant_spec(kv, kv.tokens(8)))
+        assert (first.lease.state, first.lease.epoch, first.superseded) == (
+            LeaseState.ACTIVE, 1, None)
+        read = await store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)),
+                                        pin_ttl=20.0)
+        assert read.pin is not None and read.lease is not None
+        assert read.lease.pin_count == 1
+        assert await store.heartbeat("h1") == ([], 300.0)
+        second = (await store.grant(grant_spec(kv, kv.tokens(12)))).lease  # supersedes first
+        assert (second.state, second.epoch, second.pin_count) == (LeaseState.ACTIVE, 2, 0)
+        old = await store.get_lease(first.lease.lease_id)
+        assert (old.state, old.pin_count) == (LeaseState.SUPERSEDED, 1)
+        assert await store.heartbeat("h1") == ([], 300.0)  # first pinned, second live
+        assert (await store.get_holder("h1")).lease_count == 1
+        assert await store.release_read(read.pin.pin_id)
+        assert (await store.heartbeat("h1"))[0] == [first.lease.lease_id]
+        assert (await store.get_lease(second.lease_id)).state is LeaseState.ACTIVE
+        assert replayed == ["grant", "read", "grant"]
+        await _until(lambda: len(events) >= 4)
+        assert [(e.type.name, e.lease_id) for e in events] == [
+            ("GRANTED", first.lease.lease_id), ("SUPERSEDED", first.lease.lease_id),
+            ("GRANTED", second.lease_id), ("RECLAIMABLE", first.lease.lease_id)]
+    finally:
+        await store.close()
+
+
+class _CutAfterRun:
+    """A TCP proxy to Redis that, the first time a script call of `command` passes, lets Redis
+    run it and then drops the connection instead of passing the reply on: a connection lost
+    while reading the reply of a call Redis ran."""
+
+    def __init__(self, upstream_port: int, command: bytes) -> None:
+        self.marker = b"$%d\r\n%s\r\n" % (len(command), command)
+        self.upstream_port = upstream_port
+        self.cut = False
+        self.sent = 0  # chunks with a call of `command` passed on to Redis
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.server.wait_closed(), 2.0)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        armed = False
+
+        async def to_redis() -> None:
+            nonlocal armed
+            while data := await reader.read(65536):
+                if self.marker in data:
+                    self.sent += 1
+                    if not self.cut:
+                        self.cut = armed = True
+                up_writer.write(data)
+                await up_writer.drain()
+            up_writer.close()
+
+        async def to_client() -> None:
+            while data := await up_reader.read(65536):
+                if armed:  # Redis ran the call: lose its reply
+                    writer.transport.abort()
+                    up_writer.transport.abort()
+                    return
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        await asyncio.gather(to_redis(), to_client(), return_exceptions=True)
+
+
+@pytest.mark.parametrize("path", ["pipe", "redis-py"])
+async def test_redis_script_call_is_never_sent_again_after_redis_may_have_run_it(
+        redis_server: Any, redis_namespace: str, kv: Any, path: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection lost after a grant reached Redis fails the call (Unavailable: the caller
+    fails open) instead of resending it: the lease Redis granted stays one live lease."""
+    from kvbridge.services.registry import _redis
+
+    if path == "redis-py":  # as for rediss:// (TLS) URLs
+        monkeypatch.setattr(_redis, "supported", lambda url: False)
+    proxy = _CutAfterRun(redis_server.port, b"grant")
+    port = await proxy.start()
+    store = RedisStore(_redis_config(f"redis://127.0.0.1:{port}/0", redis_namespace),
+                       SystemClock(), recovering=False)
+    await store.start()
+    try:
+        assert (store._pipe is None) is (path == "redis-py")
+        await store.register_holder(holder(ttl=300.0))
+        with pytest.raises(errors.Unavailable):
+            await store.grant(grant_spec(kv, kv.tokens(8)))
+        assert (proxy.cut, proxy.sent) == (True, 1)
+        leases = await store.list_leases(include_inactive=True)
+        assert [(x.state, x.epoch, x.pin_count) for x in leases] == [(LeaseState.ACTIVE, 1, 0)]
+        assert await store.heartbeat("h1") == ([], 300.0)
+        read = await store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
+        assert read.miss is MissReason.HIT and read.lease is not None
+        assert read.lease.lease_id == leases[0].lease_id and read.lease.pin_count == 1
+    finally:
+        await store.close()
+        await proxy.close()
+
+
+async def test_redis_grant_follows_a_block_size_changed_via_another_replica(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """Replica A cached h1's block size; h1 is lost and re-registers with another block size
+    via replica B. Grants via A are checked against the new size, not refused by the old one."""
+    config = _redis_config(redis_server.url, redis_namespace)
+    a = RedisStore(config, SystemClock(), recovering=False)
+    b = RedisStore(config, SystemClock(), recovering=False)
+    await a.start()
+    await b.start()
+    try:
+        await a.register_holder(holder(ttl=5.0))
+        await a.grant(grant_spec(kv, kv.tokens(8)))  # A caches block size 4
+        await b.advance_clock(6.0)
+        await b.tick()  # B finds h1 lost; A does not hear of it
+        await b.register_holder(holder(ttl=300.0, block_size=8))
+        two_of_eight = grant_spec(kv, kv.tokens(16), conversation="c2", block_ids=[200, 201],
+                                  hashes=bytes(32))
+        lease = (await a.grant(two_of_eight)).lease
+        assert (lease.block_count, lease.token_count, lease.holder.block_size) == (2, 16, 8)
+        with pytest.raises(errors.InvalidArgument) as caught:  # 8 tokens do not fill 2 of 8
+            await a.grant(grant_spec(kv, kv.tokens(8), conversation="c3"))
+        assert caught.value.metadata["field"] == "token_count"
+        # and back: A now caches 8; h1 returns with 4 via B
+        await b.advance_clock(301.0)
+        await b.tick()
+        await b.register_holder(holder(ttl=300.0))
+        lease = (await a.grant(grant_spec(kv, kv.tokens(8), conversation="c4"))).lease
+        assert (lease.block_count, lease.holder.block_size) == (2, 4)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_redis_malformed_event_is_skipped_and_delivery_goes_on(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """An event this replica cannot read (a field missing, a type from a newer replica) is
+    logged and skipped; the events after it still reach the listeners."""
+    store = RedisStore(_redis_config(redis_server.url, redis_namespace), SystemClock(),
+                       recovering=False)
+    await store.start()
+    events: list[LeaseEvent] = []
+    store.add_listener(events.append)
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        with capture_logs() as logs:
+            bad = [await client.xadd(store._events_key, {"t": 1, "l": "l-x"}),
+                   await client.xadd(store._events_key, {
+                       "t": 99, "l": "l-y", "tn": "t1", "c": "c1", "h": "h1", "e": 1,
+                       "w": "1.0", "lt": "0"})]
+            await store.register_holder(holder(ttl=300.0))
+            lease = (await store.grant(grant_spec(kv, kv.tokens(8)))).lease
+            await _until(lambda: bool(events))
+        assert [(e.type, e.lease_id) for e in events] == [(EventType.GRANTED, lease.lease_id)]
+        skipped = [e for e in logs if e["event"] == "redis_event_skipped"]
+        assert [e["id"] for e in skipped] == [x.decode() for x in bad]
+        assert all(e["reason"] for e in skipped)
+    finally:
+        await client.aclose()
+        await store.close()
+
+
+@pytest.mark.parametrize("epoch, ok", [(2**53 - 1, True), (2**53, False), (2**63 - 1, False)])
+async def test_snapshot_epochs_are_capped_alike(b: Backend, kv: Any, epoch: int,
+                                                ok: bool) -> None:
+    """Epochs a Lua number holds exactly (below 2**53) are restored and read back exactly on
+    both backends; larger ones are refused alike, naming the field."""
+    spec = grant_spec(kv, kv.tokens(8))
+    snap = Snapshot("l-big", spec, epoch, 1.0)
+    if not ok:
+        with pytest.raises(errors.InvalidArgument) as caught:
+            await b.store.register_holder(holder(ttl=300.0), [snap])
+        assert caught.value.metadata["field"] == "held_leases[0].epoch"
+        assert await b.store.holders() == []
+        return
+    reg = await b.store.register_holder(holder(ttl=300.0), [snap])
+    assert reg.restored == ["l-big"]
+    assert (await b.store.get_lease("l-big")).epoch == epoch
+    read = await b.store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
+    assert read.miss is MissReason.HIT and read.lease is not None and read.lease.epoch == epoch
+    nxt = await b.store.grant(grant_spec(kv, kv.tokens(12)))
+    assert nxt.lease.epoch == epoch + 1
+    assert sorted(x.epoch for x in await b.store.list_leases(include_inactive=True)) == [
+        epoch, epoch + 1]

@@ -55,6 +55,10 @@ log = structlog.get_logger("kvbridge.registry")
 
 Listener = Callable[[LeaseEvent], None]
 
+# The largest epoch a restored lease may carry: the Redis backend's Lua numbers are doubles,
+# exact up to 2**53 (a larger epoch would be stored as '4.6e+18' and fail every read back).
+MAX_EPOCH = 2**53 - 1
+
 _DEAD_EVENT = {
     LeaseState.EXPIRED: EventType.EXPIRED,
     LeaseState.REVOKED: EventType.REVOKED,
@@ -167,7 +171,7 @@ def check_registration(cfg: RegistryConfig, spec: HolderSpec, snapshots: Sequenc
             raise check.InvalidArgument(f"held_leases[{i}].lease_id", "duplicate lease id")
         seen.add(snap.lease_id)
         check.duration(f"held_leases[{i}].age", snap.age, 0.0, cfg.max_lifetime_cap_s * 2)
-        check.in_range(f"held_leases[{i}].epoch", snap.epoch, 1, 2**63 - 1)
+        check.in_range(f"held_leases[{i}].epoch", snap.epoch, 1, MAX_EPOCH)
         check_grant(cfg, snap.grant, spec.block_size, f"held_leases[{i}].")
     return ttl
 

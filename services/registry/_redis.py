@@ -14,7 +14,11 @@ need no clock agreement; replies carry durations that this replica puts on its l
 - Events go to a Redis Stream in the same script; each replica tails it and hands every event to
   its listeners (watch streams, metrics), so `WatchLeases` on any replica sees the whole fleet.
 - Input is checked here with the same functions `LeaseTable` uses, before any Redis call; a
-  refused call changes nothing. Redis errors become `Unavailable` (callers fail open).
+  refused call changes nothing. Redis errors become `Unavailable` (callers fail open): an
+  unreachable Redis, and one that cannot serve now (loading, busy, a read-only replica...).
+- A script call is sent once. A connection lost after it was written fails the call (Redis may
+  have run it; the caller sees `Unavailable`) rather than sending it again; the scripts are
+  replay-safe all the same (a grant or pin that exists already is answered as it stands).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvbridge.clock import Clock
@@ -43,6 +47,7 @@ from kvbridge.errors import (
     HolderDraining,
     HolderNotFound,
     IdempotencyConflict,
+    InvalidArgument,
     KvbridgeError,
     LeaseNotFound,
     NotLeaseHolder,
@@ -82,7 +87,7 @@ from kvbridge.services.registry._model import (
     Pin,
 )
 from kvbridge.services.registry._redis_lua import LUA
-from kvbridge.services.registry._resp import ScriptPipe, supported
+from kvbridge.services.registry._resp import RECONNECT, ScriptPipe, not_serving, supported
 
 log = structlog.get_logger("kvbridge.registry")
 
@@ -129,11 +134,13 @@ class RedisStore:
     async def start(self) -> None:
         url = self.config.redis_url
         try:
+            # Script calls (and every other write) go through this one: never resent.
             self._redis = aioredis.Redis.from_url(url, socket_connect_timeout=2.0,
-                                                  socket_timeout=5.0, retry=_retry())
+                                                  socket_timeout=5.0, retry=_no_retry(),
+                                                  **_pool_checks())
             self._tail = aioredis.Redis.from_url(url, socket_connect_timeout=2.0,
                                                  socket_timeout=_EVENT_BLOCK_MS / 1000 + 5.0,
-                                                 retry=_retry())
+                                                 retry=_retry(), **_pool_checks())
             await self._redis.ping()
             last = await self._redis.xrevrange(self._events_key, count=1)
         except (RedisError, OSError, ValueError) as exc:
@@ -205,6 +212,15 @@ class RedisStore:
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             # Only unreachability: a script error is a bug and must not look like an outage.
             raise Unavailable(f"Redis unreachable: {exc}", backend="redis") from exc
+        except ResponseError as exc:  # the pipe maps these itself; redis-py does not
+            code = not_serving(exc)
+            if code is None:
+                raise
+            if code in RECONNECT and self._redis is not None:  # a failover: connect anew
+                with contextlib.suppress(Exception):
+                    await self._redis.connection_pool.disconnect()
+            raise Unavailable(f"Redis cannot serve now: {code} {exc}", backend="redis",
+                              redis_error=code) from exc
         return reply
 
     def _base(self, redis_now: bytes) -> float:
@@ -306,6 +322,16 @@ class RedisStore:
         cfg = self.config
         check.identifier("holder_id", g.holder_id, cfg.max_id_length)
         block_size = self._block_sizes.get(g.holder_id)
+        checked = False
+        if block_size is not None:
+            try:
+                check_grant(cfg, g, block_size)
+                checked = True
+            except InvalidArgument:
+                # The cached size may be stale (the holder re-registered with another block
+                # size via another replica): check against the holder as it stands.
+                self._block_sizes.pop(g.holder_id, None)
+                block_size = None
         if block_size is None:
             block_size = (await self.get_holder(g.holder_id)).block_size
         if g.request_id:
@@ -314,8 +340,9 @@ class RedisStore:
             lease_id = "l-" + secrets.token_hex(8)
         idle, life = grant_ttls(cfg, g)
         payload = g.hashes + array("I", g.block_ids).tobytes()
-        for _ in range(3):  # the holder re-registered with another block size: check again
-            check_grant(cfg, g, block_size)
+        for _ in range(3):  # the script found another block size (STALE): check against it
+            if not checked:
+                check_grant(cfg, g, block_size)
             reply = await self._run(
                 "grant", g.holder_id, block_size, lease_id, 1 if g.request_id else 0, g.tenant,
                 g.conversation_id, g.remote_request_id, payload, g.token_count,
@@ -323,7 +350,7 @@ class RedisStore:
                 *cfg.quota_of(g.tenant, self._quotas))
             if reply[0] != b"STALE":
                 break
-            block_size = int(reply[1])
+            block_size, checked = int(reply[1]), False
             self._block_sizes[g.holder_id] = block_size
         else:
             raise Unavailable("holder layout kept changing; retry", holder=g.holder_id)
@@ -503,7 +530,11 @@ class RedisStore:
             for _key, entries in streams:
                 for event_id, fields in entries:
                     last_id = event_id
-                    self._deliver(fields)
+                    try:
+                        self._deliver(fields)
+                    except Exception as exc:  # one unreadable event must not stop the tail
+                        log.warning("redis_event_skipped", id=_event_id(event_id),
+                                    reason=f"{type(exc).__name__}: {exc}")
             if self._renewal_listeners and time.monotonic() - announced > _RENEW_WATCH_MS / 1e3:
                 announced = time.monotonic()
                 await self._announce_renewal_watch()
@@ -568,10 +599,33 @@ class RedisStore:
 
 
 def _retry() -> Retry:
-    """One immediate retry when a pooled connection turns out dead (Redis restarted), and no
-    more: with Redis down, calls must fail fast so readers fail open. Never on a timeout: the
-    script may have run, and a grant must not run twice."""
+    """For the event tail (reads only): one immediate retry when a pooled connection turns out
+    dead (Redis restarted), and no more: with Redis down, calls must fail fast."""
     return Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+
+
+def _no_retry() -> Retry:
+    """For script calls and other writes: none. redis-py retries a command (or a whole
+    pipeline) by sending it again, also after a connection lost while reading the reply, when
+    Redis has run it. A pooled connection that Redis closed (a restart) is still replaced
+    before use: the pool checks each one as it hands it out."""
+    return Retry(NoBackoff(), 0)
+
+
+def _pool_checks() -> dict[str, Any]:
+    """Options that keep redis-py's pool replacing a pooled connection Redis has closed before
+    handing it out. redis-py 7+ skips that check while "maintenance notifications" (a RESP3
+    feature of managed Redis, unused here) are on, and they are on ("auto") by default: the
+    first call after a Redis restart would then fail, since script calls are never resent."""
+    try:
+        from redis.maint_notifications import MaintNotificationsConfig
+    except ImportError:  # redis-py < 7: no such notifications, the pool always checks
+        return {}
+    return {"maint_notifications_config": MaintNotificationsConfig(enabled=False)}
+
+
+def _event_id(event_id: Any) -> str:
+    return event_id.decode() if isinstance(event_id, bytes) else str(event_id)
 
 
 def _redacted(url: str) -> str:

@@ -349,9 +349,12 @@ elseif cmd == 'grant' then
   if s == H_DRAINING then return {'ERR', 'HOLDER_DRAINING'} end
   local tenant, conv, rrid = ARGS[7], ARGS[8], ARGS[9]
   local L = P .. 'l:' .. lid
-  if ARGS[6] == '1' and redis.call('EXISTS', L) == 1 then
-    local f = redis.call('HMGET', L, 't', 'c', 'r')
-    if f[1] ~= tenant or f[2] ~= conv or f[3] ~= rrid then
+  -- The lease exists already: a retried request_id, or this very call run again (a client
+  -- that resent it after losing the reply; the id is drawn once, before the first send).
+  -- Either way it is answered as it stands; running on would supersede the lease by itself.
+  if redis.call('EXISTS', L) == 1 then
+    local f = redis.call('HMGET', L, 't', 'c', 'r', 'h')
+    if f[1] ~= tenant or f[2] ~= conv or f[3] ~= rrid or f[4] ~= hid then
       return {'ERR', 'REQUEST_ID_REUSED'}
     end
     return {'OK', F(NOW), lease_enc(lid), holder_enc(hid), {}}
@@ -412,7 +415,7 @@ elseif cmd == 'grant' then
     end
   end
   local sup = {}
-  if cur then
+  if cur and cur ~= lid then  -- never the new lease itself (see the replay check above)
     local f = redis.call('HMGET', P .. 'l:' .. cur, 'e', 's', 'h')
     epoch = tonumber(f[1]) + 1
     if tonumber(f[2]) == ACTIVE then
@@ -528,7 +531,7 @@ elseif cmd == 'list' then
 elseif cmd == 'read' then
   local mode, tenant, conv, prompt = ARGS[3], ARGS[4], ARGS[5], ARGS[6]
   local min_tokens, pin_ttl, pin_id = tonumber(ARGS[7]), tonumber(ARGS[8]), ARGS[9]
-  local idem, max_pin = ARGS[10] == '1', tonumber(ARGS[11])
+  local max_pin = tonumber(ARGS[11])  -- ARGS[10]: whether the pin id came from a request_id
   local lid = redis.call('GET', P .. 'c:' .. tenant .. ' ' .. conv)
   if not lid then return {'OK', F(NOW), 1, 0, 0, 0} end
   local L = P .. 'l:' .. lid
@@ -569,8 +572,9 @@ elseif cmd == 'read' then
   if partial then pflag = 1 end
   if reusable < min_tokens then return miss(5, k, k, pflag) end
   local PK = P .. 'p:' .. pin_id
-  local existing = false
-  if idem then existing = redis.call('HMGET', PK, 'l', 'x') end
+  -- Always looked up, request_id or not: a call run again (resent after its reply was lost;
+  -- the pin id is drawn once, before the first send) must not count its pin twice.
+  local existing = redis.call('HMGET', PK, 'l', 'x')
   local deadline
   local pins = tonumber(lf[13])
   if existing and existing[1] then

@@ -13,8 +13,11 @@ restarted) is loaded again and that call rerun; a connection found closed when a
 is reopened (bounded by `connect_timeout`); a connection lost with calls in flight fails those
 calls (whether each ran is unknown, so none is retried) with `ConnectionError`; a call
 unanswered for `timeout` seconds closes the connection and fails with `TimeoutError`; a
-script's own error is `ResponseError`. Plain TCP and unix sockets only (`redis://`,
-`unix://`): the store uses redis-py for TLS.
+script's own error is `ResponseError`. A Redis that cannot serve now (`NOT_SERVING`: loading
+its data, busy with another script, a replica that takes no writes, ...) fails the call with
+the domain `Unavailable`, as an outage: callers fail open or go elsewhere; after READONLY or
+MASTERDOWN (a failover under way) the connection is closed, so the next call connects anew.
+Plain TCP and unix sockets only (`redis://`, `unix://`): the store uses redis-py for TLS.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from redis.connection import UnixDomainSocketConnection, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from kvbridge.errors import Unavailable
 
 hiredis: Any
 try:
@@ -93,6 +98,23 @@ class _PyReader:
         raise RedisConnectionError(f"protocol error: unexpected reply type {chr(kind)!r}")
 
 
+# Error replies of a Redis that cannot serve now, whatever the call: an outage to the caller
+# (who retries or fails over), not a script error. OOM: a full Redis refuses every write.
+NOT_SERVING = frozenset({"LOADING", "BUSY", "READONLY", "MASTERDOWN", "TRYAGAIN",
+                         "CLUSTERDOWN", "NOREPLICAS", "MISCONF", "OOM"})
+# Of those, the ones that mean this connection's server is no longer the one to talk to.
+RECONNECT = frozenset({"READONLY", "MASTERDOWN"})
+
+
+def not_serving(exc: BaseException) -> str | None:
+    """The error code of a reply in `NOT_SERVING`, else None (redis-py strips the code from
+    the message of the errors it has classes for and keeps it in `status_code`)."""
+    if not isinstance(exc, ResponseError):
+        return None
+    code = getattr(exc, "status_code", None) or str(exc).split(" ", 1)[0]
+    return code if code in NOT_SERVING else None
+
+
 def _error(message: str) -> ResponseError:
     if message.startswith("NOSCRIPT"):
         return NoScriptError(message)
@@ -153,6 +175,18 @@ class _Protocol(asyncio.Protocol):
                 if reply is False:
                     return
                 future = pending.popleft()[0]
+                if isinstance(reply, ResponseError) and (code := not_serving(reply)):
+                    if not future.done():
+                        future.set_exception(Unavailable(
+                            f"Redis cannot serve now: {reply}", backend="redis",
+                            redis_error=code))
+                    if code in RECONNECT:
+                        self.fail(Unavailable(f"Redis cannot serve now: {reply}",
+                                              backend="redis", redis_error=code))
+                        if self.transport is not None:
+                            self.transport.abort()
+                        return
+                    continue
                 if future.done():
                     continue
                 if isinstance(reply, ResponseError):
@@ -199,7 +233,8 @@ class ScriptPipe:
         self._timer: asyncio.TimerHandle | None = None
 
     async def call(self, keys: list[Any], args: list[Any]) -> Any:
-        """Run the script; raises redis-py's ConnectionError, TimeoutError or ResponseError."""
+        """Run the script; raises redis-py's ConnectionError, TimeoutError or ResponseError,
+        or `Unavailable` for a Redis that cannot serve now."""
         command = pack(["EVALSHA", self._sha, len(keys), *keys, *args])
         try:
             return await self._send(command)
