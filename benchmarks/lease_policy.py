@@ -415,14 +415,16 @@ def _floats(value: str) -> tuple[float, ...]:
 
 
 @click.command("lease-policy")
-@click.option("--conversations", default=600, show_default=True, type=click.IntRange(min=1))
+@click.option("--conversations", default=600, show_default=True, type=click.IntRange(min=1),
+              help="conversations in the generated agentic trace")
 @click.option("--arrival-s", default=4.0, show_default=True, type=click.FloatRange(min=0.01),
               help="mean seconds between new conversations")
 @click.option("--budget-blocks", default=32768, show_default=True, type=click.IntRange(min=1),
               help=f"decode KV memory, in blocks of {BLOCK_SIZE} tokens")
 @click.option("--idle-ttls", default="60,120,240,480", show_default=True,
               help="kvbridge idle TTLs to compare (seconds, comma-separated)")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="seed of the trace: the same seed gives the same figures")
 @click.option("--out", "out_dir", type=click.Path(path_type=Path, file_okay=False),
               default=None, help="write results.json and lease_policy.png here")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")

@@ -735,16 +735,22 @@ def _ints(value: str) -> tuple[int, ...]:
               help="conversations per length in the OFF leg (at most --conversations): it "
                    "recomputes every turn, so its TTFT is steady compute, and it is the "
                    "slowest leg by far")
-@click.option("--turns", default=5, show_default=True, type=click.IntRange(min=2))
+@click.option("--turns", default=5, show_default=True, type=click.IntRange(min=2),
+              help="turns per conversation, the first included (means cover turns 2+)")
 @click.option("--new-tokens", default=150, show_default=True, type=click.IntRange(min=1),
               help="new user tokens per turn after the first")
-@click.option("--answer-tokens", default=16, show_default=True, type=click.IntRange(min=1))
+@click.option("--answer-tokens", default=16, show_default=True, type=click.IntRange(min=1),
+              help="tokens generated per answer (greedy, ignoring EOS)")
 @click.option("--legs", default=",".join(LEGS), show_default=True,
               help="which legs to run, comma-separated")
-@click.option("--layers", default=8, show_default=True, type=click.IntRange(min=1))
-@click.option("--hidden", default=768, show_default=True, type=click.IntRange(min=16))
-@click.option("--heads", default=12, show_default=True, type=click.IntRange(min=1))
-@click.option("--kv-heads", default=2, show_default=True, type=click.IntRange(min=1))
+@click.option("--layers", default=8, show_default=True, type=click.IntRange(min=1),
+              help="the benchmark model's transformer layers")
+@click.option("--hidden", default=768, show_default=True, type=click.IntRange(min=16),
+              help="the benchmark model's hidden size (head size hidden/heads: 32, 64 or 128)")
+@click.option("--heads", default=12, show_default=True, type=click.IntRange(min=1),
+              help="the benchmark model's attention heads")
+@click.option("--kv-heads", default=2, show_default=True, type=click.IntRange(min=1),
+              help="the benchmark model's key/value heads (divides --heads)")
 @click.option("--max-len", default=8192, show_default=True, type=click.IntRange(min=256),
               help="the model's context (and the engines' --max-model-len)")
 @click.option("--quick", is_flag=True,
@@ -752,7 +758,9 @@ def _ints(value: str) -> tuple[int, ...]:
                    "3 turns per leg")
 @click.option("--work-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="model and engine logs (default: OUT/work)")
-@click.option("--engine-timeout-s", default=600.0, show_default=True, type=float)
+@click.option("--engine-timeout-s", default=600.0, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="seconds a leg's engines (or stack) may take to start and become ready")
 @click.option("--interleave", default=",".join(INTERLEAVED), show_default=True,
               help="legs whose stacks run side by side, their turns alternating, so that "
                    "they are compared on the same machine state (this shared host's speed "

@@ -346,7 +346,9 @@ class Soak:
 @click.option("--churn-every-s", default=15.0, show_default=True,
               type=click.FloatRange(min=0), help="stall one holder past its TTL this often "
                                                  "(0: never)")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="seed of the load's random choices (think times, turns, tokens, which "
+                   "conversations end or are abandoned, which holder stalls)")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object at the end")
 def soak_bench(minutes: float, conversations: int, holders: int, think_s: float,
                idle_ttl_s: float, holder_ttl_s: float, churn_every_s: float, seed: int,

@@ -43,6 +43,42 @@ def backoff(attempt: int) -> float:
     return float(min(0.05 * 2**attempt, 0.5) * (0.5 + random.random() / 2))
 
 
+def parse_hostport(value: str, *, listen: bool = False) -> tuple[str, int]:
+    """`"HOST:PORT"` -> `(host, port)`; IPv6 hosts in brackets (`"[::1]:50051"`).
+
+    ValueError("expected HOST:PORT ...") for anything else, and for a port outside 1..65535.
+    With `listen` (an address to bind) the host may be empty (all interfaces) and port 0
+    (any free port) is allowed.
+    """
+    host, sep, port = value.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]")
+    if bracketed:
+        host = host[1:-1]
+    well_formed = (sep and port.isascii() and port.isdigit() and (host or listen)
+                   # an unbracketed IPv6 address leaves the port ambiguous
+                   and (bracketed or ":" not in host)
+                   and not any(c.isspace() or c in ",/[]" for c in host))
+    if not well_formed:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    lowest = 0 if listen else 1
+    if len(port) > 5 or not lowest <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT with a port from {lowest} to 65535, "
+                         f"got {value!r}")
+    return host, int(port)
+
+
+def parse_targets(value: str) -> list[str]:
+    """Client addresses `"HOST:PORT"` or replicas' `"HOST:PORT,HOST:PORT"`, each checked with
+    `parse_hostport` (ValueError "expected HOST:PORT ..." for a malformed one)."""
+    targets = [t.strip() for t in value.split(",")]
+    if not any(targets):
+        raise ValueError(f"expected HOST:PORT (replicas: HOST:PORT,HOST:PORT), got {value!r}")
+    for target in targets:
+        if target:
+            parse_hostport(target)
+    return [t for t in targets if t]
+
+
 def split_targets(target: str | Sequence[str]) -> list[str]:
     """`"a:1,b:2"` or `["a:1", "b:2"]` -> `["a:1", "b:2"]` (at least one)."""
     items = target.split(",") if isinstance(target, str) else list(target)

@@ -10,27 +10,71 @@ import functools
 import json
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import click
 from google.protobuf import json_format
 
 from kvbridge.auth import TOKEN_ENV, TlsFiles
+from kvbridge.clients._base import parse_hostport, parse_targets
 from kvbridge.clients._registry import RegistryClient, seconds
 from kvbridge.errors import DeadlineExceeded, InvalidArgument, KvbridgeError, Unavailable
 from kvbridge.registry.v1 import registry_pb2 as pb
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+def check_address(value: str, *, listen: bool = False) -> None:
+    """ValueError("expected HOST:PORT ...") unless `value` is an address to bind (`listen`)
+    or a client's address (replicas: comma-separated)."""
+    if listen:
+        parse_hostport(value, listen=True)
+    else:
+        parse_targets(value)
+
+
+def address_callback(*, listen: bool = False, optional: bool = False) -> Callable[
+        [click.Context, click.Parameter, str | None], str | None]:
+    """A click option callback that rejects a malformed HOST:PORT with a usage error (exit 2)
+    before the command does anything; with `optional`, '' (none) passes."""
+
+    def check(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+        if value is None or (optional and value == ""):
+            return value
+        try:
+            check_address(value, listen=listen)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+        return value
+
+    return check
+
+
+def check_address_options(options: Mapping[str, Any], *, listen: Sequence[str] = (),
+                          targets: Sequence[str] = (), optional: Sequence[str] = ()) -> None:
+    """The same check for a service's options (from flags or environment variables; None:
+    not set, the valid default): `listen` names addresses to bind, `targets` addresses to call,
+    `optional` those that may be '' (none); a usage error naming the flag otherwise."""
+    for name in (*listen, *targets):
+        value = options.get(name)
+        if value is None or (name in optional and value == ""):
+            continue
+        try:
+            check_address(value, listen=name in listen)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--" + name.replace("_", "-")) from None
+
+
 registry_option = click.option(
     "--registry", envvar="KVBRIDGE_REGISTRY", default="127.0.0.1:50051", show_default=True,
+    callback=address_callback(),
     help="registry address HOST:PORT, or replicas' addresses comma-separated "
          "[env KVBRIDGE_REGISTRY]")
 json_option = click.option("--json", "as_json", is_flag=True,
                            help="print JSON (one object per line) instead of a table")
 timeout_option = click.option("--timeout", default=5.0, show_default=True,
-                              help="seconds to wait for each RPC")
+                              type=click.FloatRange(min=0, min_open=True),
+                              help="seconds to wait for each RPC (more than 0)")
 
 
 _SECURITY_KEY = "kvbridge.client_security"

@@ -19,6 +19,7 @@ import click
 
 from kvbridge import blockhash
 from kvbridge.auth import TOKEN_ENV
+from kvbridge.clients._cli import address_callback
 from kvbridge.clients._holder_session import HolderSession
 from kvbridge.clients._registry import RegistryClient, seconds
 from kvbridge.registry.v1 import registry_pb2 as pb
@@ -151,12 +152,14 @@ def run_demo(target: str, turns: int, idle_ttl: float, seed: int,
 
 
 @click.command("demo")
-@click.option("--registry", default="", help="use this registry (HOST:PORT) instead of "
-              "starting one in-process")
-@click.option("--turns", default=5, show_default=True, type=click.IntRange(1, 50))
+@click.option("--registry", default="", callback=address_callback(optional=True),
+              help="use this registry (HOST:PORT) instead of starting one in-process")
+@click.option("--turns", default=5, show_default=True, type=click.IntRange(1, 50),
+              help="turns of the demo conversation")
 @click.option("--idle-ttl", default=2.0, show_default=True, type=click.FloatRange(1.0, 60.0),
               help="lease idle TTL for the demo conversation, seconds")
-@click.option("--seed", default=7, show_default=True)
+@click.option("--seed", default=7, show_default=True,
+              help="seed of the demo's random token ids")
 def demo_command(registry: str, turns: int, idle_ttl: float, seed: int) -> None:
     """Walk a multi-turn conversation through the lease protocol and print each step."""
     if registry:

@@ -369,8 +369,9 @@ def require_secured(table: TokenTable | None, insecure: bool, service: str) -> N
     if table is None and not insecure:
         raise ValueError(
             f"the {service} has no authentication configured: give it a token table "
-            f"(--auth-tokens-file FILE or {TOKENS_ENV}; see `kvbridge auth --help`) or, on a "
-            f"trusted local machine only, run it with --insecure ({INSECURE_ENV}=1)")
+            f"(--auth-tokens-file FILE or {TOKENS_FILE_ENV}=FILE, or its lines in "
+            f"{TOKENS_ENV} separated by ';'; see `kvbridge auth --help`) or, on a trusted "
+            f"local machine only, run it with --insecure ({INSECURE_ENV}=1)")
 
 
 # ---- configuration ------------------------------------------------------------------------------

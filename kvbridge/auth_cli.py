@@ -16,7 +16,8 @@ def auth_group() -> None:
 
     \b
     A server authenticates callers with a token table (--auth-tokens-file FILE, or
-    KVBRIDGE_AUTH_TOKENS), one token per line:
+    KVBRIDGE_AUTH_TOKENS_FILE=FILE; or the lines themselves in KVBRIDGE_AUTH_TOKENS,
+    separated by ';'), one token per line:
         TOKEN  ROLE  [holder=ID[,ID..]]  [tenants=T[,T..]]  [name=LABEL]
     TOKEN may be written sha256:<hex> (see `kvbridge auth token --hashed`) so the file holds
     no secret. Patterns may use '*'. Roles:

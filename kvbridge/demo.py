@@ -135,7 +135,8 @@ async def _json_or_fail(resp: aiohttp.ClientResponse, what: str) -> dict[str, An
 @click.command("demo")
 @click.option("--gateway", default="http://127.0.0.1:8080", show_default=True,
               envvar="KVBRIDGE_GATEWAY", help="gateway base URL [env KVBRIDGE_GATEWAY]")
-@click.option("--turns", default=5, show_default=True, type=click.IntRange(1, 100))
+@click.option("--turns", default=5, show_default=True, type=click.IntRange(1, 100),
+              help="turns of the conversation")
 @click.option("--model", default="", help="model name (default: the gateway's first)")
 @click.option("--api-key", default="demo-key", show_default=True, envvar="KVBRIDGE_API_KEY",
               help="bearer API key: it decides the tenant [env KVBRIDGE_API_KEY]")

@@ -25,6 +25,7 @@ import click
 
 from kvbridge import __version__
 from kvbridge.auth import TOKEN_ENV
+from kvbridge.clients._cli import address_callback
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 _CLOCK_SKEW_S = 2.0
@@ -365,9 +366,11 @@ def run_checks(registry: str, router: str, gateway: str, api_key: str, model: st
 
 @click.command("doctor")
 @click.option("--registry", default="127.0.0.1:50051", show_default=True,
-              envvar="KVBRIDGE_REGISTRY", help="registry HOST:PORT ('' to skip)")
+              envvar="KVBRIDGE_REGISTRY", callback=address_callback(optional=True),
+              help="registry HOST:PORT ('' to skip)")
 @click.option("--router", default="127.0.0.1:50061", show_default=True,
-              envvar="KVBRIDGE_ROUTER", help="router HOST:PORT ('' to skip)")
+              envvar="KVBRIDGE_ROUTER", callback=address_callback(optional=True),
+              help="router HOST:PORT ('' to skip)")
 @click.option("--gateway", default="http://127.0.0.1:8080", show_default=True,
               envvar="KVBRIDGE_GATEWAY", help="gateway URL for the probe ('' to skip)")
 @click.option("--api-key", default="kvbridge-doctor", show_default=True,

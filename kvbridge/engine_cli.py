@@ -25,6 +25,7 @@ import structlog
 
 from kvbridge import aio, logs
 from kvbridge.auth import TOKEN_ENV
+from kvbridge.clients._cli import address_callback
 
 log = structlog.get_logger("kvbridge.engine")
 
@@ -48,34 +49,41 @@ def engine_group() -> None:
 
 
 @engine_group.command("run", context_settings={"ignore_unknown_options": True})
-@click.option("--role", type=click.Choice(["prefill", "decode"]), required=True)
+@click.option("--role", type=click.Choice(["prefill", "decode"]), required=True,
+              help="prefill computes prompts and reads decode's KV back; decode generates the "
+                   "answer and leases the KV it keeps")
 @click.option("--model", required=True, help="model path or name, as vLLM takes it")
 @click.option("--served-model-name", default="", help="the name clients send")
 @click.option("--host", default="127.0.0.1", show_default=True, help="HTTP bind address")
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535))
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(1, 65535),
+              help="HTTP port of vLLM's OpenAI server")
 @click.option("--advertise-host", default="",
               help="how the router, the gateway and other engines reach this one (HTTP and "
                    "NIXL side channel); default: --host, or this host's name for 0.0.0.0")
 @click.option("--engine-id", default="", help="default: ROLE-HOSTNAME-PORT")
 @click.option("--nixl-port", default=5600, show_default=True, type=click.IntRange(1, 65535),
               help="NIXL side-channel port")
-@click.option("--registry", default="", help="registry HOST:PORT, or replicas' comma-separated "
-              "(decode engines need it)")
-@click.option("--router", default="",
+@click.option("--registry", default="", callback=address_callback(optional=True),
+              help="registry HOST:PORT, or replicas' comma-separated (decode engines need it)")
+@click.option("--router", default="", callback=address_callback(optional=True),
               help="router HOST:PORT: register there and heartbeat load; prefill also reads "
                    "through it")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cuda",
-              show_default=True)
-@click.option("--cpu", default=0, show_default=True, help="--device cpu: the core to bind")
+              show_default=True, help="where vLLM computes: cuda (GPU) or cpu")
+@click.option("--cpu", default=0, show_default=True, type=click.IntRange(min=0),
+              help="--device cpu: the core (CPU number) the engine's threads are bound to")
 @click.option("--block-size", default=0, type=click.IntRange(min=0),
-              help="KV block size (default: 32 on cpu, 16 on cuda)")
-@click.option("--max-model-len", default=4096, show_default=True)
+              help="KV block size in tokens; 0 (the default): 32 on cpu, 16 on cuda")
+@click.option("--max-model-len", default=4096, show_default=True, type=click.IntRange(min=1),
+              help="the engine's context length in tokens (vLLM's --max-model-len)")
 @click.option("--dtype", default="", help="default: float32 on cpu, auto on cuda")
 @click.option("--setting", "settings", multiple=True, metavar="KEY=VALUE",
               help="a kvbridge connector setting (kv_connector_extra_config.kvbridge), e.g. "
                    "idle_ttl_s=120; repeatable")
 @click.option("--instance-ttl-s", default=10.0, show_default=True,
-              type=click.FloatRange(min=1))
+              type=click.FloatRange(min=1),
+              help="seconds the router keeps this engine without a heartbeat (sent every "
+                   "third of it)")
 @click.option("--work-dir", type=click.Path(path_type=Path, file_okay=False),
               default=Path(".kvbridge"), show_default=True, help="vLLM's cache folder")
 @click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)

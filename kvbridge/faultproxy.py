@@ -227,11 +227,13 @@ class ThreadedFaultProxy:
             self.loop.close()
 
 
-def _hostport(value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+def _hostport(value: str, *, listen: bool = False) -> tuple[str, int]:
+    from kvbridge.clients._base import parse_hostport
+
+    host, port = parse_hostport(value, listen=listen)
+    if not host:
         raise ValueError(f"expected HOST:PORT, got {value!r}")
-    return host, int(port)
+    return host, port
 
 
 @click.command("fault-proxy")
@@ -250,10 +252,13 @@ def fault_proxy_command(listen: str, target: str, delay_ms: float, drop: bool,
     from kvbridge import aio
 
     try:
-        listen_host, listen_port = _hostport(listen)
+        listen_host, listen_port = _hostport(listen, listen=True)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--listen") from None
+    try:
         target_host, target_port = _hostport(target)
     except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
+        raise click.BadParameter(str(exc), param_hint="--target") from None
 
     async def run() -> None:
         proxy = FaultProxy(target_host, target_port, listen_host=listen_host,

@@ -22,6 +22,7 @@ import click
 import structlog
 
 from kvbridge import aio, logs
+from kvbridge.clients._cli import address_callback
 
 log = structlog.get_logger("kvbridge.up")
 
@@ -268,9 +269,16 @@ def _print_ready(urls: Urls) -> None:
 @click.option("--work-dir", type=click.Path(path_type=Path, file_okay=False),
               default=Path(".kvbridge"), show_default=True,
               help="engine logs, caches and the tiny model")
-@click.option("--registry-listen", default="127.0.0.1:50051", show_default=True)
-@click.option("--router-listen", default="127.0.0.1:50061", show_default=True)
-@click.option("--gateway-listen", default="127.0.0.1:8080", show_default=True)
+@click.option("--registry-listen", default="127.0.0.1:50051", show_default=True,
+              callback=address_callback(listen=True),
+              help="HOST:PORT the registry's gRPC API listens on (port 0: any free port)")
+@click.option("--router-listen", default="127.0.0.1:50061", show_default=True,
+              callback=address_callback(listen=True),
+              help="HOST:PORT the router's gRPC API listens on (port 0: any free port)")
+@click.option("--gateway-listen", default="127.0.0.1:8080", show_default=True,
+              callback=address_callback(listen=True),
+              help="HOST:PORT the gateway's OpenAI-compatible HTTP API listens on (port 0: any "
+                   "free port)")
 @click.option("--idle-ttl-s", default=120.0, show_default=True, type=click.FloatRange(min=1),
               help="decode: how long a conversation's KV is kept between turns")
 @click.option("--holder-ttl-s", default=10.0, show_default=True,
@@ -288,7 +296,9 @@ def _print_ready(urls: Urls) -> None:
               help="once everything is up, write the URLs (gateway, registry, router, engines, "
                    "connector metrics, model) to this file as JSON, for scripts")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
-              default="info", show_default=True)
+              default="info", show_default=True,
+              help="least severe log line printed (on stderr) by the registry, router, gateway "
+                   "and the stack itself; engines log to files under --work-dir")
 def up_command(cpu_engines: bool, model: Path | None, work_dir: Path, registry_listen: str,
                router_listen: str, gateway_listen: str, idle_ttl_s: float, holder_ttl_s: float,
                api_keys_file: str, demo_turns: int, as_json: bool, max_model_len: int,

@@ -124,15 +124,23 @@ def model_group() -> None:
 
 @model_group.command("make-tiny")
 @click.argument("path", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--layers", default=TinyModelSpec.layers, show_default=True)
-@click.option("--hidden", default=TinyModelSpec.hidden, show_default=True)
-@click.option("--heads", default=TinyModelSpec.heads, show_default=True)
-@click.option("--kv-heads", default=TinyModelSpec.kv_heads, show_default=True)
+@click.option("--layers", default=TinyModelSpec.layers, show_default=True,
+              type=click.IntRange(min=1), help="transformer layers")
+@click.option("--hidden", default=TinyModelSpec.hidden, show_default=True,
+              type=click.IntRange(min=1),
+              help="hidden size (a multiple of --heads; head size 32, 64 or 128)")
+@click.option("--heads", default=TinyModelSpec.heads, show_default=True,
+              type=click.IntRange(min=1), help="attention (query) heads")
+@click.option("--kv-heads", default=TinyModelSpec.kv_heads, show_default=True,
+              type=click.IntRange(min=1),
+              help="key/value heads (grouped-query attention; divides --heads)")
 @click.option("--vocab", default=TinyModelSpec.vocab, show_default=True,
               help="BPE vocabulary size, special tokens included")
 @click.option("--max-len", default=TinyModelSpec.max_len, show_default=True,
-              help="maximum context length")
-@click.option("--seed", default=TinyModelSpec.seed, show_default=True)
+              help="maximum context length in tokens")
+@click.option("--seed", default=TinyModelSpec.seed, show_default=True,
+              help="seed of the random weights and the tokenizer's corpus: the same seed "
+                   "writes the same model")
 def make_tiny_command(path: Path, layers: int, hidden: int, heads: int, kv_heads: int,
                       vocab: int, max_len: int, seed: int) -> None:
     """Write a random-weight Llama (float32 safetensors) and its tokenizer to PATH."""

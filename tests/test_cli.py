@@ -454,3 +454,145 @@ def test_serve_subprocess_with_busy_metrics_port_fails_cleanly():
     assert result.returncode == 1
     assert result.stderr.startswith("Error: cannot start the registry: ")
     assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr
+
+
+# ---- addresses, timeouts and help texts -------------------------------------------------------
+
+BAD_ADDRESSES = ["nonsense", "host:99999", "a b:c", "", ","]
+
+# (command line up to the address flag, whether '' is a valid value there: none / disabled)
+ADDRESS_FLAGS = [
+    (["registry", "serve", "--insecure", "--listen"], False),
+    (["registry", "serve", "--insecure", "--metrics-listen"], True),
+    (["router", "serve", "--insecure", "--listen"], False),
+    (["router", "serve", "--insecure", "--metrics-listen"], True),
+    (["router", "serve", "--insecure", "--registry"], True),
+    (["gateway", "serve", "--insecure", "--listen"], False),
+    (["gateway", "serve", "--insecure", "--router"], False),
+    (["gateway", "serve", "--insecure", "--registry"], True),
+    (["up", "--registry-listen"], False),
+    (["up", "--router-listen"], False),
+    (["up", "--gateway-listen"], False),
+    (["leases", "list", "--registry"], False),
+    (["leases", "show", "l-1", "--registry"], False),
+    (["holders", "list", "--registry"], False),
+    (["instances", "list", "--router"], False),
+    (["doctor", "--no-probe", "--registry"], True),
+    (["doctor", "--no-probe", "--router"], True),
+    (["registry", "demo", "--registry"], True),
+    (["engine", "run", "--role", "prefill", "--model", "m", "--registry"], True),
+    (["engine", "run", "--role", "prefill", "--model", "m", "--router"], True),
+    (["fault-proxy", "--target", "127.0.0.1:1", "--listen"], False),
+    (["fault-proxy", "--target"], False),
+]
+
+
+def _no_kvbridge_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("KVBRIDGE_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.mark.parametrize("bad", BAD_ADDRESSES)
+@pytest.mark.parametrize(("argv", "empty_ok"), ADDRESS_FLAGS,
+                         ids=[" ".join(a[:2] + a[-1:]) for a, _ in ADDRESS_FLAGS])
+def test_malformed_addresses_exit_2_before_anything_starts(
+        argv: list[str], empty_ok: bool, bad: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    if bad == "" and empty_ok:
+        pytest.skip("'' is a valid value of this flag (none, or disabled)")
+    _no_kvbridge_env(monkeypatch)
+    monkeypatch.chdir(tmp_path)  # `up` and `engine run` would make .kvbridge/ here
+    result = CliRunner().invoke(main, [*argv, bad], catch_exceptions=False)
+    assert result.exit_code == 2, result.output
+    error = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+    assert len(error) == 1 and "expected HOST:PORT" in error[0], result.output
+    assert "Traceback" not in result.output
+    assert list(tmp_path.iterdir()) == []  # nothing made, nothing started
+
+
+def test_malformed_address_from_the_environment_exits_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_kvbridge_env(monkeypatch)
+    for argv, env in ((["holders", "list"], {"KVBRIDGE_REGISTRY": "host:99999"}),
+                      (["registry", "serve", "--insecure"],
+                       {"KVBRIDGE_REGISTRY_METRICS_LISTEN": "127.0.0.1:99999"}),
+                      (["router", "serve", "--insecure"], {"KVBRIDGE_ROUTER_REGISTRY": ","})):
+        result = CliRunner().invoke(main, argv, env=env, catch_exceptions=False)
+        assert result.exit_code == 2, (argv, result.output)
+        assert "expected HOST:PORT" in result.output
+
+
+def test_metrics_port_out_of_range_is_a_usage_error_not_an_overflow() -> None:
+    result = subprocess.run(
+        [*_kvbridge(), "registry", "serve", "--insecure", "--listen", "127.0.0.1:0",
+         "--metrics-listen", "127.0.0.1:99999"], capture_output=True, text=True, timeout=30,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")})
+    assert result.returncode == 2
+    assert "expected HOST:PORT with a port from 0 to 65535, got '127.0.0.1:99999'" in (
+        result.stderr)
+    assert "Traceback" not in result.stderr and "OverflowError" not in result.stderr
+
+
+def test_split_hostport_checks_the_port_range() -> None:
+    from kvbridge.services.registry._server import split_hostport
+
+    assert split_hostport("127.0.0.1:0") == ("127.0.0.1", 0)
+    assert split_hostport(":50051") == ("0.0.0.0", 50051)
+    assert split_hostport("[::1]:65535") == ("::1", 65535)
+    assert split_hostport("registry:50051") == ("registry", 50051)
+    for bad in ("127.0.0.1:65536", "127.0.0.1:99999", "h:-1", "h:", "nonsense", "", "a b:1",
+                "::1:50051", "h:0x10", "h:\uff11\uff12"):
+        with pytest.raises(ValueError, match="expected HOST:PORT"):
+            split_hostport(bad)
+
+
+def test_client_addresses_need_a_host_and_a_port_from_1() -> None:
+    from kvbridge.clients._base import parse_targets
+
+    assert parse_targets("a:1, b:65535") == ["a:1", "b:65535"]
+    assert parse_targets("[::1]:50051") == ["[::1]:50051"]
+    for bad in (":50051", "a:0", "a:1,b:70000", ",", "", "a:1,nonsense"):
+        with pytest.raises(ValueError, match="expected HOST:PORT"):
+            parse_targets(bad)
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1"])
+def test_timeout_must_be_positive(timeout: str) -> None:
+    for argv in (["leases", "list"], ["holders", "list"], ["instances", "list"]):
+        result = CliRunner().invoke(main, [*argv, "--timeout", timeout])
+        assert result.exit_code == 2, (argv, result.output)
+        assert "Invalid value for '--timeout'" in result.output
+
+
+def test_every_option_has_help_text() -> None:
+    missing = []
+    for path in _commands(main):
+        command: click.Command = main
+        for name in path:
+            assert isinstance(command, click.Group)
+            command = command.commands[name]
+        missing += [f"kvbridge {' '.join(path)} {param.opts[0]}" for param in command.params
+                    if isinstance(param, click.Option) and not (param.help or "").strip()]
+    assert missing == []
+
+
+def test_help_texts_name_what_is_easy_to_get_wrong() -> None:
+    runner = CliRunner()
+    engine = runner.invoke(main, ["engine", "run", "--help"]).output
+    assert "0 (the default): 32 on cpu, 16 on cuda" in " ".join(engine.split())
+    gateway = runner.invoke(main, ["gateway", "serve", "--help"]).output
+    assert "times (0 to 8)" in " ".join(gateway.split())
+    auth_help = " ".join(runner.invoke(main, ["auth", "--help"]).output.split())
+    assert "KVBRIDGE_AUTH_TOKENS_FILE=FILE" in auth_help
+    assert "KVBRIDGE_AUTH_TOKENS, separated by ';'" in auth_help
+
+
+def test_serve_without_authentication_names_both_token_variables(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _no_kvbridge_env(monkeypatch)
+    result = CliRunner().invoke(main, ["registry", "serve", "--listen", "127.0.0.1:0",
+                                       "--metrics-listen", ""])
+    assert result.exit_code == 2
+    message = " ".join(result.output.split())
+    assert "--auth-tokens-file FILE or KVBRIDGE_AUTH_TOKENS_FILE=FILE" in message
+    assert "lines in KVBRIDGE_AUTH_TOKENS separated by ';'" in message

@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from kvbridge import aio
+from kvbridge.clients._cli import check_address_options
 from kvbridge.config import build_config, config_options
 from kvbridge.services.gateway._config import GatewayConfig
 from kvbridge.services.gateway._server import serve
@@ -32,6 +33,8 @@ def serve_command(**options: Any) -> None:
     Conversations: POST /v1/conversations/ID/keepalive keeps a paused conversation's KV;
     DELETE /v1/conversations/ID frees it.
     """
+    check_address_options(options, listen=("listen",), targets=("router", "registry"),
+                          optional=("registry",))
     config = build_config(GatewayConfig, options)
     try:
         aio.run(serve(config))

@@ -41,9 +41,9 @@ class GatewayConfig:
     pin_ttl_s: float = setting(10.0, "how long a read pinned at route time holds decode's "
                                "blocks at most (released as soon as prefill has read them)")
     retries: int = setting(
-        1, "times a turn is sent to another instance when an engine fails it before anything "
-        "was sent to the client: unreachable, gone mid-request (connection lost), or a prefill "
-        "that answered 5xx (its pinned read is released first)")
+        1, "times (0 to 8) a turn is sent to another instance when an engine fails it before "
+        "anything was sent to the client: unreachable, gone mid-request (connection lost), or "
+        "a prefill that answered 5xx (its pinned read is released first)")
     token: str = setting(
         "", "bearer token (role gateway) the gateway sends to the router and the registry; "
         "prefer the environment variable to the flag", env=TOKEN_ENV)

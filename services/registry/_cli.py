@@ -7,6 +7,7 @@ from typing import Any
 import click
 
 from kvbridge import aio
+from kvbridge.clients._cli import check_address_options
 from kvbridge.config import build_config, config_options
 from kvbridge.services.registry._config import RegistryConfig
 from kvbridge.services.registry._server import serve
@@ -30,6 +31,8 @@ def serve_command(**options: Any) -> None:
     URL keeps them in Redis, shared by every replica started with the same URL and namespace
     (each replica serves any RPC; start fails with exit status 1 if Redis is unreachable).
     """
+    check_address_options(options, listen=("listen", "metrics_listen"),
+                          optional=("metrics_listen",))
     config = build_config(RegistryConfig, options)
     try:
         aio.run(serve(config))

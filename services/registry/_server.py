@@ -17,6 +17,7 @@ from prometheus_client import start_http_server
 
 from kvbridge import aio, auth, logs
 from kvbridge._grpc_handlers import add_health_and_reflection, add_servicer
+from kvbridge.clients._base import parse_hostport
 from kvbridge.clock import Clock, SystemClock
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.services.registry._access import RULES
@@ -33,10 +34,10 @@ _MAX_TICK_SLEEP = 0.02  # bounds expiry lateness even if a deadline moves earlie
 
 
 def split_hostport(value: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {value!r}")
-    return host.strip("[]") or "0.0.0.0", int(port)
+    """A listen address `HOST:PORT` (port 0..65535; an empty host is every interface);
+    ValueError("expected HOST:PORT ...") otherwise."""
+    host, port = parse_hostport(value, listen=True)
+    return host or "0.0.0.0", port
 
 
 @dataclass

@@ -12,6 +12,8 @@ from kvbridge.clients._cli import (
     _fmt_duration,
     _json,
     _table,
+    address_callback,
+    check_address_options,
     client_security,
     json_option,
     security_options,
@@ -40,9 +42,12 @@ def serve_command(**options: Any) -> None:
     asks Route for each turn; prefill connectors may ask AcquireRead here instead of the
     registry, so that KV on an engine the router knows is dead is never read. Serves
     kvbridge.router.v1.RouterService plus health and reflection on --listen, Prometheus
-    metrics on --metrics-listen. Every flag can also be set with the KVBRIDGE_ROUTER_*
-    variable named in its help.
+    metrics on --metrics-listen. Every flag can also be set with the environment variable
+    named in its help (KVBRIDGE_ROUTER_*, or for shared ones KVBRIDGE_INSECURE,
+    KVBRIDGE_AUTH_TOKENS_FILE, KVBRIDGE_TLS_*, KVBRIDGE_TOKEN).
     """
+    check_address_options(options, listen=("listen", "metrics_listen"), targets=("registry",),
+                          optional=("metrics_listen", "registry"))
     config = build_config(RouterConfig, options)
     try:
         aio.run(serve(config))
@@ -59,6 +64,7 @@ def instances_group() -> None:
 
 router_option = click.option(
     "--router", envvar="KVBRIDGE_ROUTER", default="127.0.0.1:50061", show_default=True,
+    callback=address_callback(),
     help="router address HOST:PORT [env KVBRIDGE_ROUTER]")
 
 
