@@ -81,6 +81,12 @@ def test_compose_file_is_well_formed() -> None:
         command = _command(engine)
         assert command[command.index("--advertise-host") + 1] == engine
         assert command[command.index("--registry") + 1] == replicas
+    # The CPU engines compute on cores of their own (`engine run --cpu`, default 0).
+    cores = []
+    for engine in ("prefill-cpu", "decode-cpu"):
+        command = _command(engine)
+        cores.append(command[command.index("--cpu") + 1] if "--cpu" in command else "0")
+    assert cores == ["0", "1"]
 
 
 @pytest.mark.parametrize("service", SERVICES)
