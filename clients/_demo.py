@@ -20,7 +20,7 @@ import click
 from kvbridge import blockhash
 from kvbridge.auth import TOKEN_ENV
 from kvbridge.clients._cli import address_callback
-from kvbridge.clients._holder_session import HolderSession
+from kvbridge.clients._holder_session import GrantOutcomeUnknown, HolderSession
 from kvbridge.clients._registry import RegistryClient, seconds
 from kvbridge.registry.v1 import registry_pb2 as pb
 
@@ -119,14 +119,17 @@ def run_demo(target: str, turns: int, idle_ttl: float, seed: int,
         answer = [rng.randrange(50000) for _ in range(rng.randrange(20, 60))]
         held = prompt + answer[:-1]  # the last sampled token has no KV yet
         blocks = -(-len(held) // BLOCK_SIZE)
-        lease = decode.grant(tenant, conversation, f"decode-req-{turn}",
-                             list(range(turn * 1000, turn * 1000 + blocks)), len(held),
-                             blockhash.block_hashes(held, BLOCK_SIZE, FINGERPRINT,
-                                                    include_partial=True),
-                             idle_ttl=idle_ttl)
+        try:
+            lease = decode.grant(tenant, conversation, f"decode-req-{turn}",
+                                 list(range(turn * 1000, turn * 1000 + blocks)), len(held),
+                                 blockhash.block_hashes(held, BLOCK_SIZE, FINGERPRINT,
+                                                        include_partial=True),
+                                 idle_ttl=idle_ttl)
+            lease_text = f"lease {lease.lease_id} epoch {lease.epoch}" if lease else "no lease"
+        except GrantOutcomeUnknown as unknown:  # a real engine would keep the blocks
+            lease_text = f"grant outcome unknown ({unknown})"
         history = prompt + answer
         note = " (history edited)" if edited else ""
-        lease_text = f"lease {lease.lease_id} epoch {lease.epoch}" if lease else "no lease"
         emit(f"turn {turn}{note}: prompt {len(prompt)} tokens; prefill read: "
              f"{_describe_read(read, reusable)}; recompute {len(prompt) - reusable}; "
              f"decode keeps {len(held)} tokens -> {lease_text}")
