@@ -1,6 +1,11 @@
 """kvbridge client library: registry clients (sync and asyncio) and the holder session."""
 
-from kvbridge.clients._holder_session import HeldLease, HolderSession, Revoked
+from kvbridge.clients._holder_session import (
+    GrantOutcomeUnknown,
+    HeldLease,
+    HolderSession,
+    Revoked,
+)
 from kvbridge.clients._registry import (
     AsyncRegistryClient,
     RegistryClient,
@@ -8,5 +13,5 @@ from kvbridge.clients._registry import (
     seconds,
 )
 
-__all__ = ["AsyncRegistryClient", "HeldLease", "HolderSession", "RegistryClient", "Revoked",
-           "duration", "seconds"]
+__all__ = ["AsyncRegistryClient", "GrantOutcomeUnknown", "HeldLease", "HolderSession",
+           "RegistryClient", "Revoked", "duration", "seconds"]

@@ -20,8 +20,7 @@ from typing import Any
 import structlog
 
 from kvbridge import blockhash
-from kvbridge.clients import HolderSession, RegistryClient
-from kvbridge.clients._holder_session import GrantOutcomeUnknown
+from kvbridge.clients import GrantOutcomeUnknown, HolderSession, RegistryClient
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._settings import REMOTE_ID_PREFIX, ConnectorSettings, conversation_of
 
