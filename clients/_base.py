@@ -7,6 +7,11 @@ it carries (`kvbridge.errors`), so callers never handle grpc.RpcError.
 A client may name several addresses of replicas that serve the same state (`"a:50051,b:50051"`
 or a list): calls go to one of them, and when it answers UNAVAILABLE or runs out of time the
 client moves to the next, retrying an idempotent call there at once (within the same budget).
+
+A raised error has `maybe_applied`: True when some attempt of the call may have taken effect (it
+reached a server and was not refused with a reason: it ran out of time, lost its connection,
+or the server failed); a caller for whom a lost write matters (a holder's grant) must treat
+True as "perhaps done".
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import grpc
 
 from kvbridge._grpc_status import from_rpc_error
 from kvbridge.auth import TlsFiles, call_metadata
-from kvbridge.errors import DeadlineExceeded
+from kvbridge.errors import DeadlineExceeded, KvbridgeError, Unavailable
 
 DEFAULT_TIMEOUT = 2.0
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
@@ -77,6 +82,26 @@ def parse_targets(value: str) -> list[str]:
         if target:
             parse_hostport(target)
     return [t for t in targets if t]
+
+
+def _never_sent(err: grpc.RpcError) -> bool:
+    """The call failed before any byte of it reached a server: no connection could be made."""
+    return (err.code() == grpc.StatusCode.UNAVAILABLE
+            and "failed to connect" in (err.details() or "").lower())
+
+
+def _may_have_applied(err: grpc.RpcError, error: KvbridgeError) -> bool:
+    """Whether the failed attempt may have taken effect on the server: it reached one and did
+    not come back as a refusal the server explained (out of time, connection lost, the server
+    failed or its storage did: all unknown)."""
+    if _never_sent(err):
+        return False
+    return isinstance(error, (Unavailable, DeadlineExceeded)) or type(error) is KvbridgeError
+
+
+def _failed_call(error: KvbridgeError, maybe_applied: bool) -> KvbridgeError:
+    error.maybe_applied = maybe_applied  # type: ignore[attr-defined]
+    return error
 
 
 def split_targets(target: str | Sequence[str]) -> list[str]:
@@ -155,16 +180,20 @@ class SyncClient(_Replicas):
         budget = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + budget
         attempt, tried = 0, 1
+        sent = False  # whether some attempt may have reached a server
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise DeadlineExceeded(f"{method} to {self.target}: no reply within {budget:g}s")
+                raise _failed_call(DeadlineExceeded(
+                    f"{method} to {self.target}: no reply within {budget:g}s"), sent)
             index = self._active
             try:
                 return getattr(self._stubs[index], method)(request, timeout=left,
                                                            metadata=self.metadata)
             except grpc.RpcError as err:
                 code = err.code()
+                error = from_rpc_error(err)
+                sent = sent or _may_have_applied(err, error)
                 if (self._failed(index, code) and idempotent and code in RETRYABLE
                         and tried < len(self._stubs)):
                     tried += 1  # another replica, at once
@@ -174,7 +203,7 @@ class SyncClient(_Replicas):
                     time.sleep(backoff(attempt))
                     attempt += 1
                     continue
-                raise from_rpc_error(err) from None
+                raise _failed_call(error, sent) from None
 
 
 class AsyncClient(_Replicas):
@@ -212,16 +241,20 @@ class AsyncClient(_Replicas):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget
         attempt, tried = 0, 1
+        sent = False  # whether some attempt may have reached a server
         while True:
             left = deadline - loop.time()
             if left <= 0:
-                raise DeadlineExceeded(f"{method} to {self.target}: no reply within {budget:g}s")
+                raise _failed_call(DeadlineExceeded(
+                    f"{method} to {self.target}: no reply within {budget:g}s"), sent)
             index = self._active
             try:
                 return await getattr(self._stubs[index], method)(request, timeout=left,
                                                                  metadata=self.metadata)
             except grpc.RpcError as err:
                 code = err.code()
+                error = from_rpc_error(err)
+                sent = sent or _may_have_applied(err, error)
                 if (self._failed(index, code) and idempotent and code in RETRYABLE
                         and tried < len(self._stubs)):
                     tried += 1  # another replica, at once
@@ -231,4 +264,4 @@ class AsyncClient(_Replicas):
                     await asyncio.sleep(backoff(attempt))
                     attempt += 1
                     continue
-                raise from_rpc_error(err) from None
+                raise _failed_call(error, sent) from None

@@ -157,6 +157,35 @@ async def test_async_connection_refused_is_unavailable(closed_port):
             await client.list_leases()
 
 
+def test_errors_say_whether_the_call_may_have_taken_effect(closed_port, silent_port,
+                                                           sync_client):
+    """`maybe_applied`: False when no attempt reached a server or the server refused with a
+    reason; True when one may have run (no reply in time)."""
+    with (RegistryClient(f"127.0.0.1:{closed_port}", timeout=1.0) as refused,
+          pytest.raises(errors.Unavailable) as never_sent):
+        refused.grant_lease("h1", "t", "c", "r", [1], 4, b"\0" * 16)
+    assert never_sent.value.maybe_applied is False  # type: ignore[attr-defined]
+    with (RegistryClient(f"127.0.0.1:{silent_port}", timeout=0.3) as silent,
+          pytest.raises(errors.DeadlineExceeded) as timed_out):
+        silent.grant_lease("h1", "t", "c", "r", [1], 4, b"\0" * 16)
+    assert timed_out.value.maybe_applied is True  # type: ignore[attr-defined]
+    with pytest.raises(errors.HolderNotFound) as explained:
+        sync_client.grant_lease("nobody", "t", "c", "r", [1], 4, b"\0" * 16)
+    assert explained.value.maybe_applied is False  # type: ignore[attr-defined]
+
+
+async def test_async_errors_say_whether_the_call_may_have_taken_effect(closed_port,
+                                                                       silent_port):
+    async with AsyncRegistryClient(f"127.0.0.1:{closed_port}", timeout=1.0) as refused:
+        with pytest.raises(errors.Unavailable) as never_sent:
+            await refused.grant_lease("h1", "t", "c", "r", [1], 4, b"\0" * 16)
+    assert never_sent.value.maybe_applied is False  # type: ignore[attr-defined]
+    async with AsyncRegistryClient(f"127.0.0.1:{silent_port}", timeout=0.3) as silent:
+        with pytest.raises(errors.DeadlineExceeded) as timed_out:
+            await silent.grant_lease("h1", "t", "c", "r", [1], 4, b"\0" * 16)
+    assert timed_out.value.maybe_applied is True  # type: ignore[attr-defined]
+
+
 class Flaky(pb_grpc.RegistryServiceServicer):
     """Answers UNAVAILABLE `failures` times per method, then succeeds; records requests."""
 
