@@ -17,7 +17,6 @@ Invariants kept here (DESIGN.md):
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -37,6 +36,7 @@ from kvbridge.errors import (
     NotLeaseHolder,
     TenantQuotaExceeded,
 )
+from kvbridge.ids import derived_id, grant_lease_id
 from kvbridge.services.registry import _validate as check
 from kvbridge.services.registry._config import RegistryConfig
 from kvbridge.services.registry._expiry import ExpiryWheel
@@ -450,7 +450,7 @@ class LeaseTable:
         if holder.state is HolderState.DRAINING:
             raise HolderDraining(f"holder {g.holder_id!r} is draining", holder=g.holder_id)
         if g.request_id:
-            lease_id = derived_id("l", g.holder_id, g.request_id)
+            lease_id = grant_lease_id(g.holder_id, g.request_id)
             existing = self._leases.get(lease_id)
             if existing is not None:
                 if (existing.tenant, existing.conversation_id, existing.remote_request_id) != (
@@ -825,8 +825,3 @@ class LeaseTable:
             "pins": len(self._pins),
         }
 
-
-def derived_id(prefix: str, scope: str, request_id: str) -> str:
-    """A stable id for a retried request: the same (scope, request id) gives the same id."""
-    digest = hashlib.blake2b(f"{scope}\x00{request_id}".encode(), digest_size=8).hexdigest()
-    return f"{prefix}-{digest}"

@@ -54,6 +54,7 @@ from kvbridge.errors import (
     TenantQuotaExceeded,
     Unavailable,
 )
+from kvbridge.ids import derived_id, grant_lease_id
 from kvbridge.services.registry import _validate as check
 from kvbridge.services.registry._config import RegistryConfig
 from kvbridge.services.registry._core import (
@@ -73,7 +74,6 @@ from kvbridge.services.registry._core import (
     check_registration,
     check_renewal,
     check_revocation,
-    derived_id,
     grant_ttls,
 )
 from kvbridge.services.registry._model import (
@@ -335,7 +335,7 @@ class RedisStore:
         if block_size is None:
             block_size = (await self.get_holder(g.holder_id)).block_size
         if g.request_id:
-            lease_id = derived_id("l", g.holder_id, g.request_id)
+            lease_id = grant_lease_id(g.holder_id, g.request_id)
         else:
             lease_id = "l-" + secrets.token_hex(8)
         idle, life = grant_ttls(cfg, g)

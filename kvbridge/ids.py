@@ -1,0 +1,18 @@
+"""Ids the registry derives from a request's own id, so that a retried request finds what the
+first attempt made. Part of the API: a holder computes the lease id of a grant it sent (holder
+id, request id) to ask about it when the grant's outcome is unknown."""
+
+from __future__ import annotations
+
+import hashlib
+
+
+def derived_id(prefix: str, scope: str, request_id: str) -> str:
+    """A stable id for a retried request: the same (scope, request id) gives the same id."""
+    digest = hashlib.blake2b(f"{scope}\x00{request_id}".encode(), digest_size=8).hexdigest()
+    return f"{prefix}-{digest}"
+
+
+def grant_lease_id(holder_id: str, request_id: str) -> str:
+    """The id of the lease a grant with `request_id` from `holder_id` makes (both backends)."""
+    return derived_id("l", holder_id, request_id)
