@@ -15,9 +15,12 @@ re-registers and re-sends the leases it still holds; the registry restores or re
 A grant the registry refused returns None: the caller does not retain the blocks. A grant
 whose outcome is unknown (it ran out of time, or the connection broke after it was sent) may
 have made a lease that readers will use, so it raises `GrantOutcomeUnknown` and the caller
-must keep the blocks: the session asks again with the same request id (grants are idempotent)
-after each heartbeat, and reports the outcome through `on_grant_resolved(request_id, lease)`,
-with None when there is no lease to keep (refused, or past the grant's hard deadline).
+must keep the blocks. The lease such a grant makes has an id the holder can compute
+(`kvbridge.ids.grant_lease_id`), so once the grant can no longer be running anywhere, the
+session looks that id up after each heartbeat (never granting again: a late lease would
+supersede a newer turn's) and reports through `on_grant_resolved(request_id, lease)`: the
+lease, now held like any other, or None when no reader can use the blocks (no such lease, or
+one already dead and unpinned, or the grant's hard deadline passed).
 """
 
 from __future__ import annotations
@@ -32,7 +35,14 @@ import structlog
 
 from kvbridge.clients._registry import RegistryClient, duration, seconds
 from kvbridge.clock import Clock, SystemClock
-from kvbridge.errors import DeadlineExceeded, HolderNotFound, KvbridgeError, Unavailable
+from kvbridge.errors import (
+    DeadlineExceeded,
+    HolderNotFound,
+    KvbridgeError,
+    LeaseNotFound,
+    Unavailable,
+)
+from kvbridge.ids import grant_lease_id
 from kvbridge.registry.v1 import registry_pb2 as pb
 
 log = structlog.get_logger("kvbridge.holder")
@@ -43,7 +53,6 @@ DEFAULT_MAX_PIN_TTL = 30.0
 # A grant that names no maximum lifetime gets the registry's default, which the holder does not
 # know: an unresolved one is bounded by the longest lifetime a registry allows by default.
 UNKNOWN_MAX_LIFETIME = 86400.0
-_RESOLVE_ATTEMPTS = 5  # after that, an unresolved grant waits for its hard deadline
 
 
 class GrantOutcomeUnknown(Exception):
@@ -57,21 +66,25 @@ class GrantOutcomeUnknown(Exception):
 
 
 def outcome_unknown(err: KvbridgeError) -> bool:
-    """Whether a failed call may have taken effect: it ran out of time, the connection broke,
-    or the server failed without saying why. A refusal the registry explains did not, nor did
-    a call that never left because no connection could be made."""
-    if isinstance(err, Unavailable) and "failed to connect" in err.message.lower():
-        return False
+    """Whether a failed call may have taken effect. The clients say so themselves
+    (`maybe_applied`, over all of a call's attempts); for other errors: it ran out of time, the
+    connection broke, or the server failed without saying why."""
+    maybe = getattr(err, "maybe_applied", None)
+    if maybe is not None:
+        return bool(maybe)
     return isinstance(err, (Unavailable, DeadlineExceeded)) or type(err) is KvbridgeError
 
 
 @dataclass(slots=True)
 class _PendingGrant:
     request_id: str
+    lease_id: str  # the id a lease of this grant has
     args: tuple[str, str, str, list[int], int, bytes, float, float]
     life: float
-    hard_deadline: float
-    attempts: int = 0
+    first_sent: float
+    hard_deadline: float = 0.0  # a lease of any attempt so far, and its pins, are over by then
+    settled_after: float = 0.0  # no attempt can still be making the lease after this
+    maybe_applied: bool = False
 
 
 @dataclass(slots=True)
@@ -226,35 +239,50 @@ class HolderSession:
             self._reclaim(due, "hard_deadline")
         for p in lapsed:
             log.warning("lease_grant_unresolved", holder=self.holder_id,
-                        request_id=p.request_id, attempts=p.attempts, why="hard_deadline")
+                        request_id=p.request_id, why="hard_deadline")
             self._grant_resolved(p.request_id, None)
 
     def _resolve_pending(self) -> None:
-        """Ask again about grants whose outcome is unknown, with their own request ids: the
-        registry answers with the lease if it made one (or makes it now), or refuses."""
+        """Look up the leases that grants of unknown outcome may have made, once those grants
+        cannot be running anywhere any more; within a share of the heartbeat interval, so that
+        a slow registry cannot starve the heartbeat."""
+        now = self.clock.monotonic()
+        until = now + self.ttl / 6
         with self._lock:
-            pending = [p for p in self._pending.values() if p.attempts < _RESOLVE_ATTEMPTS]
-        for p in pending:
+            due = [p for p in self._pending.values() if p.settled_after <= now]
+        for p in due:
+            left = until - self.clock.monotonic()
+            if left <= 0:
+                return
             try:
-                lease = self._send_grant(p, timeout=self.ttl / 3)
-            except HolderNotFound:
-                return  # the next heartbeat registers again, then asks
-            except KvbridgeError as err:
-                if outcome_unknown(err):
-                    log.info("lease_grant_still_unknown", holder=self.holder_id,
-                             request_id=p.request_id, attempts=p.attempts, error=str(err))
-                    continue
-                with self._lock:
-                    self._pending.pop(p.request_id, None)
-                log.warning("lease_grant_failed", holder=self.holder_id,
-                            request_id=p.request_id, error=str(err), resolved=True)
-                self._grant_resolved(p.request_id, None)
+                lease = self.client.get_lease(p.lease_id, timeout=left)
+            except LeaseNotFound:
+                # None was made (no grant runs past its deadline, and those have passed), or
+                # it was made, reported reclaimable and forgotten: no reader can use them.
+                self._settle(p, None, "no_lease")
                 continue
+            except KvbridgeError as err:
+                log.info("lease_grant_still_unknown", holder=self.holder_id,
+                         request_id=p.request_id, error=str(err))
+                continue
+            if lease.state != pb.LEASE_STATE_ACTIVE and lease.pin_count == 0:
+                self._settle(p, None, "dead_unpinned")  # reclaimable now: nobody reads it
+                continue
+            tenant, conversation, rrid, block_ids, tokens, hashes, _, _ = p.args
+            held = HeldLease(lease.lease_id, tenant, conversation, rrid, list(block_ids), tokens,
+                             hashes, lease.epoch, seconds(lease.idle_ttl),
+                             seconds(lease.max_lifetime), p.first_sent, p.hard_deadline)
             with self._lock:
-                self._pending.pop(p.request_id, None)
-            log.info("lease_grant_resolved", holder=self.holder_id, request_id=p.request_id,
-                     lease_id=lease.lease_id, state=pb.LeaseState.Name(lease.state))
-            self._grant_resolved(p.request_id, lease)
+                self._held[lease.lease_id] = held
+                self._acks.discard(lease.lease_id)  # held now: it must be reported again
+            self._settle(p, lease, pb.LeaseState.Name(lease.state))
+
+    def _settle(self, p: _PendingGrant, lease: pb.Lease | None, how: str) -> None:
+        with self._lock:
+            self._pending.pop(p.request_id, None)
+        log.info("lease_grant_resolved", holder=self.holder_id, request_id=p.request_id,
+                 lease_id=lease.lease_id if lease is not None else None, how=how)
+        self._grant_resolved(p.request_id, lease)
 
     def _grant_resolved(self, request_id: str, lease: pb.Lease | None) -> None:
         if self.on_grant_resolved is None:
@@ -293,54 +321,64 @@ class HolderSession:
         the grant (see the module docstring).
 
         A registry that no longer knows this holder (it restarted, or heartbeats were starved
-        past the TTL) gets a re-registration and the grant once more."""
+        past the TTL) gets a re-registration and the grant once more, with the same request
+        id (so a lease an earlier attempt made is the one returned)."""
         budget = timeout if timeout is not None else float(getattr(self.client, "timeout", 0) or
                                                            30.0)
         life = max_lifetime if max_lifetime > 0 else UNKNOWN_MAX_LIFETIME
-        p = _PendingGrant(uuid.uuid4().hex,
+        request_id = uuid.uuid4().hex
+        p = _PendingGrant(request_id, grant_lease_id(self.holder_id, request_id),
                           (tenant, conversation_id, remote_request_id, list(block_ids),
-                           token_count, block_hashes, idle_ttl, max_lifetime), life, 0.0)
+                           token_count, block_hashes, idle_ttl, max_lifetime), life,
+                          self.clock.monotonic())
         for attempt in range(2):
             if not self.registered and (attempt == 0 or not self._register()):
-                return None
+                break
             try:
                 return self._send_grant(p, timeout=budget)
-            except HolderNotFound:
+            except HolderNotFound as err:
+                p.maybe_applied = p.maybe_applied or outcome_unknown(err)
                 self.registered = False
                 log.warning("holder_unknown_to_registry", holder=self.holder_id)
             except KvbridgeError as err:
-                if outcome_unknown(err):
-                    with self._lock:
-                        self._pending[p.request_id] = p
-                    log.warning("lease_grant_outcome_unknown", holder=self.holder_id,
-                                conversation=conversation_id, request_id=p.request_id,
-                                error=str(err), hard_deadline_in_s=round(
-                                    p.hard_deadline - self.clock.monotonic(), 1))
-                    raise GrantOutcomeUnknown(p.request_id, p.hard_deadline, str(err)) from err
-                log.warning("lease_grant_failed", holder=self.holder_id,
-                            conversation=conversation_id, error=str(err))
-                return None
+                p.maybe_applied = p.maybe_applied or outcome_unknown(err)
+                if not p.maybe_applied:
+                    log.warning("lease_grant_failed", holder=self.holder_id,
+                                conversation=conversation_id, error=str(err))
+                    return None
+                self._keep_pending(p, str(err))
+        if p.maybe_applied:
+            self._keep_pending(p, "holder unknown to the registry")
         return None
 
+    def _keep_pending(self, p: _PendingGrant, cause: str) -> None:
+        with self._lock:
+            self._pending[p.request_id] = p
+        log.warning("lease_grant_outcome_unknown", holder=self.holder_id,
+                    conversation=p.args[1], request_id=p.request_id, lease_id=p.lease_id,
+                    error=cause,
+                    hard_deadline_in_s=round(p.hard_deadline - self.clock.monotonic(), 1))
+        raise GrantOutcomeUnknown(p.request_id, p.hard_deadline, cause)
+
     def _send_grant(self, p: _PendingGrant, timeout: float) -> pb.Lease:
-        """One GrantLease for `p`, with its request id. Before sending, `p`'s hard deadline
-        covers a lease made by this attempt: the registry runs no grant past its deadline, so
-        such a lease is younger than the send time plus `timeout`. On success the lease is
-        held (its hard deadline counted from this send) and returned."""
+        """One GrantLease for `p`, with its request id; the lease is held once it is back.
+        Before sending, `p`'s deadlines cover a lease this attempt may make: the registry runs
+        no grant past its deadline (send time + `timeout`), and the margin covers a store
+        still finishing one it started before then."""
         tenant, conversation, rrid, block_ids, tokens, hashes, idle_ttl, max_lifetime = p.args
         sent_at = self.clock.monotonic()
-        p.hard_deadline = max(p.hard_deadline, sent_at + timeout + p.life + self.max_pin_ttl +
-                              self.margin)
-        p.attempts += 1
+        p.settled_after = max(p.settled_after, sent_at + timeout + self.margin)
+        p.hard_deadline = max(p.hard_deadline, p.settled_after + p.life + self.max_pin_ttl)
         resp = self.client.grant_lease(
             self.holder_id, tenant, conversation, rrid, block_ids, tokens, hashes, idle_ttl,
             max_lifetime, request_id=p.request_id, timeout=timeout)
         lease = resp.lease
         life = seconds(lease.max_lifetime)
+        # The lease was made before its reply came back: count from now, not from the send.
+        answered = self.clock.monotonic()
         held = HeldLease(lease.lease_id, tenant, conversation, rrid, list(block_ids), tokens,
-                         hashes, lease.epoch, seconds(lease.idle_ttl), life, sent_at,
-                         max(sent_at + life + self.max_pin_ttl + self.margin,
-                             p.hard_deadline if p.attempts > 1 else 0.0))
+                         hashes, lease.epoch, seconds(lease.idle_ttl), life, p.first_sent,
+                         answered + life + self.max_pin_ttl + self.margin)
         with self._lock:
             self._held[lease.lease_id] = held
         if resp.superseded_lease_id:

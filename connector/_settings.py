@@ -101,6 +101,9 @@ class ConnectorSettings:
             value = getattr(self, field.name)
             if isinstance(value, float) and value < 0:
                 raise ValueError(f"kvbridge.{field.name} must not be negative, got {value}")
+        if self.max_lifetime_s <= 0 or self.idle_ttl_s <= 0:
+            raise ValueError("kvbridge.idle_ttl_s and max_lifetime_s must be positive (a holder "
+                             "bounds how long it keeps blocks by the lifetime it asks for)")
         if self.max_unsettled_grants < 1:
             raise ValueError("kvbridge.max_unsettled_grants must be at least 1")
         if not 0.0 <= self.free_watermark < 1.0:

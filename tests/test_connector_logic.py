@@ -446,33 +446,79 @@ def grants_answer_late(registry: ThreadedRegistry, delay: float) -> Iterator[Non
         store.grant = original  # type: ignore[method-assign]
 
 
+def _settle_pending(kit: DecodeKit) -> None:
+    """Heartbeat until the session has settled every grant of unknown outcome."""
+    session = kit.retention.session
+
+    def settled() -> bool:
+        session.heartbeat_once()
+        return not session.pending_grants()
+
+    wait_for(settled, "the grants of unknown outcome to settle")
+
+
 def test_decode_grant_of_unknown_outcome_keeps_the_blocks_until_resolved(
-        decode: DecodeKit, registry: ThreadedRegistry, client: RegistryClient):
+        registry: ThreadedRegistry, client: RegistryClient):
     """A grant that timed out may have made a lease that readers will use: its blocks are
-    kept, and the next heartbeat asks again with the same request id and adopts that lease
-    (before: the blocks were freed under a live lease, and the next turn read other data)."""
+    kept, and once the grant cannot be running any more the session looks up the lease it
+    would have made and adopts it (before: the blocks were freed under a live lease, and the
+    next turn read other data)."""
     table = [5, 6, 7, 8, 9, 10, 11]
-    with grants_answer_late(registry, 1.5):
-        decode.finish("req-1", "c1", PROMPT1, OUTPUT1, table)
-        wait_for(lambda: decode.retention.session.pending_grants(), "the grant to time out")
-        lease = only_lease(client, "c1")  # the registry did make it
-        assert lease.state == pb.LEASE_STATE_ACTIVE
-        assert decode.retention.drain() == 0
-        assert decode.pool.refs(table) == [1] * 7
-        assert decode.granted() == 0
-        assert sample(decode.metrics, "kvbridge_connector_grants_outcome_unknown_total") == 1
-    decode.retention.session.heartbeat_once()  # resolves it: the same lease, now held
-    assert decode.retention.session.pending_grants() == []
-    decode.wait_granted(1)
-    assert [h.lease_id for h in decode.retention.session.held()] == [lease.lease_id]
-    assert only_lease(client, "c1").lease_id == lease.lease_id  # no second lease made
-    assert decode.retention.drain() == 0
-    assert decode.pool.refs(table) == [1] * 7
-    # And it is an ordinary lease from now on: a newer turn supersedes it and it is freed.
-    client.revoke_lease(lease.lease_id, "test", HOLDER)
-    decode.retention.session.heartbeat_once()
-    wait_for(lambda: decode.retention.drain() == 7, "the revoked lease's blocks to be freed")
-    assert decode.pool.refs(table) == [0] * 7
+    with decode_kit(registry, hard_deadline_margin_s=0.2) as kit:
+        with grants_answer_late(registry, 1.5):
+            kit.finish("req-1", "c1", PROMPT1, OUTPUT1, table)
+            wait_for(lambda: kit.retention.session.pending_grants(), "the grant to time out")
+            lease = only_lease(client, "c1")  # the registry did make it
+            assert lease.state == pb.LEASE_STATE_ACTIVE
+            assert kit.retention.drain() == 0
+            assert kit.pool.refs(table) == [1] * 7
+            assert kit.granted() == 0
+            assert sample(kit.metrics, "kvbridge_connector_grants_outcome_unknown_total") == 1
+        _settle_pending(kit)
+        kit.wait_granted(1)
+        assert [h.lease_id for h in kit.retention.session.held()] == [lease.lease_id]
+        assert only_lease(client, "c1").lease_id == lease.lease_id  # no second lease made
+        assert kit.retention.drain() == 0
+        assert kit.pool.refs(table) == [1] * 7
+        # An ordinary lease from now on: revoked, it is reported reclaimable and freed.
+        client.revoke_lease(lease.lease_id, "test", HOLDER)
+        kit.retention.session.heartbeat_once()
+        wait_for(lambda: kit.retention.drain() == 7, "the revoked lease's blocks to be freed")
+        assert kit.pool.refs(table) == [0] * 7
+
+
+def test_decode_grant_of_unknown_outcome_that_made_no_lease_is_freed_and_not_made_late(
+        registry: ThreadedRegistry, client: RegistryClient, monkeypatch: pytest.MonkeyPatch):
+    """A grant that timed out without making a lease (the registry ran it past its deadline,
+    so refused it) frees its blocks once the session has looked, and no lease is made for it
+    later: a late lease would supersede a newer turn's."""
+    from kvbridge.services.registry._servicer import RegistryServicer
+
+    original = RegistryServicer._grant_spec
+
+    def slow(self: Any, request: Any, holder_id: str) -> Any:
+        if request.conversation_id == "c1":
+            time.sleep(1.3)  # past the grant's 1 s deadline: the registry refuses it
+        return original(self, request, holder_id)
+
+    table = [5, 6, 7, 8, 9, 10, 11]
+    with decode_kit(registry, hard_deadline_margin_s=0.2) as kit:
+        monkeypatch.setattr(RegistryServicer, "_grant_spec", slow)
+        kit.finish("req-1", "c1", PROMPT1, OUTPUT1, table)
+        wait_for(lambda: kit.retention.session.pending_grants(), "the grant to time out")
+        assert kit.pool.refs(table) == [1] * 7
+        monkeypatch.setattr(RegistryServicer, "_grant_spec", original)
+        kit.finish("req-2", "c1", PROMPT1 + OUTPUT1 + [9], [8], [21, 22, 23, 24, 25, 26, 27, 28])
+        kit.wait_granted(1)  # the newer turn's lease
+        newer = only_lease(client, "c1")
+        _settle_pending(kit)
+        wait_for(lambda: kit.retention.drain() == 7, "the first turn's blocks to be freed")
+        assert kit.freed("grant_unresolved") == 7
+        assert kit.pool.refs(table) == [0] * 7
+        leases = list(client.list_leases(tenant=TENANT, conversation_id="c1",
+                                         include_inactive=True).leases)
+        assert [lease.lease_id for lease in leases] == [newer.lease_id]
+        assert leases[0].state == pb.LEASE_STATE_ACTIVE
 
 
 def test_decode_unresolved_grant_is_freed_at_its_hard_deadline(
@@ -486,12 +532,12 @@ def test_decode_unresolved_grant_is_freed_at_its_hard_deadline(
     registry.stop()
     session = decode.retention.session
     (request_id,) = session.pending_grants()
-    deadline = session._pending[request_id].hard_deadline
-    # max lifetime + the registry's max pin TTL + the margin, after the send and its timeout
-    assert deadline - time.monotonic() > decode.retention.settings.max_lifetime_s
+    pending = session._pending[request_id]
+    # sent + timeout + margin + max lifetime + the registry's max pin TTL
+    assert pending.hard_deadline - time.monotonic() > decode.retention.settings.max_lifetime_s
     session.heartbeat_once()  # unreachable: nothing resolved, nothing freed
     assert decode.retention.drain() == 0 and decode.pool.refs(table) == [1] * 2
-    session._pending[request_id].hard_deadline = time.monotonic()  # as if that time came
+    pending.hard_deadline = time.monotonic()  # as if that time had come
     session.heartbeat_once()
     assert session.pending_grants() == []
     wait_for(lambda: decode.retention.drain() == 2, "the unresolved grant's blocks to be freed")
