@@ -720,6 +720,29 @@ async def test_redis_reregistration_restores_a_lease_whose_hash_was_evicted(
         await store.close()
 
 
+async def test_redis_evicted_lease_does_not_count_against_its_tenants_quota(
+        redis_server: Any, redis_namespace: str, kv: Any, tmp_path: Path) -> None:
+    """A lease whose hash Redis evicted leaves the tenant's quota count at the next grant of
+    that tenant: it does not make a live lease give way."""
+    quotas = tmp_path / "quotas.txt"
+    quotas.write_text("t1 2 0\n")
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace, tenant_quota_file=str(quotas))
+    store = RedisStore(config, SystemClock())
+    await store.start()
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await store.register_holder(holder(ttl=300.0))
+        gone = (await store.grant(grant_spec(kv, kv.tokens(8), conversation="c1"))).lease
+        kept = (await store.grant(grant_spec(kv, kv.tokens(8), conversation="c2"))).lease
+        await client.delete(store.prefix + "l:" + gone.lease_id)
+        await store.grant(grant_spec(kv, kv.tokens(8), conversation="c3"))
+        assert (await store.get_lease(kept.lease_id)).state is LeaseState.ACTIVE
+    finally:
+        await client.aclose()
+        await store.close()
+
+
 async def test_redis_expiry_skips_an_evicted_lease_and_goes_on(
         redis_server: Any, redis_namespace: str, kv: Any) -> None:
     """A lease whose hash Redis evicted comes due like any other: the tick skips it instead

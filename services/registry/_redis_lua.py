@@ -98,7 +98,9 @@ local function lose_holder(hid)
   redis.call('ZREM', P .. 'holders', hid)
   redis.call('ZADD', P .. 'lost', F(NOW), hid)
   local active = redis.call('SMEMBERS', P .. 'ha:' .. hid)
-  for _, lid in ipairs(active) do kill(lid, HOLDER_LOST, 0) end
+  for _, lid in ipairs(active) do
+    if not kill(lid, HOLDER_LOST, 0) then redis.call('SREM', P .. 'ha:' .. hid, lid) end
+  end
   return #active
 end
 
@@ -379,7 +381,9 @@ elseif cmd == 'grant' then
     local blocks = tonumber(ARGS[12])
     if QB > 0 and blocks > QB then return {'ERR', 'TENANT_QUOTA_EXCEEDED'} end
     local TA = P .. 'ta:' .. tenant
-    for _, m in ipairs(redis.call('SMEMBERS', TA)) do refresh(m) end  -- passed deadlines
+    for _, m in ipairs(redis.call('SMEMBERS', TA)) do  -- passed deadlines; evicted ones go
+      if not refresh(m) then redis.call('SREM', TA, m) end
+    end
     local n = redis.call('SCARD', TA)
     local used = tonumber(redis.call('HGET', P .. 'tb', tenant) or '0')
     if cur and redis.call('SISMEMBER', TA, cur) == 1 then  -- superseded below
