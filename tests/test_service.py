@@ -76,6 +76,20 @@ class Watch:
 # ---- health, reflection ---------------------------------------------------------------------
 
 
+async def test_registry_on_ipv6_loopback_gives_a_bracketed_address(registry_clock):
+    """A registry listening on [::1] reports `[::1]:PORT`, an address clients (and `up`, which
+    hands it to engines) accept and reach."""
+    from conftest import start_registry
+
+    server = await start_registry(registry_clock, listen="[::1]:0")
+    try:
+        assert server.address == f"[::1]:{server.port}"
+        async with AsyncRegistryClient(server.address) as client:
+            assert (await client.get_server_info()).version
+    finally:
+        await server.stop(0)
+
+
 async def test_health_reports_serving_for_server_and_service(registry_server):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{registry_server.port}") as channel:
         stub = health_pb2_grpc.HealthStub(channel)

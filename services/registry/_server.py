@@ -65,7 +65,7 @@ class RegistryServer:
     @property
     def address(self) -> str:
         host, _ = split_hostport(self.config.listen)
-        return f"{host}:{self.port}"
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     async def start(self) -> None:
         if self.config.metrics_listen:  # first: if its port is taken, nothing is left running

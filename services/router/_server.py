@@ -45,7 +45,7 @@ class RouterServer:
     @property
     def address(self) -> str:
         host, _ = split_hostport(self.config.listen)
-        return f"{host}:{self.port}"
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     async def start(self) -> None:
         if self.config.metrics_listen:
