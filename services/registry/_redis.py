@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import secrets
 import sys
 import time
@@ -617,9 +618,13 @@ def _pool_checks() -> dict[str, Any]:
     handing it out. redis-py 7+ skips that check while "maintenance notifications" (a RESP3
     feature of managed Redis, unused here) are on, and they are on ("auto") by default: the
     first call after a Redis restart would then fail, since script calls are never resent."""
+    # The asyncio client takes the option from redis-py 8.1 (7.x has the notifications in the
+    # blocking client only): ask the client itself rather than the version.
+    if "maint_notifications_config" not in inspect.signature(aioredis.Redis.__init__).parameters:
+        return {}
     try:
         from redis.maint_notifications import MaintNotificationsConfig
-    except ImportError:  # redis-py < 7: no such notifications, the pool always checks
+    except ImportError:  # no such notifications: the pool always checks
         return {}
     return {"maint_notifications_config": MaintNotificationsConfig(enabled=False)}
 
