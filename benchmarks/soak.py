@@ -35,7 +35,7 @@ import click
 
 from kvbridge import blockhash
 from kvbridge.benchmarks.registry_bench import _spawn
-from kvbridge.clients import HolderSession, RegistryClient
+from kvbridge.clients import GrantOutcomeUnknown, HolderSession, RegistryClient
 from kvbridge.errors import KvbridgeError
 from kvbridge.registry.v1 import registry_pb2 as pb
 
@@ -68,6 +68,7 @@ class Stats:
     turns: int = 0
     grants: int = 0
     grant_failures: int = 0
+    grants_unknown: int = 0  # timed out: blocks kept until the session settles them
     reads: int = 0
     read_hits: int = 0
     read_misses: dict[str, int] = field(default_factory=dict)
@@ -96,7 +97,23 @@ class FakeEngine:
         self.session = _PausableSession(
             self, self.client, holder_id=holder_id, nixl_host="127.0.0.1", nixl_port=5600,
             block_size=BLOCK, engine_fingerprint=FINGERPRINT, on_reclaim=self.free,
-            ttl=holder_ttl, hard_deadline_margin=5.0)
+            ttl=holder_ttl, hard_deadline_margin=5.0, on_grant_resolved=self.settled)
+        self._unsettled: dict[str, str] = {}  # grant request id -> the lease id it may have
+
+    def unsettled(self, unknown: GrantOutcomeUnknown, blocks: int) -> None:
+        """A grant of unknown outcome: keep its blocks under the only id its lease can have."""
+        with self.lock:
+            self.kept[unknown.lease_id] = blocks
+            self._unsettled[unknown.request_id] = unknown.lease_id
+
+    def settled(self, request_id: str, lease: Any) -> None:
+        with self.lock:
+            lease_id = self._unsettled.pop(request_id, "")
+            if lease is None:
+                self.kept.pop(lease_id, None)
+        if lease is None:
+            with self.stats.lock:
+                self.stats.freed["unsettled"] = self.stats.freed.get("unsettled", 0) + 1
 
     def free(self, lease_ids: list[str]) -> None:
         why = "hard_deadline" if any(self.session.due(lid) for lid in lease_ids) else "notice"
@@ -214,19 +231,25 @@ class Soak:
         conv.tokens = prompt + [self.rng.randrange(1, 50_000) for _ in range(16)]
         engine = conv.engine
         n = -(-len(conv.tokens) // BLOCK)
-        lease = engine.session.grant(
-            TENANT, conv.name, f"kvbridge-soak-{cid}-{stats.turns}", list(range(1, n + 1)),
-            len(conv.tokens), blockhash.block_hashes(conv.tokens, BLOCK, FINGERPRINT,
-                                                     include_partial=True),
-            idle_ttl=self.idle_ttl, max_lifetime=3600.0, timeout=2.0)
-        if lease is None:
-            stats.grant_failures += 1
-            conv.lease_id = ""
+        try:
+            lease = engine.session.grant(
+                TENANT, conv.name, f"kvbridge-soak-{cid}-{stats.turns}", list(range(1, n + 1)),
+                len(conv.tokens), blockhash.block_hashes(conv.tokens, BLOCK, FINGERPRINT,
+                                                         include_partial=True),
+                idle_ttl=self.idle_ttl, max_lifetime=3600.0, timeout=2.0)
+        except GrantOutcomeUnknown as unknown:  # kept under the only id its lease can have
+            stats.grants_unknown += 1
+            engine.unsettled(unknown, n)
+            conv.lease_id = unknown.lease_id
         else:
-            stats.grants += 1
-            with engine.lock:
-                engine.kept[lease.lease_id] = n
-            conv.lease_id = lease.lease_id
+            if lease is None:
+                stats.grant_failures += 1
+                conv.lease_id = ""
+            else:
+                stats.grants += 1
+                with engine.lock:
+                    engine.kept[lease.lease_id] = n
+                conv.lease_id = lease.lease_id
         conv.turns_left -= 1
         if conv.turns_left > 0:
             pause = self._think()
@@ -393,7 +416,8 @@ def soak_bench(minutes: float, conversations: int, holders: int, think_s: float,
     result = {
         **audit, "wrong_reads": s.wrong_reads, "minutes": minutes,
         "conversations_live": conversations, "holders": holders, "turns": s.turns,
-        "grants": s.grants, "grant_failures": s.grant_failures, "reads": s.reads,
+        "grants": s.grants, "grant_failures": s.grant_failures,
+        "grants_outcome_unknown": s.grants_unknown, "reads": s.reads,
         "read_hits": s.read_hits, "read_misses": s.read_misses, "renewals": s.renewals,
         "conversations_ended": s.ended, "conversations_abandoned": s.abandoned,
         "holder_churns": s.churns, "reconciled_resent": s.resent,

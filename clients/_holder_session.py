@@ -59,9 +59,10 @@ class GrantOutcomeUnknown(Exception):
     """The grant may or may not have made a lease: keep the blocks until the session reports
     the outcome (`on_grant_resolved`) or `hard_deadline` (holder's monotonic clock) passes."""
 
-    def __init__(self, request_id: str, hard_deadline: float, cause: str) -> None:
+    def __init__(self, request_id: str, lease_id: str, hard_deadline: float, cause: str) -> None:
         super().__init__(f"grant {request_id}: outcome unknown ({cause})")
         self.request_id = request_id
+        self.lease_id = lease_id  # the only id a lease of this grant can have
         self.hard_deadline = hard_deadline
 
 
@@ -358,7 +359,7 @@ class HolderSession:
                     conversation=p.args[1], request_id=p.request_id, lease_id=p.lease_id,
                     error=cause,
                     hard_deadline_in_s=round(p.hard_deadline - self.clock.monotonic(), 1))
-        raise GrantOutcomeUnknown(p.request_id, p.hard_deadline, cause)
+        raise GrantOutcomeUnknown(p.request_id, p.lease_id, p.hard_deadline, cause)
 
     def _send_grant(self, p: _PendingGrant, timeout: float) -> pb.Lease:
         """One GrantLease for `p`, with its request id; the lease is held once it is back.
