@@ -131,6 +131,38 @@ async def test_unreachable_and_unanswered_calls_fail_fast() -> None:
         await server.wait_closed()
 
 
+async def test_calls_waiting_on_a_failing_connect_share_its_failure() -> None:
+    """Calls that queue behind a connect attempt to a Redis that does not answer fail with it,
+    rather than each making an attempt of its own after it (n calls: one connect timeout, not
+    n of them one after another)."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)  # never answers AUTH: the connect times out
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pipe = ScriptPipe(f"redis://:secret@127.0.0.1:{port}/0", SCRIPT, SHA, connect_timeout=0.5,
+                      timeout=5.0)
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        results = await asyncio.gather(*(pipe.call(["k"], [b"x", i]) for i in range(4)),
+                                       return_exceptions=True)
+        assert all(isinstance(r, RedisConnectionError) for r in results), results
+        assert loop.time() - started < 1.2  # one attempt's timeout, not four
+        assert len(accepted) == 1
+        with pytest.raises(RedisConnectionError):  # a later call tries again
+            await pipe.call(["k"], [b"x", 9])
+        assert len(accepted) == 2
+    finally:
+        await pipe.close()
+        for writer in accepted:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_a_store_on_a_url_the_pipe_does_not_take_uses_redis_py(
         redis_server: Any, redis_namespace: str, kv: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -230,6 +230,7 @@ class ScriptPipe:
         self._timeout = timeout
         self._proto: _Protocol | None = None
         self._lock = asyncio.Lock()
+        self._failure: tuple[float, str] = (-1.0, "")  # the last failed connect: when, why
         self._timer: asyncio.TimerHandle | None = None
 
     async def call(self, keys: list[Any], args: list[Any]) -> Any:
@@ -273,17 +274,27 @@ class ScriptPipe:
             proto.transport.abort()
 
     async def _connect(self) -> _Protocol:
+        waiting_since = time.monotonic()
         async with self._lock:
             proto = self._proto
             if proto is not None and not proto.closed:
                 return proto  # another call connected while this one waited
+            failed_at, failure = self._failure
+            if failed_at >= waiting_since:
+                # The attempt made while this call waited has just failed: share its answer
+                # rather than queue one more attempt (against a Redis that does not answer,
+                # each would wait the whole connect timeout, one after another).
+                raise RedisConnectionError(failure)
             try:
                 proto = await asyncio.wait_for(self._open(), self._connect_timeout)
             except TimeoutError as exc:
-                raise RedisConnectionError(
-                    f"cannot connect to Redis within {self._connect_timeout} s") from exc
+                failure = f"cannot connect to Redis within {self._connect_timeout} s"
+                self._failure = (time.monotonic(), failure)
+                raise RedisConnectionError(failure) from exc
             except (OSError, ResponseError) as exc:
-                raise RedisConnectionError(f"cannot connect to Redis: {exc}") from exc
+                failure = f"cannot connect to Redis: {exc}"
+                self._failure = (time.monotonic(), failure)
+                raise RedisConnectionError(failure) from exc
             self._proto = proto
             return proto
 
