@@ -153,9 +153,10 @@ class FaultProxy:
                     if writer.can_write_eof():
                         writer.write_eof()
                     return
+                # Counted before it goes: whoever sees the bytes arrive sees them counted.
+                self.bytes_forwarded += len(chunk)
                 writer.write(chunk)
                 await writer.drain()
-                self.bytes_forwarded += len(chunk)
 
         sender = asyncio.create_task(send())
         try:
