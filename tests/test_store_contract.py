@@ -640,132 +640,113 @@ async def test_redis_that_may_evict_any_key_is_warned_of(policy: str, warned: bo
         server.stop()
 
 
+@pytest.fixture
+async def evicting(redis_server: Any, redis_namespace: str) -> AsyncIterator[Any]:
+    """`store, client = await evicting(**config)`: a started RedisStore and a plain client to
+    delete keys behind its back, as a Redis with an eviction policy would."""
+    opened: list[tuple[RedisStore, Any]] = []
+
+    async def make(**overrides: Any) -> tuple[RedisStore, Any]:
+        config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                                redis_namespace=redis_namespace, **overrides)
+        store = RedisStore(config, SystemClock())
+        await store.start()
+        client = aioredis.Redis.from_url(redis_server.url)
+        opened.append((store, client))
+        return store, client
+
+    yield make
+    for store, client in opened:
+        await client.aclose()
+        await store.close()
+
+
 async def test_redis_read_of_a_lease_evicted_under_its_conversation_misses(
-        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+        evicting: Any, kv: Any) -> None:
     """A Redis that evicts keys (a maxmemory policy other than noeviction) can drop a lease's
     hash while its conversation still points at it: the read is a plain miss (prefill
     recomputes), not a script error."""
-    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
-                            redis_namespace=redis_namespace)
-    store = RedisStore(config, SystemClock())
-    await store.start()
-    client = aioredis.Redis.from_url(redis_server.url)
-    try:
-        await store.register_holder(holder(ttl=300.0))
-        tokens = kv.tokens(8)
-        lease = (await store.grant(grant_spec(kv, tokens))).lease
-        assert (await store.acquire_read("t1", "c1", kv.prompt_hashes(tokens))).pin is not None
-        await client.delete(store.prefix + "l:" + lease.lease_id)
-        read = await store.acquire_read("t1", "c1", kv.prompt_hashes(tokens))
-        assert (read.miss, read.lease, read.pin) == (MissReason.NO_LEASE, None, None)
-    finally:
-        await client.aclose()
-        await store.close()
+    store, client = await evicting()
+    await store.register_holder(holder(ttl=300.0))
+    tokens = kv.tokens(8)
+    lease = (await store.grant(grant_spec(kv, tokens))).lease
+    assert (await store.acquire_read("t1", "c1", kv.prompt_hashes(tokens))).pin is not None
+    await client.delete(store.prefix + "l:" + lease.lease_id)
+    read = await store.acquire_read("t1", "c1", kv.prompt_hashes(tokens))
+    assert (read.miss, read.lease, read.pin) == (MissReason.NO_LEASE, None, None)
 
 
 async def test_redis_grant_over_an_evicted_lease_supersedes_nothing_and_raises_the_epoch(
-        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+        evicting: Any, kv: Any) -> None:
     """The conversation's next grant after Redis evicted its current lease's hash succeeds
     (the conversation is not stuck), its epoch exceeds the lost one, and it is readable."""
-    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
-                            redis_namespace=redis_namespace)
-    store = RedisStore(config, SystemClock())
-    await store.start()
-    client = aioredis.Redis.from_url(redis_server.url)
-    try:
-        await store.register_holder(holder(ttl=300.0))
-        first = (await store.grant(grant_spec(kv, kv.tokens(8)))).lease
-        second = (await store.grant(grant_spec(kv, kv.tokens(12)))).lease
-        assert second.epoch == first.epoch + 1
-        await client.delete(store.prefix + "l:" + second.lease_id)
-        tokens = kv.tokens(16)
-        third = await store.grant(grant_spec(kv, tokens))
-        assert third.superseded is None
-        assert third.lease.epoch > second.epoch
-        read = await store.acquire_read("t1", "c1", kv.prompt_hashes(tokens))
-        assert read.miss is MissReason.HIT and read.lease is not None
-        assert read.lease.lease_id == third.lease.lease_id
-        fourth = (await store.grant(grant_spec(kv, kv.tokens(20)))).lease
-        assert fourth.epoch == third.lease.epoch + 1
-    finally:
-        await client.aclose()
-        await store.close()
+    store, client = await evicting()
+    await store.register_holder(holder(ttl=300.0))
+    first = (await store.grant(grant_spec(kv, kv.tokens(8)))).lease
+    second = (await store.grant(grant_spec(kv, kv.tokens(12)))).lease
+    assert second.epoch == first.epoch + 1
+    await client.delete(store.prefix + "l:" + second.lease_id)
+    tokens = kv.tokens(16)
+    third = await store.grant(grant_spec(kv, tokens))
+    assert third.superseded is None
+    assert third.lease.epoch > second.epoch
+    read = await store.acquire_read("t1", "c1", kv.prompt_hashes(tokens))
+    assert read.miss is MissReason.HIT and read.lease is not None
+    assert read.lease.lease_id == third.lease.lease_id
+    fourth = (await store.grant(grant_spec(kv, kv.tokens(20)))).lease
+    assert fourth.epoch == third.lease.epoch + 1
 
 
 async def test_redis_reregistration_restores_a_lease_whose_hash_was_evicted(
-        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+        evicting: Any, kv: Any) -> None:
     """A holder that still holds a lease Redis evicted restores it on re-registration: the
     conversation points at it again and it is readable (and the conversation's pointer, which
     names the restored lease itself, does not make it look superseded)."""
-    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
-                            redis_namespace=redis_namespace)
-    store = RedisStore(config, SystemClock())
-    await store.start()
-    client = aioredis.Redis.from_url(redis_server.url)
-    try:
-        await store.register_holder(holder(ttl=300.0))
-        tokens = kv.tokens(8)
-        spec = grant_spec(kv, tokens)
-        lease = (await store.grant(spec)).lease
-        await client.delete(store.prefix + "l:" + lease.lease_id)
-        reg = await store.register_holder(holder(ttl=300.0),
-                                          [Snapshot(lease.lease_id, spec, lease.epoch, 1.0)])
-        assert reg.restored == [lease.lease_id]
-        assert (await store.get_lease(lease.lease_id)).state is LeaseState.ACTIVE
-        read = await store.acquire_read("t1", "c1", kv.prompt_hashes(tokens))
-        assert read.miss is MissReason.HIT and read.lease is not None
-        assert read.lease.lease_id == lease.lease_id
-    finally:
-        await client.aclose()
-        await store.close()
+    store, client = await evicting()
+    await store.register_holder(holder(ttl=300.0))
+    tokens = kv.tokens(8)
+    spec = grant_spec(kv, tokens)
+    lease = (await store.grant(spec)).lease
+    await client.delete(store.prefix + "l:" + lease.lease_id)
+    reg = await store.register_holder(holder(ttl=300.0),
+                                      [Snapshot(lease.lease_id, spec, lease.epoch, 1.0)])
+    assert reg.restored == [lease.lease_id]
+    assert (await store.get_lease(lease.lease_id)).state is LeaseState.ACTIVE
+    read = await store.acquire_read("t1", "c1", kv.prompt_hashes(tokens))
+    assert read.miss is MissReason.HIT and read.lease is not None
+    assert read.lease.lease_id == lease.lease_id
 
 
 async def test_redis_evicted_lease_does_not_count_against_its_tenants_quota(
-        redis_server: Any, redis_namespace: str, kv: Any, tmp_path: Path) -> None:
+        evicting: Any, kv: Any, tmp_path: Path) -> None:
     """A lease whose hash Redis evicted leaves the tenant's quota count at the next grant of
     that tenant: it does not make a live lease give way."""
     quotas = tmp_path / "quotas.txt"
     quotas.write_text("t1 2 0\n")
-    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
-                            redis_namespace=redis_namespace, tenant_quota_file=str(quotas))
-    store = RedisStore(config, SystemClock())
-    await store.start()
-    client = aioredis.Redis.from_url(redis_server.url)
-    try:
-        await store.register_holder(holder(ttl=300.0))
-        gone = (await store.grant(grant_spec(kv, kv.tokens(8), conversation="c1"))).lease
-        kept = (await store.grant(grant_spec(kv, kv.tokens(8), conversation="c2"))).lease
-        await client.delete(store.prefix + "l:" + gone.lease_id)
-        await store.grant(grant_spec(kv, kv.tokens(8), conversation="c3"))
-        assert (await store.get_lease(kept.lease_id)).state is LeaseState.ACTIVE
-    finally:
-        await client.aclose()
-        await store.close()
+    store, client = await evicting(tenant_quota_file=str(quotas))
+    await store.register_holder(holder(ttl=300.0))
+    gone = (await store.grant(grant_spec(kv, kv.tokens(8), conversation="c1"))).lease
+    kept = (await store.grant(grant_spec(kv, kv.tokens(8), conversation="c2"))).lease
+    await client.delete(store.prefix + "l:" + gone.lease_id)
+    await store.grant(grant_spec(kv, kv.tokens(8), conversation="c3"))
+    assert (await store.get_lease(kept.lease_id)).state is LeaseState.ACTIVE
 
 
 async def test_redis_expiry_skips_an_evicted_lease_and_goes_on(
-        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+        evicting: Any, kv: Any) -> None:
     """A lease whose hash Redis evicted comes due like any other: the tick skips it instead
     of failing (a failing tick would stop every expiry of the fleet) and the rest expire."""
-    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
-                            redis_namespace=redis_namespace)
-    store = RedisStore(config, SystemClock())
-    await store.start()
-    client = aioredis.Redis.from_url(redis_server.url)
-    try:
-        await store.register_holder(holder(ttl=300.0))
-        gone = (await store.grant(grant_spec(kv, kv.tokens(8), idle_ttl=5.0))).lease
-        kept = (await store.grant(grant_spec(kv, kv.tokens(8), conversation="c2",
-                                             idle_ttl=5.0))).lease
-        await client.delete(store.prefix + "l:" + gone.lease_id)
-        await store.advance_clock(6.0)
-        assert await store.tick() == 1  # the evicted one is not counted
-        assert (await store.get_lease(kept.lease_id)).state is LeaseState.EXPIRED
-        assert await client.zscore(store.prefix + "lexp", gone.lease_id) is None
-        await store.tick()  # and the next tick is fine too
-    finally:
-        await client.aclose()
-        await store.close()
+    store, client = await evicting()
+    await store.register_holder(holder(ttl=300.0))
+    gone = (await store.grant(grant_spec(kv, kv.tokens(8), idle_ttl=5.0))).lease
+    kept = (await store.grant(grant_spec(kv, kv.tokens(8), conversation="c2",
+                                         idle_ttl=5.0))).lease
+    await client.delete(store.prefix + "l:" + gone.lease_id)
+    await store.advance_clock(6.0)
+    assert await store.tick() == 1  # the evicted one is not counted
+    assert (await store.get_lease(kept.lease_id)).state is LeaseState.EXPIRED
+    assert await client.zscore(store.prefix + "lexp", gone.lease_id) is None
+    await store.tick()  # and the next tick is fine too
 
 
 # ---- Redis down, Redis back --------------------------------------------------------------
