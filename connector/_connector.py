@@ -308,9 +308,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         return self.request_finished_all_groups(request, (block_ids,))
 
     def has_pending_block_frees(self) -> bool:
-        if self.decode is not None:
-            self.decode.drain()
-            self.decode.check_watermark()
+        if self.decode is not None and self.decode.make_room():
+            return True
         return bool(super().has_pending_block_frees())
 
     def shutdown(self) -> None:

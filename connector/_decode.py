@@ -166,6 +166,20 @@ class DecodeRetention:
                      held_s=round(time.monotonic() - retained.since, 1))
         return freed
 
+    def make_room(self) -> bool:
+        """The scheduler could not allocate blocks (vLLM's `has_pending_block_frees`): free
+        what was reclaimed, revoke idle leases if memory is short, and say whether blocks were
+        just freed or are about to be (revoked leases no reader pins), so that the scheduler
+        tries again next step instead of preempting a running request. Blocks under a pinned
+        revocation do not count: they wait for the pin, which may last its whole TTL."""
+        freed = self.drain()
+        self.check_watermark()
+        if freed:
+            return True
+        with self._lock:
+            return self._revoking or any(lid in self._by_lease
+                                         for lid in self._revoked - self._revoked_pinned)
+
     def _note_demand(self, blocks: int, now: float) -> None:
         if self.settings.headroom_window_s <= 0:
             return

@@ -640,6 +640,41 @@ def test_decode_watermark_waits_for_pinned_victim(decode: DecodeKit, client: Reg
     assert decode.pool.refs(table) == [0, 0, 0]
 
 
+def test_decode_make_room_defers_preemption_only_while_blocks_are_coming(
+        decode: DecodeKit, client: RegistryClient):
+    """vLLM asks `has_pending_block_frees` when it cannot allocate: yes while revoked, unpinned
+    leases are being freed (the scheduler retries next step instead of preempting), no once
+    nothing is on its way, and no for a revoked lease a reader still pins."""
+    a, b = [1, 2, 3], [4, 5, 6]
+    decode.finish("req-a", "ca", list(range(10)), [50, 51], a)
+    decode.finish("req-b", "cb", list(range(10)), [60, 61], b)
+    decode.wait_granted(2)
+    assert decode.retention.make_room() is False  # plenty free: nothing revoked, nothing due
+    prompt_b = list(range(10)) + [60, 61]
+    read = client.acquire_read(TENANT, "cb", blockhash.block_hashes(prompt_b, BS, FP),
+                               min_tokens=1, reader_id=READER)
+    assert read.pin.pin_id
+    decode.pool.reported_free = 0  # memory pressure: both leases are revoked, b is pinned
+    answers = []
+
+    def freed_a() -> bool:
+        answers.append(decode.retention.make_room())
+        return decode.pool.refs(a) == [0, 0, 0]
+
+    wait_for(freed_a, "the unpinned revoked lease to be freed")
+    assert answers[-1] is True  # the call that freed a's blocks says so
+    assert decode.pool.refs(b) == [1, 1, 1]
+    wait_for(lambda: lease_state(client, "cb") == pb.LEASE_STATE_REVOKED, "b's revocation")
+    wait_for(lambda: decode.retention.make_room() is False,
+             "nothing on its way but a pinned lease")
+    assert decode.pool.refs(b) == [1, 1, 1]
+    assert client.release_read(read.pin.pin_id)
+    decode.retention.session.heartbeat_once()
+    assert decode.retention.make_room() is True  # b's blocks freed by this call
+    assert decode.pool.refs(b) == [0, 0, 0]
+    assert decode.retention.make_room() is False
+
+
 def test_decode_arriving_request_makes_room_at_once(registry: ThreadedRegistry,
                                                     client: RegistryClient):
     """A request that needs more blocks than are free does not wait for leases to expire: the
