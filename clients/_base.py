@@ -72,15 +72,41 @@ def parse_hostport(value: str, *, listen: bool = False) -> tuple[str, int]:
     return host, int(port)
 
 
+def check_target(target: str) -> None:
+    """One client address: `HOST:PORT`, or one of gRPC's name-resolver forms that name a
+    single server or a name to resolve, `dns:///HOST:PORT` (`dns://RESOLVER/HOST:PORT`) and
+    `unix:PATH` (`unix:///ABSOLUTE/PATH`). ValueError("expected HOST:PORT ...") otherwise."""
+    if target.startswith("dns:"):
+        rest = target[len("dns:"):]
+        if rest.startswith("//"):
+            _authority, slash, rest = rest[2:].partition("/")
+            if not slash:
+                raise ValueError(f"expected HOST:PORT or dns:///HOST:PORT, got {target!r}")
+        try:
+            parse_hostport(rest)
+        except ValueError:
+            raise ValueError(f"expected HOST:PORT or dns:///HOST:PORT, got {target!r}") from None
+        return
+    if target.startswith("unix:"):
+        path = target[len("unix:"):]
+        if path.startswith("//"):
+            path = path[2:]
+        if not path or path == "/" or any(c.isspace() for c in path):
+            raise ValueError(f"expected HOST:PORT or unix:PATH, got {target!r}")
+        return
+    parse_hostport(target)
+
+
 def parse_targets(value: str) -> list[str]:
     """Client addresses `"HOST:PORT"` or replicas' `"HOST:PORT,HOST:PORT"`, each checked with
-    `parse_hostport` (ValueError "expected HOST:PORT ..." for a malformed one)."""
+    `check_target` (which also takes `dns:///HOST:PORT` and `unix:PATH`); ValueError
+    "expected HOST:PORT ..." for a malformed one."""
     targets = [t.strip() for t in value.split(",")]
     if not any(targets):
         raise ValueError(f"expected HOST:PORT (replicas: HOST:PORT,HOST:PORT), got {value!r}")
     for target in targets:
         if target:
-            parse_hostport(target)
+            check_target(target)
     return [t for t in targets if t]
 
 

@@ -68,8 +68,8 @@ def check_address_options(options: Mapping[str, Any], *, listen: Sequence[str] =
 registry_option = click.option(
     "--registry", envvar="KVBRIDGE_REGISTRY", default="127.0.0.1:50051", show_default=True,
     callback=address_callback(),
-    help="registry address HOST:PORT, or replicas' addresses comma-separated "
-         "[env KVBRIDGE_REGISTRY]")
+    help="registry address HOST:PORT (or dns:///HOST:PORT, unix:PATH), or replicas' "
+         "addresses comma-separated [env KVBRIDGE_REGISTRY]")
 json_option = click.option("--json", "as_json", is_flag=True,
                            help="print JSON (one object per line) instead of a table")
 timeout_option = click.option("--timeout", default=5.0, show_default=True,

@@ -3,6 +3,7 @@ against a registry on its own thread, and `kvbridge registry serve` as a real su
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import queue
@@ -15,13 +16,14 @@ import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
 from click.testing import CliRunner, Result
 
 from kvbridge.cli import main
-from kvbridge.clients import RegistryClient, seconds
+from kvbridge.clients import AsyncRegistryClient, RegistryClient, seconds
 from kvbridge.registry.v1 import registry_pb2 as pb
 
 
@@ -555,6 +557,52 @@ def test_client_addresses_need_a_host_and_a_port_from_1() -> None:
     for bad in (":50051", "a:0", "a:1,b:70000", ",", "", "a:1,nonsense"):
         with pytest.raises(ValueError, match="expected HOST:PORT"):
             parse_targets(bad)
+
+
+def test_client_addresses_take_grpc_dns_and_unix_targets() -> None:
+    from kvbridge.clients._base import parse_targets
+
+    good = ["dns:///registry.svc:50051", "dns://10.0.0.2:53/registry:50051", "dns:registry:1",
+            "unix:/run/kvbridge.sock", "unix:///run/kvbridge.sock", "unix:relative.sock"]
+    assert parse_targets(",".join(good)) == good
+    for bad in ("dns:///registry", "dns:///:50051", "dns://resolver", "dns:///h:0", "unix:",
+                "unix://", "unix:///", "unix:/a b", "a:1,dns:///nope"):
+        with pytest.raises(ValueError, match="expected HOST:PORT"):
+            parse_targets(bad)
+
+
+def test_cli_reaches_a_registry_by_dns_and_unix_targets(tmp_path: Path) -> None:
+    """`--registry` passes gRPC's dns:/// and unix: targets through: a real registry served on
+    TCP and on a unix socket at once answers the CLI by both."""
+    from kvbridge.services.registry import RegistryConfig, create_server
+
+    sock = tmp_path / "registry.sock"
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start() -> Any:
+        server = await create_server(RegistryConfig(listen="127.0.0.1:0", metrics_listen=""))
+        assert server.server.add_insecure_port(f"unix:{sock}") == 1
+        await server.start()
+        client = AsyncRegistryClient(f"unix:{sock}", timeout=5, retries=0)
+        await client.register_holder("decode-unix", "127.0.0.1", 5600, 16, "fp", ttl=60)
+        await client.close()
+        return server
+
+    server = asyncio.run_coroutine_threadsafe(start(), loop).result(15)
+    try:
+        for target in (f"dns:///127.0.0.1:{server.port}", f"unix:{sock}", f"unix://{sock}"):
+            result = CliRunner().invoke(main, ["holders", "list", "--json", "--registry", target],
+                                        catch_exceptions=False)
+            assert result.exit_code == 0, (target, result.output)
+            rows = [json.loads(line) for line in result.output.splitlines() if line.strip()]
+            assert [r["holder_id"] for r in rows] == ["decode-unix"], (target, rows)
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(15)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
 
 
 @pytest.mark.parametrize("timeout", ["0", "-1"])
