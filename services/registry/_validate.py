@@ -17,6 +17,11 @@ _ID = re.compile(r"[\x21-\x7e]+")
 
 
 def identifier(field: str, value: str, max_length: int) -> None:
+    # The common case first, in C string methods (every read checks four ids): ASCII, printable
+    # (0x20-0x7e) and no space is exactly _ID.
+    if 0 < len(value) <= max_length and value.isascii() and value.isprintable() \
+            and " " not in value:
+        return
     if not value:
         raise InvalidArgument(field, "is required")
     if len(value) > max_length:
