@@ -294,7 +294,12 @@ def leases_revoke(registry: str, lease_id: str, reason: str, as_json: bool,
     if as_json:
         click.echo(_json(resp))
         return
-    when = "now" if resp.reclaimable else f"after {resp.lease.pin_count} pin(s) end"
+    if resp.reclaimable:
+        when = "now"
+    elif resp.lease.pin_count:
+        when = f"after {resp.lease.pin_count} pin(s) end"
+    else:  # no pin it knows of, but it lost its state: pins from before may be live
+        when = "once the registry's recovery grace is over"
     click.echo(f"revoked {lease_id} (state "
                f"{_state(pb.LeaseState, resp.lease.state, 'LEASE_STATE_')}); "
                f"holder {resp.lease.holder_id} may free it {when}")

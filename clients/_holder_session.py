@@ -256,18 +256,20 @@ class HolderSession:
             if left <= 0:
                 return
             try:
-                lease = self.client.get_lease(p.lease_id, timeout=left)
+                status = self.client.lease_status(p.lease_id, timeout=left)
             except LeaseNotFound:
                 # None was made (no grant runs past its deadline, and those have passed), or
-                # it was made, reported reclaimable and forgotten: no reader can use them.
+                # it was made, reported reclaimable and forgotten: no reader can use them. (A
+                # registry within its recovery grace answers RECOVERING instead: still unknown.)
                 self._settle(p, None, "no_lease")
                 continue
             except KvbridgeError as err:
                 log.info("lease_grant_still_unknown", holder=self.holder_id,
                          request_id=p.request_id, error=str(err))
                 continue
-            if lease.state != pb.LEASE_STATE_ACTIVE and lease.pin_count == 0:
-                self._settle(p, None, "dead_unpinned")  # reclaimable now: nobody reads it
+            lease = status.lease
+            if status.reclaimable:  # dead, unpinned, and no pin from before a registry restart
+                self._settle(p, None, "dead_unpinned")
                 continue
             tenant, conversation, rrid, block_ids, tokens, hashes, _, _ = p.args
             held = HeldLease(lease.lease_id, tenant, conversation, rrid, list(block_ids), tokens,

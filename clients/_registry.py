@@ -159,8 +159,13 @@ class RegistryClient(SyncClient):
         return self._call("RevokeLease", req, idempotent=True, timeout=timeout)
 
     def get_lease(self, lease_id: str, *, timeout: float | None = None) -> pb.Lease:
+        return self.lease_status(lease_id, timeout=timeout).lease
+
+    def lease_status(self, lease_id: str, *, timeout: float | None = None
+                     ) -> pb.GetLeaseResponse:
+        """The lease and whether its holder may free its blocks now (`reclaimable`)."""
         req = pb.GetLeaseRequest(lease_id=lease_id)
-        return self._call("GetLease", req, idempotent=True, timeout=timeout).lease
+        return self._call("GetLease", req, idempotent=True, timeout=timeout)
 
     def list_leases(self, tenant: str = "", conversation_id: str = "", holder_id: str = "",
                     include_inactive: bool = False, page_size: int = 0, page_token: str = "",
@@ -279,9 +284,13 @@ class AsyncRegistryClient(AsyncClient):
         return await self._call("RevokeLease", req, idempotent=True, timeout=timeout)
 
     async def get_lease(self, lease_id: str, *, timeout: float | None = None) -> pb.Lease:
+        return (await self.lease_status(lease_id, timeout=timeout)).lease
+
+    async def lease_status(self, lease_id: str, *, timeout: float | None = None
+                           ) -> pb.GetLeaseResponse:
+        """The lease and whether its holder may free its blocks now (`reclaimable`)."""
         req = pb.GetLeaseRequest(lease_id=lease_id)
-        resp = await self._call("GetLease", req, idempotent=True, timeout=timeout)
-        return resp.lease
+        return await self._call("GetLease", req, idempotent=True, timeout=timeout)
 
     async def list_leases(self, tenant: str = "", conversation_id: str = "",
                           holder_id: str = "", include_inactive: bool = False,

@@ -111,6 +111,14 @@ class Unauthenticated(KvbridgeError):
     reason = "UNAUTHENTICATED"
 
 
+class Recovering(KvbridgeError):
+    """The registry lost its state (a restart of the memory backend, an emptied Redis) and is
+    within its recovery grace: it cannot tell that a lease it does not know never existed,
+    since a holder that has not re-registered yet may still hold it, pinned by a reader."""
+
+    reason = "RECOVERING"
+
+
 class TenantQuotaExceeded(KvbridgeError):
     """The tenant is at its quota (leases or retained blocks) and nothing of its own could be
     released to make room."""
@@ -135,6 +143,7 @@ STATUS_CODES: dict[type[KvbridgeError], grpc.StatusCode] = {
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     TenantQuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Recovering: grpc.StatusCode.FAILED_PRECONDITION,
     KvbridgeError: grpc.StatusCode.INTERNAL,
 }
 

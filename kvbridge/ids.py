@@ -1,6 +1,7 @@
 """Ids the registry derives from a request's own id, so that a retried request finds what the
 first attempt made. Part of the API: a holder computes the lease id of a grant it sent (holder
-id, request id) to ask about it when the grant's outcome is unknown."""
+id, request id) to ask about it when the grant's outcome is unknown. A pin id is not: whoever
+holds one may release the pin, so it is keyed with a secret only the registry knows."""
 
 from __future__ import annotations
 
@@ -11,6 +12,15 @@ def derived_id(prefix: str, scope: str, request_id: str) -> str:
     """A stable id for a retried request: the same (scope, request id) gives the same id."""
     digest = hashlib.blake2b(f"{scope}\x00{request_id}".encode(), digest_size=8).hexdigest()
     return f"{prefix}-{digest}"
+
+
+def read_pin_id(secret: bytes, tenant: str, reader_id: str, request_id: str) -> str:
+    """The id of the pin a read with `request_id` makes: the same for every retry of that
+    read, and unguessable without `secret` (the registry's; shared by Redis replicas) even to
+    someone who knows the reader and request ids. The tenant keeps two tenants' reads apart."""
+    digest = hashlib.blake2b(f"{tenant}\x00{reader_id}\x00{request_id}".encode(),
+                             digest_size=8, key=secret).hexdigest()
+    return f"p-{digest}"
 
 
 def grant_lease_id(holder_id: str, request_id: str) -> str:

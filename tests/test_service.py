@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvbridge import blockhash
 from kvbridge.clients import AsyncRegistryClient, duration, seconds
-from kvbridge.errors import HolderNotFound, LeaseNotFound
+from kvbridge.errors import HolderNotFound, LeaseNotFound, Recovering
 from kvbridge.registry.v1 import registry_pb2 as pb
 
 SERVICE = "kvbridge.registry.v1.RegistryService"
@@ -274,12 +274,23 @@ async def test_restarted_registry_reports_nothing_reclaimable_during_grace(regis
         await client.register_holder(**kv.holder_args("h1", ttl=60.0))
         lease = await grant(client, kv, kv.tokens(8))
         revoked = await client.revoke_lease(lease.lease_id)
-        assert revoked.reclaimable  # no pin on it...
-        # ... but a fresh registry cannot know about pins granted before it started.
+        # No pin on it here, but a fresh registry cannot know about pins granted before it
+        # started: neither the revocation, a lookup nor a heartbeat says the holder may free.
+        assert revoked.lease.pin_count == 0 and not revoked.reclaimable
+        assert not (await client.lease_status(lease.lease_id)).reclaimable
+        # A lease it does not know may still be held (its holder not yet re-registered).
+        with pytest.raises(Recovering, match="recovering") as err:
+            await client.get_lease("l-from-before")
+        assert err.value.metadata["lease_id"] == "l-from-before"
         clock.advance(server.config.effective_recovery_grace_s - 1)
         assert list((await client.heartbeat("h1")).reclaimable_lease_ids) == []
         clock.advance(1)
         assert list((await client.heartbeat("h1")).reclaimable_lease_ids) == [lease.lease_id]
+        assert (await client.lease_status(lease.lease_id)).reclaimable
+        with pytest.raises(LeaseNotFound):
+            await client.get_lease("l-from-before")
+        second = await grant(client, kv, kv.tokens(8), conversation="c2")
+        assert (await client.revoke_lease(second.lease_id)).reclaimable
 
 
 # ---- leases ---------------------------------------------------------------------------------

@@ -429,6 +429,26 @@ async def test_read_is_idempotent_by_request_id(b: Backend, kv: Any) -> None:
         await b.store.pin_lease("t1", "c2", reader_id="p1", request_id="r1")
 
 
+async def test_pin_ids_are_not_derivable_and_tenants_reads_are_apart(b: Backend,
+                                                                     kv: Any) -> None:
+    """A pin id is a capability (whoever has it may release the pin): it is stable for a
+    retried read but cannot be computed from the reader and request ids alone. Two tenants'
+    reads with the same reader and request ids are two reads, not a conflict."""
+    from kvbridge.ids import derived_id
+
+    await b.store.register_holder(holder())
+    await b.store.grant(grant_spec(kv, kv.tokens(8)))
+    await b.store.grant(grant_spec(kv, kv.tokens(8), tenant="t2"))
+    one = await b.store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)),
+                                     reader_id="p1", request_id="r1")
+    other = await b.store.acquire_read("t2", "c1", kv.prompt_hashes(kv.tokens(8)),
+                                       reader_id="p1", request_id="r1")
+    assert one.pin is not None and other.pin is not None
+    assert one.pin.pin_id != other.pin.pin_id
+    assert one.pin.pin_id not in (derived_id("p", "p1", "r1"), derived_id("p", "t1", "r1"))
+    assert other.lease is not None and other.lease.pin_count == 1
+
+
 async def test_a_pinned_lease_is_never_reclaimable(b: Backend, kv: Any) -> None:
     await b.store.register_holder(holder(ttl=300.0))
     lease = (await b.store.grant(grant_spec(kv, kv.tokens(8), idle_ttl=5.0))).lease
@@ -491,13 +511,20 @@ async def test_fresh_state_reports_nothing_reclaimable_for_the_grace(make_backen
                                                                      kv: Any) -> None:
     b = await make_backend(recovering=True, max_pin_ttl_s=5.0, default_pin_ttl_s=5.0)
     await b.store.register_holder(holder(ttl=300.0))
+    assert await b.store.reclaim_hold() == pytest.approx(6.0, abs=0.5)
     old = (await b.store.grant(grant_spec(kv, kv.tokens(8)))).lease
     await b.store.grant(grant_spec(kv, kv.tokens(12)))  # supersedes `old`, unpinned
     assert await b.store.heartbeat("h1") == ([], 300.0)  # a pin from before may be live
     await b.advance(5.5)  # the grace: max pin TTL + 1
     assert await b.store.heartbeat("h1") == ([], 300.0)
+    assert 0 < await b.store.reclaim_hold() <= 0.5
     await b.advance(0.6)
     assert await b.store.heartbeat("h1") == ([old.lease_id], 300.0)
+    assert await b.store.reclaim_hold() == 0
+
+
+async def test_no_hold_on_a_store_that_did_not_start_empty(b: Backend) -> None:
+    assert await b.store.reclaim_hold() == 0
 
 
 # ---- bad input: the same error for the same input, and nothing changes ------------------------
@@ -618,6 +645,79 @@ async def test_redis_that_lost_its_data_holds_reclaims_again(redis_server: Any,
     finally:
         await client.aclose()
         await store.close()
+
+
+async def test_redis_durations_count_from_when_the_call_was_sent(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """A reply that arrives late (queued behind others, a busy event loop) shortens the
+    durations the replica derives from it, never lengthens them: a pin or lease ends on the
+    local clock no later than in Redis."""
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace)
+    store = RedisStore(config, SystemClock())
+    await store.start()
+    try:
+        await store.register_holder(holder(ttl=300.0))
+        assert store._pipe is not None
+        original = store._pipe.call
+
+        async def late(keys: Any, args: Any) -> Any:
+            reply = await original(keys, args)
+            await asyncio.sleep(0.5)
+            return reply
+
+        store._pipe.call = late  # type: ignore[method-assign]
+        lease = (await store.grant(grant_spec(kv, kv.tokens(8), idle_ttl=60.0))).lease
+        assert lease.expire_at - store.clock.monotonic() <= 59.55
+        read = await store.pin_lease("t1", "c1", pin_ttl=10.0)
+        assert read.pin is not None and read.pin.expire_at - store.clock.monotonic() <= 9.55
+    finally:
+        await store.close()
+
+
+async def test_redis_forgets_a_tenant_with_no_active_lease_left(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """The per-tenant block counts (for quotas) keep no entry for a tenant whose leases have
+    all ended: the hash does not grow with every tenant ever seen."""
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace)
+    store = RedisStore(config, SystemClock())
+    await store.start()
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await store.register_holder(holder(ttl=300.0))
+        one = (await store.grant(grant_spec(kv, kv.tokens(8), tenant="t-brief"))).lease
+        two = (await store.grant(grant_spec(kv, kv.tokens(8), tenant="t-brief",
+                                            conversation="c2"))).lease
+        assert int(await client.hget(store.prefix + "tb", "t-brief")) == 4
+        await store.revoke(one.lease_id)
+        assert int(await client.hget(store.prefix + "tb", "t-brief")) == 2
+        await store.revoke(two.lease_id)
+        assert not await client.hexists(store.prefix + "tb", "t-brief")
+    finally:
+        await client.aclose()
+        await store.close()
+
+
+async def test_redis_replicas_derive_the_same_pin_for_a_retried_read(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """Replicas share the key of pin ids: a read retried on another replica finds its pin."""
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace)
+    first, second = RedisStore(config, SystemClock()), RedisStore(config, SystemClock())
+    await first.start()
+    await second.start()
+    try:
+        await first.register_holder(holder())
+        await first.grant(grant_spec(kv, kv.tokens(8)))
+        hashes = kv.prompt_hashes(kv.tokens(8))
+        one = await first.acquire_read("t1", "c1", hashes, reader_id="p1", request_id="r1")
+        two = await second.acquire_read("t1", "c1", hashes, reader_id="p1", request_id="r1")
+        assert one.pin is not None and two.pin is not None and one.pin.pin_id == two.pin.pin_id
+        assert two.lease is not None and two.lease.pin_count == 1
+    finally:
+        await first.close()
+        await second.close()
 
 
 @pytest.mark.parametrize("policy, warned", [("allkeys-lru", True), ("noeviction", False),
@@ -1306,3 +1406,21 @@ async def test_snapshot_epochs_are_capped_alike(b: Backend, kv: Any, epoch: int,
     assert nxt.lease.epoch == epoch + 1
     assert sorted(x.epoch for x in await b.store.list_leases(include_inactive=True)) == [
         epoch, epoch + 1]
+
+
+async def test_tenant_quota_counts_an_expired_lease_as_free_before_any_tick(
+        make_backend: Factory, kv: Any) -> None:
+    """The tenant's only lease passed its idle TTL but no tick has run yet: a new grant finds
+    the room it left (correctness never waits for the expiry scheduler) instead of refusing,
+    as if that lease were pinned."""
+    b = await make_backend(tenant_max_leases=1)
+    await b.store.register_holder(holder(ttl=300.0))
+    first = (await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c1",
+                                            idle_ttl=5.0))).lease
+    await b.advance(6.0)
+    second = (await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c2"))).lease
+    assert (await b.store.get_lease(first.lease_id)).state is LeaseState.EXPIRED
+    assert (await b.store.get_lease(second.lease_id)).state is LeaseState.ACTIVE
+    assert (await b.store.pin_lease("t1", "c2")).pin is not None
+    with pytest.raises(errors.TenantQuotaExceeded):  # c2 is live and pinned: no room
+        await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c3"))

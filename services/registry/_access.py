@@ -81,7 +81,7 @@ RULES: dict[str, Rule] = {
     "ListLeases": rule(*_LEASE_MANAGERS, check=_scope_listing),
     "AcquireRead": rule(*_READERS, check=_tenant_field),
     "PinLease": rule(*_READERS, check=_tenant_field),
-    "ReleaseRead": rule(*_READERS),  # a pin id is an unguessable capability
+    "ReleaseRead": rule(*_READERS),  # a pin id is an unguessable capability (kvbridge.ids)
     "GetServerInfo": rule(*_ALL),
     "WatchLeases": rule(*_LEASE_MANAGERS, check=_scope_listing),
 }

@@ -36,7 +36,7 @@ from kvbridge.errors import (
     NotLeaseHolder,
     TenantQuotaExceeded,
 )
-from kvbridge.ids import derived_id, grant_lease_id
+from kvbridge.ids import grant_lease_id, read_pin_id
 from kvbridge.services.registry import _validate as check
 from kvbridge.services.registry._config import RegistryConfig
 from kvbridge.services.registry._expiry import ExpiryWheel
@@ -260,6 +260,7 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self._conversations: dict[str, dict[str, Lease]] = {}  # tenant -> conversation -> lease
         self._pins: dict[str, Pin] = {}
+        self._pin_secret = secrets.token_bytes(16)  # keys pin ids (see kvbridge.ids)
         self._expiry: ExpiryWheel[Lease] = ExpiryWheel()  # lazily rescheduled on renewal
         self._durations: dict[float, float] = {}  # one float object per distinct TTL
         # Pins by deadline (a pin's deadline never moves; a released pin stays until then).
@@ -403,6 +404,10 @@ class LeaseTable:
         pinned = sum(1 for lease in holder.dead_leases.values() if lease.pin_count)
         log.info("holder_draining", holder=holder_id, pinned=pinned)
         return self.reclaimable_of(holder), pinned
+
+    def reclaim_hold(self) -> float:
+        """Seconds left of the recovery grace (0 when over): nothing is reclaimable before."""
+        return max(self._reclaim_hold_until - self.clock.monotonic(), 0.0)
 
     def reclaimable_of(self, holder: Holder) -> list[str]:
         if self.clock.monotonic() < self._reclaim_hold_until:
@@ -626,7 +631,8 @@ class LeaseTable:
         cfg = self.config
         if reusable < min_tokens:
             return Read(MissReason.BELOW_MINIMUM, k, lease, k, partial)
-        pin_id = derived_id("p", reader_id, request_id) if request_id else ""
+        pin_id = read_pin_id(self._pin_secret, lease.tenant, reader_id, request_id) \
+            if request_id else ""
         pin = self._pins.get(pin_id) if pin_id else None
         if pin is not None and pin.lease is not lease:
             raise IdempotencyConflict(f"request_id {request_id!r} was used for another read",
@@ -707,6 +713,17 @@ class LeaseTable:
         if not over(leases, used):
             return
         now = self.clock.monotonic()
+        # Deadlines that passed but tick() has not applied yet make room too: apply them (as a
+        # read of those leases would) and count again.
+        stale = [x for x in self._conversations.get(tenant, {}).values()
+                 if x.state is LeaseState.ACTIVE and x is not replacing
+                 and (x.expire_at <= now or x.holder.expire_at <= now)]
+        if stale:
+            for lease in stale:
+                self._refresh(lease, now)
+            leases, used = self._tenant_usage.get(tenant, (0, 0))
+            if replacing is not None and replacing.state is LeaseState.ACTIVE:
+                leases, used = leases - 1, used - replacing.block_count
         candidates = sorted(
             (x for x in self._conversations.get(tenant, {}).values()
              if x is not replacing and x.state is LeaseState.ACTIVE and x.pin_count == 0

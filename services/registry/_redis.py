@@ -55,7 +55,7 @@ from kvbridge.errors import (
     TenantQuotaExceeded,
     Unavailable,
 )
-from kvbridge.ids import derived_id, grant_lease_id
+from kvbridge.ids import grant_lease_id, read_pin_id
 from kvbridge.services.registry import _validate as check
 from kvbridge.services.registry._config import RegistryConfig
 from kvbridge.services.registry._core import (
@@ -129,6 +129,7 @@ class RedisStore:
         self._chores: set[asyncio.Task[Any]] = set()
         self._last_unreachable_log = 0.0
         self._closing = False
+        self._pin_secret = b""  # from Redis at start
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -148,6 +149,7 @@ class RedisStore:
             await self.close()
             raise OSError(f"cannot reach Redis at {url}: {exc}") from exc
         await self._check_eviction_policy()
+        self._pin_secret = await self._shared_pin_secret()
         self._script = self._redis.register_script(LUA)
         if supported(url):
             self._pipe = ScriptPipe(url, LUA, self._script.sha, connect_timeout=2.0,
@@ -158,6 +160,24 @@ class RedisStore:
         last_id: Any = last[0][0] if last else b"0-0"
         self._reader = asyncio.create_task(self._read_events(last_id), name="registry-events")
         log.info("redis_store_started", url=_redacted(url), namespace=self.config.redis_namespace)
+
+    async def _shared_pin_secret(self) -> bytes:
+        """The key of every replica's pin ids (`kvbridge.ids.read_pin_id`), made by the first
+        replica to start: a read retried on another replica finds the same pin. (A Redis that
+        lost its data gets a new one; replicas started before keep theirs, and a read retried
+        across them then makes a second pin, which expires.)"""
+        assert self._redis is not None
+        key = self.prefix + "pin_secret"
+        try:
+            await self._redis.set(key, secrets.token_hex(16), nx=True)
+            secret = await self._redis.get(key)
+        except (RedisError, OSError) as exc:
+            await self.close()
+            raise OSError(f"cannot reach Redis at {_redacted(self.config.redis_url)}: {exc}"
+                          ) from exc
+        if not secret:  # evicted or flushed between the two calls: this replica's own
+            return secrets.token_bytes(16)
+        return secret.encode() if isinstance(secret, str) else bytes(secret)
 
     async def _check_eviction_policy(self) -> None:
         """Warn when Redis may evict any key: a lease, pin or conversation key dropped under
@@ -202,6 +222,7 @@ class RedisStore:
         if self._script is None:
             raise Unavailable("the Redis store is not started", backend="redis")
         argv = [args[0], self.config.redis_events_maxlen, self._grace, *args[1:]]
+        sent = self.clock.monotonic()
         try:
             reply: list[Any]
             if self._pipe is not None:
@@ -222,11 +243,18 @@ class RedisStore:
                     await self._redis.connection_pool.disconnect()
             raise Unavailable(f"Redis cannot serve now: {code} {exc}", backend="redis",
                               redis_error=code) from exc
+        if reply[0] == b"OK":
+            # The script's NOW becomes the base that puts Redis times on the local clock, as of
+            # when the call was sent: the reply's own delay (queued behind others, a busy loop)
+            # then shortens the durations derived from it, never lengthens them.
+            reply[1] = sent - float(reply[1])
         return reply
 
-    def _base(self, redis_now: bytes) -> float:
-        """Add to a Redis time to put it on the local clock."""
-        return self.clock.monotonic() - float(redis_now)
+    @staticmethod
+    def _base(base: float) -> float:
+        """What to add to a Redis time to put it on the local clock (`_run` turns an OK
+        reply's Redis NOW into it)."""
+        return base
 
     # ---- decoding ---------------------------------------------------------------------------
 
@@ -402,6 +430,10 @@ class RedisStore:
             raise self._refusal(_s(reply[1]), lease_id=lease_id)
         return self._lease_with_holder(reply[2], reply[3], self._base(reply[1]))
 
+    async def reclaim_hold(self) -> float:
+        reply = await self._run("hold")
+        return float(reply[2])
+
     async def list_leases(self, tenant: str = "", conversation_id: str = "",
                           holder_id: str = "", include_inactive: bool = False,
                           after: str = "", limit: int = 100) -> list[Lease]:
@@ -435,7 +467,7 @@ class RedisStore:
                     min_tokens: int, pin_ttl: float, reader_id: str, request_id: str) -> Read:
         cfg = self.config
         if request_id:
-            pin_id = derived_id("p", reader_id, request_id)
+            pin_id = read_pin_id(self._pin_secret, tenant, reader_id, request_id)
         else:
             pin_id = "p-" + secrets.token_hex(8)
         ttl = min(pin_ttl or cfg.default_pin_ttl_s, cfg.max_pin_ttl_s)

@@ -28,6 +28,8 @@ Keys (P = prefix):
   P pexp             zset: pin -> expire time
   P events           stream: lease events (t l tn c h e w lt), read by every replica
   P renew_watch      string with a TTL: set while some replica watches renewals
+  P pin_secret       the key of derived pin ids (kvbridge.ids.read_pin_id), set by the first
+                     replica to start, read by the others (not by this script)
   P started, P hold_until  when this state began (empty), and until when nothing is reported
                      reclaimable (pins granted before a loss of Redis data may still be read)
 """
@@ -85,7 +87,10 @@ local function kill(lid, state, lateness)
   redis.call('ZREM', P .. 'lexp', lid)
   redis.call('SREM', P .. 'ha:' .. f[3], lid)
   if redis.call('SREM', P .. 'ta:' .. f[1], lid) == 1 then
-    redis.call('HINCRBY', P .. 'tb', f[1], -tonumber(f[6]))
+    -- A tenant with no active lease left leaves the hash (it would grow with every tenant).
+    if redis.call('HINCRBY', P .. 'tb', f[1], -tonumber(f[6])) <= 0 then
+      redis.call('HDEL', P .. 'tb', f[1])
+    end
   end
   redis.call('SADD', P .. 'hd:' .. f[3], lid)
   emit(DEAD_EVENT[state], lid, f[1], f[2], f[3], f[4], lateness)
@@ -482,6 +487,10 @@ elseif cmd == 'get_lease' then
   if redis.call('EXISTS', P .. 'l:' .. lid) == 0 then return {'ERR', 'LEASE_NOT_FOUND'} end
   refresh(lid)
   return {'OK', F(NOW), lease_enc(lid), holder_enc(redis.call('HGET', P .. 'l:' .. lid, 'h'))}
+
+elseif cmd == 'hold' then
+  -- Seconds left of the recovery grace (0 when over), which started above if state was empty.
+  return {'OK', F(NOW), F(math.max(HOLD_UNTIL - NOW, 0))}
 
 elseif cmd == 'list' then
   local tenant, conv, hid = ARGS[3], ARGS[4], ARGS[5]

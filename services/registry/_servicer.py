@@ -18,7 +18,13 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from kvbridge import __version__, blockhash
 from kvbridge._grpc_status import to_status
-from kvbridge.errors import CapacityExhausted, DeadlineExceeded, KvbridgeError, LeaseNotFound
+from kvbridge.errors import (
+    CapacityExhausted,
+    DeadlineExceeded,
+    KvbridgeError,
+    LeaseNotFound,
+    Recovering,
+)
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
 from kvbridge.services.registry import _access
@@ -242,14 +248,30 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         if _access.scoped():
             _access.may_touch(await self.store.get_lease(request.lease_id))
         lease = await self.store.revoke(request.lease_id, request.holder_id, request.reason)
-        return pb.RevokeLeaseResponse(lease=self._lease(lease), reclaimable=lease.reclaimable)
+        return pb.RevokeLeaseResponse(lease=self._lease(lease),
+                                      reclaimable=await self._reclaimable(lease))
 
     @_rpc
     async def GetLease(self, request: pb.GetLeaseRequest,
                        context: Ctx) -> pb.GetLeaseResponse:
-        lease = await self.store.get_lease(request.lease_id)
+        try:
+            lease = await self.store.get_lease(request.lease_id)
+        except LeaseNotFound:
+            hold = await self.store.reclaim_hold()
+            if hold > 0:  # it may have existed: its holder may not have re-registered yet
+                raise Recovering(
+                    f"lease {request.lease_id!r} is unknown to this registry, which lost its "
+                    f"state and is recovering it from its holders ({hold:.0f}s left)",
+                    lease_id=request.lease_id, recovery_grace_left_s=round(hold, 3)) from None
+            raise
         _access.may_touch(lease)
-        return pb.GetLeaseResponse(lease=self._lease(lease, blocks=True))
+        return pb.GetLeaseResponse(lease=self._lease(lease, blocks=True),
+                                   reclaimable=await self._reclaimable(lease))
+
+    async def _reclaimable(self, lease: Lease) -> bool:
+        """May the holder free the lease's blocks now: dead, unpinned, and not within the
+        recovery grace (after a loss of state, pins from before may be live)."""
+        return lease.reclaimable and await self.store.reclaim_hold() <= 0
 
     @_rpc
     async def ListLeases(self, request: pb.ListLeasesRequest,

@@ -142,6 +142,12 @@ class LeaseStore(Protocol):
         expired. Safe to run on every replica at once: each deadline is processed once."""
         ...
 
+    async def reclaim_hold(self) -> float:
+        """Seconds left of the recovery grace, 0 when over. A store that starts empty may have
+        lost its state (a restart): pins from before may be live, so for that long no lease is
+        reclaimable, whatever its own pin count says (DESIGN invariant 7)."""
+        ...
+
     def next_deadline(self) -> float | None:
         """The earliest pending deadline on the local clock, as known after the last tick."""
         ...
@@ -200,6 +206,9 @@ class MemoryStore:
 
     async def get_lease(self, lease_id: str) -> Lease:
         return self.table.get_lease(lease_id)
+
+    async def reclaim_hold(self) -> float:
+        return self.table.reclaim_hold()
 
     async def list_leases(self, tenant: str = "", conversation_id: str = "",
                           holder_id: str = "", include_inactive: bool = False,

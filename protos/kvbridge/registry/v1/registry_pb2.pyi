@@ -862,7 +862,9 @@ class RevokeLeaseResponse(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     RECLAIMABLE_FIELD_NUMBER: _builtins.int
     reclaimable: _builtins.bool
-    """True when no pin is live and the holder may free the blocks now."""
+    """True when no pin is live and the holder may free the blocks now (never within the
+    registry's recovery grace: see GetLeaseResponse).
+    """
     @_builtins.property
     def lease(self) -> Global___Lease: ...
     def __init__(
@@ -903,16 +905,25 @@ class GetLeaseResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LEASE_FIELD_NUMBER: _builtins.int
+    RECLAIMABLE_FIELD_NUMBER: _builtins.int
+    reclaimable: _builtins.bool
+    """True when the holder may free the blocks now: the lease is no longer active, no pin is
+    live, and the registry is not within its recovery grace (after losing its state it reports
+    nothing reclaimable for a while, since pins from before may still be live). A registry
+    within that grace answers FAILED_PRECONDITION (reason RECOVERING) for a lease it does not
+    know, rather than NOT_FOUND.
+    """
     @_builtins.property
     def lease(self) -> Global___Lease: ...
     def __init__(
         self,
         *,
         lease: Global___Lease | None = ...,
+        reclaimable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease", b"lease", "reclaimable", b"reclaimable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
