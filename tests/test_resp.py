@@ -131,6 +131,50 @@ async def test_unreachable_and_unanswered_calls_fail_fast() -> None:
         await server.wait_closed()
 
 
+async def test_a_connection_closed_as_it_is_made_fails_its_calls() -> None:
+    """A server that closes each connection at once (a Redis at maxclients writes an error and
+    closes): every call ends with an error within its timeout. Before, a call queued on the
+    connection after it was lost (in the loop turns after connecting) waited forever."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def refuse_all() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(b"-ERR max number of clients reached\r\n")
+
+    thread = threading.Thread(target=refuse_all, daemon=True)
+    thread.start()
+    try:
+        stuck = 0
+        for i in range(10):
+            pipe = ScriptPipe(f"redis://127.0.0.1:{port}/0", SCRIPT, SHA, connect_timeout=1.0,
+                              timeout=0.5)
+            try:
+                await asyncio.wait_for(pipe.call(["k"], [b"x", i]), 3.0)
+            except TimeoutError:
+                stuck += 1
+            except (RedisConnectionError, RedisTimeoutError, ResponseError):
+                pass
+            finally:
+                await pipe.close()
+        assert stuck == 0, f"{stuck} of 10 calls never ended"
+    finally:
+        stop.set()
+        listener.close()
+        thread.join(5)
+
+
 async def test_calls_waiting_on_a_failing_connect_share_its_failure() -> None:
     """Calls that queue behind a connect attempt to a Redis that does not answer fail with it,
     rather than each making an attempt of its own after it (n calls: one connect timeout, not

@@ -247,6 +247,11 @@ class ScriptPipe:
         proto = self._proto
         if proto is None or proto.closed:
             proto = await self._connect()
+            if proto.closed:
+                # Lost in the loop turns between connecting and here (a Redis at maxclients,
+                # or shutting down, closes at once): a call queued on it now would never be
+                # answered, nor failed. Not sent, so safe for the caller to run again.
+                raise RedisConnectionError("connection to Redis lost as it was made")
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         proto.pending.append((future, time.monotonic()))
         assert proto.transport is not None
@@ -263,7 +268,10 @@ class ScriptPipe:
         replies could no longer be matched to their calls)."""
         self._timer = None
         proto = self._proto
-        if proto is None or proto.closed or not proto.pending:
+        if proto is None or not proto.pending:
+            return
+        if proto.closed:  # calls left on a closed connection: nothing else will fail them
+            proto.fail(RedisConnectionError("connection to Redis lost"))
             return
         age = time.monotonic() - proto.pending[0][1]
         if age < self._timeout:
