@@ -85,6 +85,12 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         # this engine has read from (NIXL handshake done: their reads may be synchronous).
         self._sync_planned: set[str] = set()
         self._read_from: set[str] = set()
+        # With prefix caching, a request not loading asynchronously has its full blocks hashed
+        # (cached) when they are allocated, and NIXL reads only into the blocks still unhashed:
+        # a synchronous read would leave the reused tokens' blocks unfilled yet cached under
+        # the prompt's hashes. So such an engine reads asynchronously only.
+        self._prefix_caching = bool(getattr(vllm_config.cache_config, "enable_prefix_caching",
+                                            False))
         if role == KVConnectorRole.WORKER:
             worker = self.connector_worker
             worker.nixl_wrapper = _NotificationFilter(worker.nixl_wrapper)
@@ -128,6 +134,10 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             if transfer.kv_load_failure_policy != "recompute":
                 raise ValueError("kvbridge needs kv_load_failure_policy 'recompute' on prefill "
                                  "engines, so that a failed read recomputes")
+            if self.settings.sync_reads and self._prefix_caching:
+                log.info("kvbridge_sync_reads_off", why="prefix caching is on: reads are "
+                         "asynchronous (run prefill with --no-enable-prefix-caching for reads "
+                         "within the step)")
             reads: ReadClient | None = (
                 RouterClient(self.settings.router, timeout=self.settings.rpc_timeout_s,
                              retries=1, **security) if self.settings.router else client)
@@ -204,6 +214,9 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             self.decode.drain()
             self.decode.check_watermark()
         meta = super().build_connector_meta(scheduler_output)
+        if self.prefill is not None:
+            for req_id in meta.reqs_to_recv:  # the worker posts these reads now
+                self.prefill.read_sent(req_id)
         if self._sync_planned:
             sync = self._sync_planned & set(meta.reqs_to_recv)
             self._sync_planned -= sync
@@ -216,7 +229,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
     def _may_read_sync(self, request: Any) -> bool:
         """Read within the step (see `_sync_reads`) when this engine already has a NIXL
         handshake with the holder and the layout is one KV cache group of equal blocks."""
-        if not self.settings.sync_reads or self.connector_scheduler.use_host_buffer:
+        if (not self.settings.sync_reads or self._prefix_caching
+                or self.connector_scheduler.use_host_buffer):
             return False
         if len(self._kv_cache_config.kv_cache_groups) != 1:
             return False

@@ -22,11 +22,19 @@ import structlog
 from kvbridge import blockhash
 from kvbridge.clients import GrantOutcomeUnknown, HolderSession, RegistryClient
 from kvbridge.connector._metrics import ConnectorMetrics
-from kvbridge.connector._settings import REMOTE_ID_PREFIX, ConnectorSettings, conversation_of
+from kvbridge.connector._settings import (
+    REMOTE_ID_PREFIX,
+    ConnectorSettings,
+    conversation_of,
+    kv_salt,
+)
 
 log = structlog.get_logger("kvbridge.connector")
 
 _NORMAL_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
+# How long a RevokeLease round may take before the scheduler stops deferring preemption for
+# it: a registry that answers answers within milliseconds (see `make_room`).
+_REVOKE_WAIT_S = 0.25
 
 
 @dataclass
@@ -66,6 +74,11 @@ class DecodeRetention:
         self._frees: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self._reclaimed_early: set[str] = set()  # reported before _grant recorded the lease
         self._revoking = False
+        self._in_flight: set[str] = set()  # of _revoked, those whose RevokeLease is running
+        self._revoke_sent = 0.0  # when the running RevokeLease round started
+        # After a round the registry failed: no new round until then (an unreachable registry
+        # answers each only at its timeout; meanwhile vLLM must be free to preempt).
+        self._revoke_backoff_until = 0.0
         self._revoked: set[str] = set()  # revoked for memory, blocks not freed yet
         self._revoked_pinned: set[str] = set()  # of those, the ones a reader still pins
         # Blocks that arrived requests still need before they can be scheduled: retention
@@ -124,9 +137,14 @@ class DecodeRetention:
             log.warning("retention_skipped", request_id=request.request_id,
                         why="registry slow or unreachable", unsettled_grants=unsettled)
             return None
+        salt = kv_salt(request)
+        if salt is None:  # inputs the block hashes cannot cover: never read back
+            log.info("retention_skipped", request_id=request.request_id,
+                     why="multimodal or embedding inputs")
+            return None
         tokens = list(request.all_token_ids[:computed])
-        hashes = blockhash.block_hashes(tokens, self.block_size, self.fingerprint,
-                                        request.cache_salt or "", include_partial=True)
+        hashes = blockhash.block_hashes(tokens, self.block_size, self.fingerprint, salt,
+                                        include_partial=True)
         pool = self._pool
         pool.touch([pool.blocks[b] for b in blocks])
         retained = _Retained(f"{REMOTE_ID_PREFIX}{request.request_id}", blocks, computed,
@@ -171,14 +189,20 @@ class DecodeRetention:
         what was reclaimed, revoke idle leases if memory is short, and say whether blocks were
         just freed or are about to be (revoked leases no reader pins), so that the scheduler
         tries again next step instead of preempting a running request. Blocks under a pinned
-        revocation do not count: they wait for the pin, which may last its whole TTL."""
+        revocation do not count: they wait for the pin, which may last its whole TTL. Nor does
+        a revocation the registry has not answered past `_REVOKE_WAIT_S`: an unreachable
+        registry answers only at its timeout, and a failed round is not retried at once, so
+        during an outage vLLM preempts as it would without kvbridge."""
         freed = self.drain()
         self.check_watermark()
         if freed:
             return True
         with self._lock:
-            return self._revoking or any(lid in self._by_lease
-                                         for lid in self._revoked - self._revoked_pinned)
+            if any(lid in self._by_lease
+                   for lid in self._revoked - self._revoked_pinned - self._in_flight):
+                return True  # reported reclaimable: freed by the next drain
+            return bool(self._in_flight) and (
+                time.monotonic() - self._revoke_sent < _REVOKE_WAIT_S)
 
     def _note_demand(self, blocks: int, now: float) -> None:
         if self.settings.headroom_window_s <= 0:
@@ -213,7 +237,7 @@ class DecodeRetention:
         thread once a new lease is recorded, so room is made while the engine is idle, before
         the next request comes."""
         pool = self._pool
-        if pool is None or self._revoking:
+        if pool is None or self._revoking or time.monotonic() < self._revoke_backoff_until:
             return
         total = pool.num_gpu_blocks - 1
         watermark = int(total * self.settings.free_watermark)
@@ -248,6 +272,8 @@ class DecodeRetention:
                 return
             self._revoking = True
             self._revoked.update(victims)
+            self._in_flight = set(victims)
+            self._revoke_sent = time.monotonic()
         self.metrics.revocations.labels(cause).inc()
         self._revokes.submit(self._revoke, victims, time.monotonic(), cause)
 
@@ -338,8 +364,11 @@ class DecodeRetention:
             started = time.monotonic()
             result = self.session.revoke(lease_ids, "memory_pressure")
             with self._lock:
-                # Not revoked: they may be picked again on a later pass.
+                # Not revoked: they may be picked again on a later pass, not at once.
                 self._revoked.difference_update(result.failed)
+                if result.failed:
+                    self._revoke_backoff_until = (time.monotonic()
+                                                  + max(self.settings.rpc_timeout_s, 1.0))
                 # Pinned: freed when the pin ends, so not counted as free meanwhile.
                 self._revoked_pinned.update(lid for lid in result.pinned
                                             if lid in self._revoked)
@@ -351,6 +380,8 @@ class DecodeRetention:
                      queued_ms=round((started - submitted) * 1000, 1),
                      rpc_ms=round((time.monotonic() - started) * 1000, 1))
         finally:
+            with self._lock:
+                self._in_flight = set()
             self._revoking = False
 
     def close(self) -> None:

@@ -19,7 +19,12 @@ from kvbridge import blockhash
 from kvbridge.clients import seconds
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._routed import READ_KEY, BadRoutedRead, verified_read
-from kvbridge.connector._settings import CONVERSATION_KEY, ConnectorSettings, conversation_of
+from kvbridge.connector._settings import (
+    CONVERSATION_KEY,
+    ConnectorSettings,
+    conversation_of,
+    kv_salt,
+)
 from kvbridge.errors import KvbridgeError
 from kvbridge.registry.v1 import registry_pb2 as pb
 
@@ -70,6 +75,7 @@ class _Active:
     pin_end: float  # when the pin runs out (monotonic, as the reply was received)
     sync: bool = False  # read within the step that computes the request
     posted: bool = False  # the read went out (a synchronous one, in this step)
+    sent: bool = False  # handed to the worker to post (either kind): a READ may be in flight
 
 
 class PrefillReuse:
@@ -86,6 +92,10 @@ class PrefillReuse:
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvbridge-read")
         self._pending: dict[str, _Pending] = {}
         self._active: dict[str, _Active] = {}
+        # Requests that ended (aborted) while their asynchronous READ may still run: the pin
+        # stays until the read is reported done (vLLM keeps the blocks until then too), or
+        # runs out on its own.
+        self._draining: dict[str, _Active] = {}
         # What was decided for each conversation request, until it finishes: the gateway
         # reads it back from the prefill response's kv_transfer_params.
         self._outcomes: dict[str, dict[str, Any]] = {}
@@ -109,13 +119,19 @@ class PrefillReuse:
         params = request.kv_transfer_params
         key = conversation_of(params)
         if key is None or params.get("remote_block_ids") or not params.get("do_remote_decode"):
+            self._drop_routed_pin(params)
             return
         tokens = request.prompt_token_ids or []
         if len(tokens) < max(self.threshold, self.block_size):
+            self._drop_routed_pin(params)
             self._decide(request, "short_prompt", 0, len(tokens))
             return
-        hashes = blockhash.block_hashes(tokens, self.block_size, self.fingerprint,
-                                        request.cache_salt or "")
+        salt = kv_salt(request)
+        if salt is None:  # inputs the block hashes cannot cover: recompute
+            self._drop_routed_pin(params)
+            self._decide(request, "unsupported_inputs", 0, len(tokens))
+            return
+        hashes = blockhash.block_hashes(tokens, self.block_size, self.fingerprint, salt)
         tenant, conversation = key
         now = time.monotonic()
         routed = params[CONVERSATION_KEY].get(READ_KEY)
@@ -280,12 +296,23 @@ class PrefillReuse:
             active.posted = True
             _forget_remote_blocks(active.params)
 
+    def read_sent(self, request_id: str) -> None:
+        """The request's read goes to the worker in this step (NIXL posts it there)."""
+        active = self._active.get(request_id)
+        if active is not None:
+            active.sent = True
+
     def read_done(self, request_id: str, ok: bool, *, why: str | None = None) -> str | None:
         """The read ended (landed, or failed and recomputes). Returns the decode engine it
         read from, or None if the request had no read of ours."""
         active = self._active.pop(request_id, None)
         if active is None:
-            return None
+            aborted = self._draining.pop(request_id, None)
+            if aborted is None:
+                return None
+            self._release(aborted.pin_id)  # the READ of an aborted request is over
+            engine = aborted.params.get("remote_engine_id")
+            return engine if ok and isinstance(engine, str) else None
         # The read is over: a preempted request must recompute, not wait for a read that NIXL
         # will never queue again.
         _forget_remote_blocks(active.params)
@@ -315,7 +342,12 @@ class PrefillReuse:
         if pending is not None:
             pending.future.add_done_callback(self._release_late)
         active = self._active.pop(request_id, None)
-        if active is not None:
+        now = time.monotonic()
+        for rid in [r for r, a in self._draining.items() if a.pin_end <= now]:
+            del self._draining[rid]  # their pins have run out in the registry
+        if active is not None and active.sent and not active.sync:
+            self._draining[request_id] = active  # released once its read is reported done
+        elif active is not None:
             self._release(active.pin_id)
             if active.sync:
                 # A synchronous read that failed would have held the request back (the
@@ -354,6 +386,15 @@ class PrefillReuse:
             outcome["kvbridge_decision"] = decision
             outcome["kvbridge_reused_tokens"] = 0
             outcome["kvbridge_recomputed_tokens"] += tokens
+
+    def _drop_routed_pin(self, params: Any) -> None:
+        """Release the pin of a read the gateway made while routing a turn this engine will
+        not read for: otherwise it holds the lease until its TTL runs out."""
+        section = params.get(CONVERSATION_KEY) if isinstance(params, dict) else None
+        routed = section.get(READ_KEY) if isinstance(section, dict) else None
+        pin = routed.get("pin_id") if isinstance(routed, dict) else None
+        if isinstance(pin, str) and pin:
+            self._release(pin)
 
     def _release(self, pin_id: str) -> None:
         self._pool.submit(self._release_quietly, pin_id)

@@ -189,3 +189,20 @@ def conversation_of(params: Mapping[str, Any] | None) -> tuple[str, str] | None:
     if isinstance(tenant, str) and isinstance(conversation, str) and tenant and conversation:
         return tenant, conversation
     return None
+
+
+def kv_salt(request: Any) -> str | None:
+    """What a request's KV depends on besides its token ids and the engine, folded into its
+    block hashes as their salt: the cache salt, and the LoRA adapter (by name: a turn decoded
+    under one adapter is never reused for a prompt under another, or under the base model).
+    None when the request has inputs the hashes cannot cover (images and other multimodal
+    inputs, whose placeholder tokens are the same for different content; prompt embeddings):
+    such a request is neither retained nor read back, it recomputes."""
+    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds",
+                                                         None) is not None:
+        return None
+    salt = request.cache_salt or ""
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        salt += f"\x00lora:{lora.lora_name}"
+    return str(salt)

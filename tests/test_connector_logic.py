@@ -487,6 +487,35 @@ def test_decode_grant_of_unknown_outcome_keeps_the_blocks_until_resolved(
         assert kit.pool.refs(table) == [0] * 7
 
 
+def test_decode_grant_of_unknown_outcome_dead_within_the_recovery_grace_is_kept() -> None:
+    """A grant of unknown outcome whose lease the session finds dead and showing no pin, on a
+    registry within its recovery grace (it started empty: pins from before may be live that it
+    cannot know about), is held, not freed, until the registry reports it reclaimable. Before,
+    the session freed it at once ("dead_unpinned") from the lease's state and pin count."""
+    table = [5, 6, 7, 8, 9, 10, 11]
+    registry = ThreadedRegistry(skip_grace=False, max_pin_ttl_s=5.0, default_pin_ttl_s=5.0)
+    try:
+        with RegistryClient(registry.target, timeout=2.0) as client, \
+                decode_kit(registry, hard_deadline_margin_s=0.2) as kit:
+            with grants_answer_late(registry, 1.5):
+                kit.finish("req-1", "c1", PROMPT1, OUTPUT1, table)
+                wait_for(lambda: kit.retention.session.pending_grants(),
+                         "the grant to time out")
+                lease = only_lease(client, "c1")
+            revoked = client.revoke_lease(lease.lease_id, "test")
+            assert revoked.lease.pin_count == 0 and not revoked.reclaimable
+            _settle_pending(kit)
+            assert [h.lease_id for h in kit.retention.session.held()] == [lease.lease_id]
+            assert kit.retention.drain() == 0
+            assert kit.pool.refs(table) == [1] * 7
+            registry.advance(6.0)  # the grace (max pin TTL + 1) is over: it knows every pin
+            kit.retention.session.heartbeat_once()
+            wait_for(lambda: kit.retention.drain() == 7, "the revoked lease's blocks to be freed")
+            assert kit.pool.refs(table) == [0] * 7
+    finally:
+        registry.close()
+
+
 def test_decode_grant_of_unknown_outcome_that_made_no_lease_is_freed_and_not_made_late(
         registry: ThreadedRegistry, client: RegistryClient, monkeypatch: pytest.MonkeyPatch):
     """A grant that timed out without making a lease (the registry ran it past its deadline,
@@ -673,6 +702,27 @@ def test_decode_make_room_defers_preemption_only_while_blocks_are_coming(
     assert decode.retention.make_room() is True  # b's blocks freed by this call
     assert decode.pool.refs(b) == [0, 0, 0]
     assert decode.retention.make_room() is False
+
+
+def test_decode_make_room_lets_vllm_preempt_while_the_registry_is_down(
+        decode: DecodeKit, registry: ThreadedRegistry):
+    """With the registry unreachable, a revocation cannot free anything before decode's hard
+    deadline: `has_pending_block_frees` must not keep saying yes (vLLM then skips scheduling
+    instead of preempting, and generation stalls for the whole outage). It says yes only for a
+    short wait on each revocation round, and a failed round is not retried at once."""
+    table = [1, 2, 3]
+    decode.finish("req-a", "ca", list(range(10)), [50, 51], table)
+    decode.wait_granted(1)
+    registry.stop()
+    decode.pool.reported_free = 0  # memory pressure: the lease would be revoked
+    answers = []
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        answers.append(decode.retention.make_room())
+        time.sleep(0.05)
+    assert answers.count(True) < len(answers) / 3, answers
+    assert answers[-4:].count(False) >= 1
+    assert decode.pool.refs(table) == [1, 1, 1]  # nothing freed without the registry
 
 
 def test_decode_arriving_request_makes_room_at_once(registry: ThreadedRegistry,
@@ -962,6 +1012,71 @@ def test_prefill_cache_salt_is_part_of_the_hash(prefill: PrefillKit, client: Reg
     assert no_remote_fields(request.kv_transfer_params)
 
 
+def test_prefill_lora_adapter_is_part_of_the_hash(prefill: PrefillKit, client: RegistryClient):
+    """KV computed under one LoRA adapter is never reused for a prompt under another, or
+    under the base model: the adapter's name is folded into the hashes on both sides."""
+    from types import SimpleNamespace
+
+    from kvbridge.connector._settings import kv_salt
+
+    under_a = SimpleNamespace(lora_name="adapter-a", lora_int_id=1, lora_path="/a")
+    lease_hashes = blockhash.block_hashes(LEASE_TOKENS, BS, FP, "\x00lora:adapter-a",
+                                          include_partial=True)
+    lease = client.grant_lease(HOLDER, TENANT, "c1", "kvbridge-dec-c1",
+                               list(range(101, 101 + cdiv(len(LEASE_TOKENS), BS))),
+                               len(LEASE_TOKENS), lease_hashes).lease
+    kv = {"do_remote_decode": True, "kvbridge": conv_key("c1")}
+    for request_id, lora, expected in [
+            ("p-base", None, False), ("p-b", SimpleNamespace(lora_name="adapter-b"), False),
+            ("p-a", under_a, True)]:
+        request = FakeRequest(request_id, LEASE_TOKENS + EXTRA, params=dict(kv),
+                              num_computed_tokens=0)
+        request.lora_request = lora  # type: ignore[attr-defined]
+        assert kv_salt(request) == ("" if lora is None else f"\x00lora:{lora.lora_name}")
+        prefill.reuse.on_new_request(request)
+        assert prefill.resolve(request) is expected, request_id
+    assert prefill.decision("miss_hash_mismatch") == 2
+    assert pins(client, lease.lease_id) == 1
+
+
+def test_multimodal_requests_are_neither_read_nor_retained(prefill: PrefillKit,
+                                                          decode: DecodeKit,
+                                                          client: RegistryClient):
+    """An image's placeholder tokens are the same whatever the image: hashes of token ids
+    cannot tell two images apart, so such a request recomputes, and its turn is not leased."""
+    grant(client, "c1", LEASE_TOKENS)
+    kv = {"do_remote_decode": True, "kvbridge": conv_key("c1")}
+    request = FakeRequest("p-image", LEASE_TOKENS + EXTRA, params=kv, num_computed_tokens=0)
+    request.mm_features = [object()]  # type: ignore[attr-defined]
+    prefill.reuse.on_new_request(request)
+    assert prefill.reuse.resolve(request, 0) is False
+    assert prefill.decision("unsupported_inputs") == 1
+    assert no_remote_fields(request.kv_transfer_params)
+    finished = FakeRequest("d-image", list(range(10)), [50, 51],
+                           params={"kvbridge": conv_key("c-image")}, status="FINISHED_STOPPED")
+    finished.mm_features = [object()]  # type: ignore[attr-defined]
+    assert decode.retention.on_finished(finished, ([1, 2, 3],)) is None
+    assert decode.pool.refs([1, 2, 3]) == [0, 0, 0]
+    assert not list(client.list_leases(tenant=TENANT, conversation_id="c-image").leases)
+
+
+def test_prefill_releases_a_routed_pin_it_will_not_read_for(prefill: PrefillKit,
+                                                           client: RegistryClient):
+    """A turn the gateway pinned while routing, whose prompt this engine will not read for
+    (too short here), gives its pin back at once instead of holding the lease for its TTL."""
+    grant(client, "c1", LEASE_TOKENS)
+    pinned = client.pin_lease(TENANT, "c1", reader_id="gateway")
+    assert pinned.read.pin.pin_id
+    lease_id = pinned.read.lease.lease_id
+    assert pins(client, lease_id) == 1
+    params = {"do_remote_decode": True,
+              "kvbridge": {**conv_key("c1"), "read": {"pin_id": pinned.read.pin.pin_id}}}
+    short = FakeRequest("p-short", list(range(7)), params=params, num_computed_tokens=0)
+    prefill.reuse.on_new_request(short)
+    assert prefill.decision("short_prompt") == 1
+    wait_unpinned(client, lease_id)
+
+
 def test_prefill_read_done_ok_releases_and_counts(prefill: PrefillKit, client: RegistryClient):
     lease = grant(client, "c1", LEASE_TOKENS)
     prompt = LEASE_TOKENS + EXTRA
@@ -1028,6 +1143,23 @@ def test_prefill_finished_after_hit_releases_pin(prefill: PrefillKit, client: Re
     assert pins(client, lease.lease_id) == 1
     prefill.reuse.finished("p-1")
     wait_unpinned(client, lease.lease_id)
+
+
+def test_prefill_aborted_during_its_read_keeps_the_pin_until_the_read_ends(
+        prefill: PrefillKit, client: RegistryClient):
+    """A request that ends (aborted) after its asynchronous READ went to the worker keeps its
+    pin until the read is reported done: released at once, the lease could be reclaimed and
+    decode could reuse the blocks while NIXL still copies them."""
+    lease = grant(client, "c1", LEASE_TOKENS)
+    request = prefill.request("p-1", LEASE_TOKENS + EXTRA)
+    assert prefill.resolve(request) is True
+    prefill.reuse.read_sent("p-1")  # in this step's metadata: the worker posts the READ
+    prefill.reuse.finished("p-1")  # aborted meanwhile
+    time.sleep(0.2)  # a release would have gone out by now
+    assert pins(client, lease.lease_id) == 1
+    assert prefill.reuse.read_done("p-1", ok=True) == HOLDER  # vLLM reports the READ over
+    wait_unpinned(client, lease.lease_id)
+    assert prefill.reuse.read_done("p-1", ok=True) is None  # once
 
 
 @pytest.mark.parametrize(("lease_tokens", "prompt", "threshold", "computed", "decision"), [

@@ -153,3 +153,26 @@ def test_results_aggregate_over_tensor_parallel_ranks() -> None:
     assert out.ok == {"r1": False, "r2": True}
     assert out.ms == {"r1": 3.0, "r2": 2.0}
     assert out.why == {"r1": "transfer_failed"}
+
+
+@pytest.mark.parametrize(("prefix_caching", "expected"), [(False, True), (True, False)])
+def test_no_synchronous_reads_on_an_engine_with_prefix_caching(prefix_caching: bool,
+                                                                expected: bool) -> None:
+    """With prefix caching, blocks allocated for a request that is not loading asynchronously
+    are hashed at once, and NIXL reads only into unhashed ones: a synchronous read would leave
+    the reused tokens' blocks unfilled under the prompt's hashes. Such an engine reads
+    asynchronously (the scheduler side's decision, `_may_read_sync`)."""
+    from types import SimpleNamespace
+
+    from kvbridge.connector._connector import KVBridgeConnector
+    from kvbridge.connector._settings import ConnectorSettings
+
+    connector = KVBridgeConnector.__new__(KVBridgeConnector)
+    connector.settings = ConnectorSettings(registry="127.0.0.1:1")
+    connector._prefix_caching = prefix_caching
+    connector.__dict__["connector_scheduler"] = SimpleNamespace(use_host_buffer=False)
+    connector.__dict__["_kv_cache_config"] = SimpleNamespace(kv_cache_groups=[object()])
+    connector._read_from = {"decode-0"}
+    request = SimpleNamespace(kv_transfer_params={"remote_engine_id": "decode-0"})
+    assert connector.settings.sync_reads
+    assert connector._may_read_sync(request) is expected
