@@ -389,13 +389,16 @@ class TurnResult:
 
 
 def two_step(prefill_url: str, decode_url: str, model: str, prompt_ids: list[int],
-             max_tokens: int, conversation: tuple[str, str] | None) -> TurnResult:
-    """One turn: prefill (`max_tokens` 1) then decode reading prefill's KV."""
+             max_tokens: int, conversation: tuple[str, str] | None, *,
+             cache_salt: str | None = None) -> TurnResult:
+    """One turn: prefill (`max_tokens` 1) then decode reading prefill's KV. `cache_salt`
+    (vLLM's) keeps both engines' prefix caches for this turn apart from every other salt's."""
     key = ({CONVERSATION_KEY: {"tenant": conversation[0], "conversation_id": conversation[1]}}
            if conversation else {})
+    salt = {"cache_salt": cache_salt} if cache_salt else {}
     start = time.perf_counter()
     prefill = post_json(f"{prefill_url}/v1/completions", {
-        "model": model, "prompt": prompt_ids, "max_tokens": 1, "temperature": 0,
+        "model": model, "prompt": prompt_ids, "max_tokens": 1, "temperature": 0, **salt,
         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, **key},
     })
     prefill_s = time.perf_counter() - start
@@ -404,7 +407,7 @@ def two_step(prefill_url: str, decode_url: str, model: str, prompt_ids: list[int
         raise RuntimeError(f"prefill returned no kv_transfer_params: {prefill}")
     decode = post_json(f"{decode_url}/v1/completions", {
         "model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0,
-        "return_token_ids": True, "kv_transfer_params": {**params, **key},
+        "return_token_ids": True, **salt, "kv_transfer_params": {**params, **key},
     })
     choice = decode["choices"][0]
     return TurnResult(list(choice.get("token_ids") or []), choice.get("text", ""), prefill_s,
