@@ -118,6 +118,7 @@ class Revoked(NamedTuple):
     freed: list[str]  # reclaimable at once: handed to on_reclaim
     pinned: list[str]  # revoked, but a reader holds a pin: freed when a heartbeat says so
     failed: list[str]  # the registry could not be reached or refused: still held
+    unreachable: bool = False  # some failed because the registry could not be reached
 
 
 class HolderSession:
@@ -398,17 +399,21 @@ class HolderSession:
         """Revoke leases (e.g. under memory pressure). Those reclaimable right away are freed
         through `on_reclaim` now; pinned ones are freed when a heartbeat reports them; those
         the registry could not be asked about stay held."""
-        result = Revoked([], [], [])
+        freed: list[str] = []
+        pinned: list[str] = []
+        failed: list[str] = []
+        unreachable = False
         for lease_id in lease_ids:
             try:
                 resp = self.client.revoke_lease(lease_id, reason, self.holder_id)
             except KvbridgeError as err:
                 log.warning("lease_revoke_failed", lease_id=lease_id, error=str(err))
-                result.failed.append(lease_id)
+                failed.append(lease_id)
+                unreachable = unreachable or isinstance(err, (Unavailable, DeadlineExceeded))
                 continue
-            (result.freed if resp.reclaimable else result.pinned).append(lease_id)
-        self._reclaim(result.freed, reason)
-        return result
+            (freed if resp.reclaimable else pinned).append(lease_id)
+        self._reclaim(freed, reason)
+        return Revoked(freed, pinned, failed, unreachable)
 
     def held(self) -> list[HeldLease]:
         """Leases held now, oldest grant first."""

@@ -26,7 +26,7 @@ from kvbridge.connector._settings import (
     REMOTE_ID_PREFIX,
     ConnectorSettings,
     conversation_of,
-    kv_salt,
+    kv_scope,
 )
 
 log = structlog.get_logger("kvbridge.connector")
@@ -137,14 +137,13 @@ class DecodeRetention:
             log.warning("retention_skipped", request_id=request.request_id,
                         why="registry slow or unreachable", unsettled_grants=unsettled)
             return None
-        salt = kv_salt(request)
-        if salt is None:  # inputs the block hashes cannot cover: never read back
+        scope = kv_scope(request, self.fingerprint)
+        if scope is None:  # inputs the block hashes cannot cover: never read back
             log.info("retention_skipped", request_id=request.request_id,
                      why="multimodal or embedding inputs")
             return None
         tokens = list(request.all_token_ids[:computed])
-        hashes = blockhash.block_hashes(tokens, self.block_size, self.fingerprint, salt,
-                                        include_partial=True)
+        hashes = blockhash.block_hashes(tokens, self.block_size, *scope, include_partial=True)
         pool = self._pool
         pool.touch([pool.blocks[b] for b in blocks])
         retained = _Retained(f"{REMOTE_ID_PREFIX}{request.request_id}", blocks, computed,
@@ -366,7 +365,7 @@ class DecodeRetention:
             with self._lock:
                 # Not revoked: they may be picked again on a later pass, not at once.
                 self._revoked.difference_update(result.failed)
-                if result.failed:
+                if result.unreachable:  # not a lease refused (say, gone): the registry
                     self._revoke_backoff_until = (time.monotonic()
                                                   + max(self.settings.rpc_timeout_s, 1.0))
                 # Pinned: freed when the pin ends, so not counted as free meanwhile.

@@ -23,7 +23,7 @@ from kvbridge.connector._settings import (
     CONVERSATION_KEY,
     ConnectorSettings,
     conversation_of,
-    kv_salt,
+    kv_scope,
 )
 from kvbridge.errors import KvbridgeError
 from kvbridge.registry.v1 import registry_pb2 as pb
@@ -126,12 +126,12 @@ class PrefillReuse:
             self._drop_routed_pin(params)
             self._decide(request, "short_prompt", 0, len(tokens))
             return
-        salt = kv_salt(request)
-        if salt is None:  # inputs the block hashes cannot cover: recompute
+        scope = kv_scope(request, self.fingerprint)
+        if scope is None:  # inputs the block hashes cannot cover: recompute
             self._drop_routed_pin(params)
             self._decide(request, "unsupported_inputs", 0, len(tokens))
             return
-        hashes = blockhash.block_hashes(tokens, self.block_size, self.fingerprint, salt)
+        hashes = blockhash.block_hashes(tokens, self.block_size, *scope)
         tenant, conversation = key
         now = time.monotonic()
         routed = params[CONVERSATION_KEY].get(READ_KEY)
@@ -205,9 +205,11 @@ class PrefillReuse:
         block_ids = list(read.remote_block_ids)
         usable = read.matched_tokens
         if read.partial_block_tokens:
+            scope = kv_scope(request, self.fingerprint)  # as the prompt's hashes were made
+            assert scope is not None  # (a request without one was never looked up)
             mine = blockhash.partial_block_hash(
-                tokens, read.lease.token_count, self.block_size, self.fingerprint,
-                request.cache_salt or "", full_hashes=pending.hashes)
+                tokens, read.lease.token_count, self.block_size, *scope,
+                full_hashes=pending.hashes)
             if mine is not None and mine == read.partial_block_hash:
                 usable = read.lease.token_count
                 block_ids.append(read.partial_block_id)

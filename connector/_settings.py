@@ -191,18 +191,18 @@ def conversation_of(params: Mapping[str, Any] | None) -> tuple[str, str] | None:
     return None
 
 
-def kv_salt(request: Any) -> str | None:
-    """What a request's KV depends on besides its token ids and the engine, folded into its
-    block hashes as their salt: the cache salt, and the LoRA adapter (by name: a turn decoded
-    under one adapter is never reused for a prompt under another, or under the base model).
+def kv_scope(request: Any, fingerprint: str) -> tuple[str, str] | None:
+    """What a request's KV depends on besides its token ids, for its block hashes: (the
+    engine fingerprint, extended with the LoRA adapter's name when it has one, and the cache
+    salt). A turn decoded under one adapter is never reused for a prompt under another, or
+    under the base model. (The fingerprint is hex, so "/lora:" cannot be forged by a salt.)
     None when the request has inputs the hashes cannot cover (images and other multimodal
     inputs, whose placeholder tokens are the same for different content; prompt embeddings):
     such a request is neither retained nor read back, it recomputes."""
     if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds",
                                                          None) is not None:
         return None
-    salt = request.cache_salt or ""
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        salt += f"\x00lora:{lora.lora_name}"
-    return str(salt)
+        fingerprint = f"{fingerprint}/lora:{lora.lora_name}"
+    return fingerprint, str(request.cache_salt or "")

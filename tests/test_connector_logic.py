@@ -1017,10 +1017,10 @@ def test_prefill_lora_adapter_is_part_of_the_hash(prefill: PrefillKit, client: R
     under the base model: the adapter's name is folded into the hashes on both sides."""
     from types import SimpleNamespace
 
-    from kvbridge.connector._settings import kv_salt
+    from kvbridge.connector._settings import kv_scope
 
     under_a = SimpleNamespace(lora_name="adapter-a", lora_int_id=1, lora_path="/a")
-    lease_hashes = blockhash.block_hashes(LEASE_TOKENS, BS, FP, "\x00lora:adapter-a",
+    lease_hashes = blockhash.block_hashes(LEASE_TOKENS, BS, f"{FP}/lora:adapter-a",
                                           include_partial=True)
     lease = client.grant_lease(HOLDER, TENANT, "c1", "kvbridge-dec-c1",
                                list(range(101, 101 + cdiv(len(LEASE_TOKENS), BS))),
@@ -1032,11 +1032,43 @@ def test_prefill_lora_adapter_is_part_of_the_hash(prefill: PrefillKit, client: R
         request = FakeRequest(request_id, LEASE_TOKENS + EXTRA, params=dict(kv),
                               num_computed_tokens=0)
         request.lora_request = lora  # type: ignore[attr-defined]
-        assert kv_salt(request) == ("" if lora is None else f"\x00lora:{lora.lora_name}")
+        assert kv_scope(request, FP) == (FP if lora is None else f"{FP}/lora:{lora.lora_name}",
+                                         "")
         prefill.reuse.on_new_request(request)
         assert prefill.resolve(request) is expected, request_id
     assert prefill.decision("miss_hash_mismatch") == 2
+    # The trailing partial block is verified under the adapter too: all 38 tokens are read.
+    assert request.kv_transfer_params["remote_num_tokens"] == len(LEASE_TOKENS)
     assert pins(client, lease.lease_id) == 1
+
+
+def test_prefill_lora_prompt_never_reads_a_base_model_partial_block(
+        registry: ThreadedRegistry, holder: pb.Holder, client: RegistryClient):
+    """A lease of a single, partial block (no full block to chain from): its hash depends on
+    the engine, salt and adapter alone, and the reader checks it under its own adapter."""
+    from types import SimpleNamespace
+
+    kit = make_prefill(registry.target, threshold=1)
+    try:
+        tokens = [1000, 1001, 1002]  # 3 tokens, block size 4: one partial block
+        lease = client.grant_lease(HOLDER, TENANT, "c-part", "kvbridge-dec-c-part", [101], 3,
+                                   blockhash.block_hashes(tokens, BS, FP,
+                                                          include_partial=True)).lease
+        kv = {"do_remote_decode": True, "kvbridge": conv_key("c-part")}
+        for request_id, lora, expected in [
+                ("p-lora", SimpleNamespace(lora_name="adapter-a"), False),
+                ("p-base", None, True)]:
+            request = FakeRequest(request_id, tokens + EXTRA, params=dict(kv),
+                                  num_computed_tokens=0)
+            request.lora_request = lora  # type: ignore[attr-defined]
+            kit.reuse.on_new_request(request)
+            assert kit.resolve(request) is expected, request_id
+            assert ("remote_block_ids" in request.kv_transfer_params) is expected
+            kit.reuse.finished(request_id)
+        wait_unpinned(client, lease.lease_id)
+    finally:
+        kit.reuse.close()
+        kit.client.close()
 
 
 def test_multimodal_requests_are_neither_read_nor_retained(prefill: PrefillKit,

@@ -523,8 +523,32 @@ async def test_fresh_state_reports_nothing_reclaimable_for_the_grace(make_backen
     assert await b.store.reclaim_hold() == 0
 
 
-async def test_no_hold_on_a_store_that_did_not_start_empty(b: Backend) -> None:
+async def test_no_hold_on_a_store_started_without_recovery(b: Backend) -> None:
     assert await b.store.reclaim_hold() == 0
+
+
+async def test_redis_replica_joining_live_state_holds_nothing(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """Only state found empty may have lost pins: a replica started (recovering) on a fleet's
+    live state reports the hold the fleet is in, not one of its own."""
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace, max_pin_ttl_s=5.0,
+                            default_pin_ttl_s=5.0)
+    first = RedisStore(config, SystemClock(), recovering=True)
+    await first.start()
+    try:
+        await first.register_holder(holder(ttl=300.0))
+        assert await first.reclaim_hold() > 5.0
+        await first.advance_clock(6.5)
+        assert await first.reclaim_hold() == 0
+        second = RedisStore(config, SystemClock(), recovering=True)
+        await second.start()
+        try:
+            assert await second.reclaim_hold() == 0
+        finally:
+            await second.close()
+    finally:
+        await first.close()
 
 
 # ---- bad input: the same error for the same input, and nothing changes ------------------------

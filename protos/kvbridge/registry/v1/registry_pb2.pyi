@@ -144,7 +144,10 @@ class _LeaseEventTypeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LeaseE
     LEASE_EVENT_TYPE_REVOKED: _LeaseEventType.ValueType  # 5
     LEASE_EVENT_TYPE_HOLDER_LOST: _LeaseEventType.ValueType  # 6
     LEASE_EVENT_TYPE_RECLAIMABLE: _LeaseEventType.ValueType  # 7
-    """No live pin and not active: the holder may free the blocks."""
+    """No live pin the registry knows of and not active. For watchers (dashboards, audits):
+    a holder frees blocks only when a heartbeat, registration or revocation reply says so,
+    since those hold reclaims back during a recovery grace and this event does not.
+    """
     LEASE_EVENT_TYPE_RECLAIMED: _LeaseEventType.ValueType  # 8
     """The holder confirmed it freed the blocks; the lease is gone from the registry."""
 
@@ -159,7 +162,10 @@ LEASE_EVENT_TYPE_EXPIRED: LeaseEventType.ValueType  # 4
 LEASE_EVENT_TYPE_REVOKED: LeaseEventType.ValueType  # 5
 LEASE_EVENT_TYPE_HOLDER_LOST: LeaseEventType.ValueType  # 6
 LEASE_EVENT_TYPE_RECLAIMABLE: LeaseEventType.ValueType  # 7
-"""No live pin and not active: the holder may free the blocks."""
+"""No live pin the registry knows of and not active. For watchers (dashboards, audits):
+a holder frees blocks only when a heartbeat, registration or revocation reply says so,
+since those hold reclaims back during a recovery grace and this event does not.
+"""
 LEASE_EVENT_TYPE_RECLAIMED: LeaseEventType.ValueType  # 8
 """The holder confirmed it freed the blocks; the lease is gone from the registry."""
 Global___LeaseEventType: _TypeAlias = LeaseEventType  # noqa: Y015
