@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from kvbridge import errors
-from kvbridge.clients import AsyncRegistryClient, HolderSession, RegistryClient, seconds
+from kvbridge.clients import AsyncRegistryClient, HolderSession, RegistryClient, Revoked, seconds
 from kvbridge.clock import FakeClock
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
@@ -379,7 +379,7 @@ def test_session_keeps_pinned_leases_until_the_pin_ends(sync_client, kv, engine,
         lease = session_grant(session, kv, "c1")
         read = sync_client.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
         # Revoking through the session frees nothing while a reader holds a pin.
-        assert session.revoke([lease.lease_id]) == ([], [lease.lease_id], [])  # pinned: kept
+        assert session.revoke([lease.lease_id]) == Revoked([], [lease.lease_id], [])  # pinned
         session.heartbeat_once()
         assert engine.freed == []
         sync_client.release_read(read.pin.pin_id)
