@@ -13,6 +13,7 @@ not NIXL's to track (they would be logged as reads of expired blocks).
 from __future__ import annotations
 
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -25,6 +26,7 @@ from kvbridge.clients._router import RouterClient
 from kvbridge.connector._decode import DecodeRetention
 from kvbridge.connector._layerwise import capturing
 from kvbridge.connector._metrics import ConnectorMetrics
+from kvbridge.connector._pin_guard import PIN_ENDS_ATTR, PinEnds, PinGuard, boot_id, guard_worker
 from kvbridge.connector._prefill import PrefillReuse, ReadClient
 from kvbridge.connector._settings import REMOTE_ID_PREFIX, ConnectorSettings, parse_cpus
 from kvbridge.connector._sync_reads import SYNC_READS_ATTR, SyncReadResults, SyncReads
@@ -91,12 +93,17 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         # the prompt's hashes. So such an engine reads asynchronously only.
         self._prefix_caching = bool(getattr(vllm_config.cache_config, "enable_prefix_caching",
                                             False))
+        self.pin_guard: PinGuard | None = None
+        self._boot_id = boot_id()
         if role == KVConnectorRole.WORKER:
             worker = self.connector_worker
             worker.nixl_wrapper = _NotificationFilter(worker.nixl_wrapper)
+            self.pin_guard = PinGuard(self.settings.pin_margin_s, boot=self._boot_id)
             self.sync_reads = SyncReads(worker, self.settings.sync_read_timeout_s,
                                         layerwise=self.settings.layerwise_reads,
-                                        read_cpus=parse_cpus(self.settings.read_cpus))
+                                        read_cpus=parse_cpus(self.settings.read_cpus),
+                                        pins=self.pin_guard)
+            guard_worker(worker, self.pin_guard, self.sync_reads.pin_failure)
             return
         if not self.settings.registry and not self.settings.router:
             log.warning("kvbridge_disabled", why="neither kvbridge.registry nor kvbridge.router "
@@ -215,8 +222,13 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             self.decode.check_watermark()
         meta = super().build_connector_meta(scheduler_output)
         if self.prefill is not None:
+            ends = PinEnds(self._boot_id, time.monotonic())
             for req_id in meta.reqs_to_recv:  # the worker posts these reads now
-                self.prefill.read_sent(req_id)
+                end = self.prefill.read_sent(req_id)
+                if end is not None:
+                    ends.ends[req_id] = end
+            if ends.ends:  # the worker checks them where it posts and where the reads land
+                setattr(meta, PIN_ENDS_ATTR, ends)
         if self._sync_planned:
             sync = self._sync_planned & set(meta.reqs_to_recv)
             self._sync_planned -= sync
@@ -240,11 +252,13 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         super().update_connector_output(connector_output)
         if self.prefill is not None:
             failed = connector_output.failed_recving or set()
+            results = connector_output.kv_connector_worker_meta
+            pin_why = results.async_why if isinstance(results, SyncReadResults) else {}
             for req_id in connector_output.finished_recving or ():
-                engine = self.prefill.read_done(req_id, req_id not in failed)
+                engine = self.prefill.read_done(req_id, req_id not in failed,
+                                                why=pin_why.get(req_id))
                 if engine and req_id not in failed:
                     self._read_from.add(engine)
-            results = connector_output.kv_connector_worker_meta
             if isinstance(results, SyncReadResults):
                 for req_id, ok in results.ok.items():
                     if ok:  # counted when the request finishes
@@ -267,6 +281,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             return
         self.sync_reads.finish()  # a step that ended without wait_for_save (cannot happen)
         metadata = self._connector_metadata
+        if self.pin_guard is not None:
+            self.pin_guard.update(metadata)
         sync = self.sync_reads.before(metadata)
         with capturing(self.connector_worker, self.sync_reads.owners(metadata, sync)):
             super().start_load_kv(forward_context, **kwargs)

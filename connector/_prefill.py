@@ -18,6 +18,7 @@ import structlog
 from kvbridge import blockhash
 from kvbridge.clients import seconds
 from kvbridge.connector._metrics import ConnectorMetrics
+from kvbridge.connector._pin_guard import LANDED_LATE, NOT_POSTED
 from kvbridge.connector._routed import READ_KEY, BadRoutedRead, verified_read
 from kvbridge.connector._settings import (
     CONVERSATION_KEY,
@@ -29,6 +30,9 @@ from kvbridge.errors import KvbridgeError
 from kvbridge.registry.v1 import registry_pb2 as pb
 
 log = structlog.get_logger("kvbridge.connector")
+
+# Reads the worker failed for their pin (see `_pin_guard`): their own decision labels.
+PIN_FAILURES = (NOT_POSTED, LANDED_LATE)
 
 REMOTE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
                  "remote_port", "remote_num_tokens", "tp_size")
@@ -217,13 +221,15 @@ class PrefillReuse:
         # to schedule (a read naming the whole prompt would leave none, and a synchronous read
         # does not go through the asynchronous path's own step back by one token).
         usable = min(usable, len(tokens) - 1)
+        # The pin ends `expires_in` after the registry answered, which was after this request
+        # asked: counted from the asking, the end is never later than the registry's.
+        pin_end = pending.started + seconds(read.pin.expires_in)
         why = None
         if usable <= num_computed_tokens:
             why = "local_cache"
         elif usable - num_computed_tokens < self.threshold:
             why = "below_threshold"
-        elif (seconds(read.pin.expires_in) - (time.monotonic() - pending.answered)
-              < self.settings.pin_margin_s):
+        elif pin_end - time.monotonic() < self.settings.pin_margin_s:
             why = "pin_margin"
         if why is not None:
             self._release(read.pin.pin_id)
@@ -244,8 +250,7 @@ class PrefillReuse:
         )
         self._active[request.request_id] = _Active(
             read.pin.pin_id, usable - num_computed_tokens, time.monotonic(),
-            pending.conversation, params,
-            pin_end=(pending.answered or time.monotonic()) + seconds(read.pin.expires_in))
+            pending.conversation, params, pin_end=pin_end)
         self._decide(request, "hit", usable - num_computed_tokens, len(tokens) - usable,
                      conversation=pending.conversation, lookup_ms=lookup_ms,
                      source=pending.source,
@@ -298,11 +303,15 @@ class PrefillReuse:
             active.posted = True
             _forget_remote_blocks(active.params)
 
-    def read_sent(self, request_id: str) -> None:
-        """The request's read goes to the worker in this step (NIXL posts it there)."""
+    def read_sent(self, request_id: str) -> float | None:
+        """The request's read goes to the worker in this step (NIXL posts it there). Returns
+        when its pin ends (monotonic), for the worker to check (`_pin_guard`); None if the
+        read is not ours."""
         active = self._active.get(request_id)
-        if active is not None:
-            active.sent = True
+        if active is None:
+            return None
+        active.sent = True
+        return active.pin_end
 
     def read_done(self, request_id: str, ok: bool, *, why: str | None = None) -> str | None:
         """The read ended (landed, or failed and recomputes). Returns the decode engine it
@@ -327,9 +336,12 @@ class PrefillReuse:
             if outcome is not None:
                 outcome["kvbridge_transfer_ms"] = round(elapsed * 1000, 2)
         else:
+            # The worker failed a read for its pin (`_pin_guard`): counted as such; any other
+            # failure is the transfer's.
+            decision = why if why in PIN_FAILURES else "transfer_failed"
             self.metrics.recomputed_tokens.inc(active.tokens)
-            self.metrics.decisions.labels("transfer_failed").inc()
-            self._undo_reuse(request_id, "transfer_failed", active.tokens)
+            self.metrics.decisions.labels(decision).inc()
+            self._undo_reuse(request_id, decision, active.tokens)
             log.warning("kv_read_failed", request_id=request_id,
                         conversation=active.conversation, tokens=active.tokens,
                         why=why or "transfer_failed")

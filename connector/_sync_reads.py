@@ -29,6 +29,7 @@ import structlog
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
 from kvbridge.connector._layerwise import Captured, LayerReader, Layout, Part, Plan
+from kvbridge.connector._pin_guard import LANDED_LATE, NOT_POSTED, PinGuard
 
 log = structlog.get_logger("kvbridge.connector")
 
@@ -44,6 +45,8 @@ class SyncReadResults(KVConnectorWorkerMetadata):  # type: ignore[misc]
     ms: dict[str, float] = field(default_factory=dict)  # what the step waited for the read
     why: dict[str, str] = field(default_factory=dict)
     layered: dict[str, float] = field(default_factory=dict)  # read by layer: the copy's ms
+    # Asynchronous reads failed for their pin (`_pin_guard`): why, per request.
+    async_why: dict[str, str] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, SyncReadResults):
@@ -55,6 +58,8 @@ class SyncReadResults(KVConnectorWorkerMetadata):  # type: ignore[misc]
                 self.why.setdefault(req_id, other.why[req_id])
             if req_id in other.layered:
                 self.layered[req_id] = max(self.layered.get(req_id, 0.0), other.layered[req_id])
+        for req_id, why in other.async_why.items():
+            self.async_why.setdefault(req_id, why)
         return self
 
 
@@ -64,9 +69,11 @@ class SyncReads:
 
     def __init__(self, worker: Any, timeout_s: float, poll_s: float = 0.0002, *,
                  layerwise: bool = False, read_cpus: set[int] | None = None,
+                 pins: PinGuard | None = None,
                  clock: Callable[[], float] = time.perf_counter,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self.worker = worker
+        self.pins = pins
         self.timeout_s = timeout_s
         self.poll_s = poll_s
         self.layerwise = layerwise
@@ -79,6 +86,8 @@ class SyncReads:
         self._layout_checked = False
         self._plan_metas: dict[str, Any] = {}  # the requests of the step's layered reads
         self._plan_boundary_ms = 0.0  # what the step waited for their boundary blocks
+        self._not_posted_why: dict[str, str] = {}  # reads `_pin_guard` declined to post
+        self._step_sync: set[str] = set()  # the synchronous reads of the step being posted
 
     def _layer_reader(self) -> LayerReader | None:
         """The reading thread, when layered reads apply to this engine (decided on first use,
@@ -115,6 +124,7 @@ class SyncReads:
                 del metadata.reqs_to_recv[req_id]
                 sync.discard(req_id)
                 self._fail(req_id, meta, "no_handshake", 0.0)
+        self._step_sync = sync
         return sync
 
     def owners(self, metadata: Any, sync: set[str]) -> dict[str, str]:
@@ -156,7 +166,7 @@ class SyncReads:
             handles[req_id] = []
             if req_id in worker._recv_failures or posted is None:
                 worker._recv_failures.discard(req_id)
-                failed[req_id] = "not_posted"
+                failed[req_id] = self._not_posted_why.pop(req_id, "not_posted")
             for handle in posted or []:
                 if not isinstance(handle, Captured):
                     handles[req_id].append(handle)
@@ -209,10 +219,17 @@ class SyncReads:
             self._reader.start(Plan(parts, deadline))
         for req_id, meta in metas.items():
             if req_id in failed:
-                self._record_failure(req_id, meta, failed[req_id], elapsed_ms)
+                if failed[req_id] == NOT_POSTED:  # not the transfer's fault
+                    self._fail(req_id, meta, NOT_POSTED, elapsed_ms)
+                else:
+                    self._record_failure(req_id, meta, failed[req_id], elapsed_ms)
+            elif req_id not in layered and not self._in_time(req_id):
+                self._fail(req_id, meta, LANDED_LATE, elapsed_ms)
             elif req_id not in layered:
                 self._results.ok[req_id] = True
                 self._results.ms[req_id] = elapsed_ms
+        self._not_posted_why.clear()
+        self._step_sync = set()
 
     def wait_for_layer(self, layer: str) -> None:
         if self._reader is not None:
@@ -236,6 +253,8 @@ class SyncReads:
                 self._fail(req_id, meta, why, round(exposed, 2))
             elif why is not None:
                 self._record_failure(req_id, meta, why, round(exposed, 2))
+            elif not self._in_time(req_id):
+                self._fail(req_id, meta, LANDED_LATE, round(exposed, 2))
             else:
                 self._results.ok[req_id] = True
                 self._results.ms[req_id] = round(exposed, 2)
@@ -247,10 +266,18 @@ class SyncReads:
             self._reader.close()
 
     def results(self) -> SyncReadResults | None:
-        if not self._results.ok:
+        if not self._results.ok and not self._results.async_why:
             return None
         out, self._results = self._results, SyncReadResults()
         return out
+
+    def pin_failure(self, req_id: str, why: str) -> None:
+        """`_pin_guard` failed a read for its pin: a synchronous one's reason is its failure's
+        (see `after`), an asynchronous one's goes to the scheduler side with the results."""
+        if req_id in self._step_sync:
+            self._not_posted_why[req_id] = why
+        else:
+            self._results.async_why[req_id] = why
 
     # ---- helpers ----------------------------------------------------------------------------
 
@@ -320,6 +347,10 @@ class SyncReads:
                     real.append(posted)
             worker._recving_transfers[req_id] = real
 
+    def _in_time(self, req_id: str) -> bool:
+        """The synchronous read landed: whether its pin was still live then."""
+        return self.pins is None or self.pins.landed_in_time(req_id)
+
     def _record_failure(self, req_id: str, meta: Any, why: str, elapsed_ms: float) -> None:
         self.worker.xfer_stats.record_failed_transfer()
         self.worker._failed_remote_engines.add(meta.remote.engine_id)
@@ -329,6 +360,8 @@ class SyncReads:
         """Report the request's blocks as not loaded: the scheduler recomputes them."""
         blocks = {b for group in meta.local_block_ids for b in group}
         self.worker._invalid_block_ids.put(blocks)
+        if self.pins is not None:
+            self.pins.forget(req_id)
         self._results.ok[req_id] = False
         self._results.ms[req_id] = elapsed_ms
         self._results.why[req_id] = why
