@@ -125,7 +125,7 @@ class LeaseTableMachine(RuleBasedStateMachine):
         # id comes back for a new lease once the first one is forgotten)
         self.newest: dict[tuple[str, str], MLease] = {}
         self.pins: dict[str, MPin] = {}
-        self.read_requests: dict[str, str] = {}  # request id -> pin id
+        self.read_requests: dict[tuple[str, str], str] = {}  # (tenant, request id) -> pin id
         self.grant_requests: dict[tuple[str, str], str] = {}  # (holder, request id) -> lease id
         self.reported: set[str] = set()  # ever reported reclaimable
 
@@ -358,7 +358,7 @@ class LeaseTableMachine(RuleBasedStateMachine):
                 expect = MissReason.HASH_MISMATCH if full and hashes else MissReason.BELOW_MINIMUM
             elif reusable < min_tokens:
                 expect = MissReason.BELOW_MINIMUM
-        old_pin = self.pins.get(self.read_requests.get(request_id, ""))
+        old_pin = self.pins.get(self.read_requests.get((conv[0], request_id), ""))
         conflict = (expect is MissReason.HIT and request_id and old_pin is not None
                     and old_pin.in_table and old_pin.lease_id != lease.lease_id)
         if conflict:
@@ -390,7 +390,7 @@ class LeaseTableMachine(RuleBasedStateMachine):
         pin = read.pin
         assert pin is not None and pin.lease is read.lease
         if request_id and old_pin is not None and old_pin.in_table:
-            assert pin.pin_id == self.read_requests[request_id]  # the same pin, retried
+            assert pin.pin_id == self.read_requests[(conv[0], request_id)]  # the same pin, retried
             event("read: idempotent retry")
             return
         deadline = min(now + min(pin_ttl or CONFIG.default_pin_ttl_s, CONFIG.max_pin_ttl_s),
@@ -399,7 +399,7 @@ class LeaseTableMachine(RuleBasedStateMachine):
         assert pin.pin_id not in self.pins or not self.pins[pin.pin_id].in_table
         self.pins[pin.pin_id] = MPin(lease.lease_id, deadline)
         if request_id:
-            self.read_requests[request_id] = pin.pin_id
+            self.read_requests[(conv[0], request_id)] = pin.pin_id
 
     @rule(data=st.data())
     def release_read(self, data: Any) -> None:
