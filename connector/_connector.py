@@ -222,13 +222,13 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             self.decode.check_watermark()
         meta = super().build_connector_meta(scheduler_output)
         if self.prefill is not None:
-            ends = PinEnds(self._boot_id, time.monotonic())
+            ends: dict[str, float] = {}
             for req_id in meta.reqs_to_recv:  # the worker posts these reads now
                 end = self.prefill.read_sent(req_id)
                 if end is not None:
-                    ends.ends[req_id] = end
-            if ends.ends:  # the worker checks them where it posts and where the reads land
-                setattr(meta, PIN_ENDS_ATTR, ends)
+                    ends[req_id] = end
+            if ends:  # the worker checks them where it posts and where the reads land
+                setattr(meta, PIN_ENDS_ATTR, PinEnds(self._boot_id, time.monotonic(), ends))
         if self._sync_planned:
             sync = self._sync_planned & set(meta.reqs_to_recv)
             self._sync_planned -= sync
