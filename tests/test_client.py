@@ -405,6 +405,20 @@ def test_session_retries_a_failed_reclaim_callback(sync_client, kv, engine, hold
         session.close(deregister=False)
 
 
+def _until_unreachable(client: RegistryClient, timeout: float = 10.0) -> None:
+    """Wait until calls find the stopped registry gone (refused at connect). One made while its
+    connection was closing may have reached it: that grant's outcome is unknown, as the
+    session's tests of unknown outcomes cover."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.get_server_info(timeout=0.5)
+        except errors.Unavailable:
+            return
+        assert time.monotonic() < deadline, "the stopped registry still answers"
+        time.sleep(0.01)
+
+
 def test_session_hard_deadline_frees_when_registry_is_gone(sync_client, kv, engine,
                                                            holder_clock, threaded_registry):
     session = make_session(sync_client, kv, engine, holder_clock)
@@ -413,6 +427,7 @@ def test_session_hard_deadline_frees_when_registry_is_gone(sync_client, kv, engi
         short = session_grant(session, kv, "short", idle_ttl=10.0, max_lifetime=100.0)
         long = session_grant(session, kv, "long", idle_ttl=10.0, max_lifetime=1000.0)
         threaded_registry.stop()  # the registry is gone for good
+        _until_unreachable(sync_client)
         assert session_grant(session, kv, "new") is None  # outages never raise into the engine
         # Hard deadline: max lifetime + max pin TTL (30 s) + margin (5 s), from the grant.
         holder_clock.advance(100 + 30 + 5 - 0.5)
