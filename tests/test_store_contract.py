@@ -1448,3 +1448,97 @@ async def test_tenant_quota_counts_an_expired_lease_as_free_before_any_tick(
     assert (await b.store.pin_lease("t1", "c2")).pin is not None
     with pytest.raises(errors.TenantQuotaExceeded):  # c2 is live and pinned: no room
         await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c3"))
+
+
+# ---- Redis's own clock steps ------------------------------------------------------------------
+
+
+async def _two_replicas(url: str, namespace: str) -> tuple[RedisStore, RedisStore]:
+    config = _redis_config(url, namespace, max_pin_ttl_s=5.0, default_pin_ttl_s=5.0)
+    a, b = RedisStore(config, SystemClock(), recovering=False), RedisStore(
+        config, SystemClock(), recovering=False)
+    await a.start()
+    await b.start()
+    return a, b
+
+
+async def test_redis_clock_step_forward_ends_no_pin_early(redis_server: Any,
+                                                          redis_namespace: str,
+                                                          kv: Any) -> None:
+    """Redis's clock jumps 30 s ahead (an NTP step, a failover to a host whose clock differs)
+    while a superseded lease is pinned: the pin must not end early (the holder would free
+    blocks prefill still reads). The replicas see the step against their monotonic clocks,
+    one stores the fix, and a replica started after it keeps the fleet's pace too."""
+    a, b = await _two_replicas(redis_server.url, redis_namespace)
+    c: RedisStore | None = None
+    try:
+        await a.register_holder(holder(ttl=300.0))
+        old = (await a.grant(grant_spec(kv, kv.tokens(8), idle_ttl=60.0))).lease
+        read = await a.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
+        assert read.pin is not None
+        await a.grant(grant_spec(kv, kv.tokens(12), idle_ttl=60.0))  # supersedes `old`
+        assert await a.heartbeat("h1") == ([], 300.0)  # pinned: not reclaimable
+        with capture_logs() as logs:
+            await a.step_redis_clock(30.0)
+            await b.tick()  # would end the pin (and the holder's TTL is 300 s: not that)
+            assert await b.heartbeat("h1") == ([], 300.0)
+            await _until(lambda: a.clock_steps + b.clock_steps == 1)
+        assert a.clock_steps + b.clock_steps == 1
+        steps = [e for e in logs if e["event"] == "redis_clock_step"]
+        assert steps and steps[0]["step_s"] == pytest.approx(30.0, abs=0.5)
+        c = RedisStore(b.config, SystemClock(), recovering=False)
+        await c.start()
+        for store in (a, b, c):
+            await store.tick()
+            assert await store.heartbeat("h1") == ([], 300.0)
+        lease = await c.get_lease(old.lease_id)
+        assert lease.state is LeaseState.SUPERSEDED
+        assert lease.expire_at - c.clock.monotonic() <= 60.0
+        # The pin still ends when it was to (5 s from the read), by every replica's count.
+        pin_left = read.pin.expire_at - a.clock.monotonic()
+        assert 3.0 < pin_left <= 5.0
+        assert await c.release_read(read.pin.pin_id)
+        assert await a.heartbeat("h1") == ([old.lease_id], 300.0)
+    finally:
+        for store in (a, b, c):
+            if store is not None:
+                await store.close()
+
+
+async def test_redis_clock_step_back_keeps_idle_ttls(redis_server: Any, redis_namespace: str,
+                                                     kv: Any) -> None:
+    """Redis's clock jumps 30 s back: a lease still expires after its idle TTL of fleet time,
+    not 30 s later (nor does a pin outlive its holder's hard deadline by as much)."""
+    a, b = await _two_replicas(redis_server.url, redis_namespace)
+    try:
+        await a.register_holder(holder(ttl=300.0))
+        lease = (await a.grant(grant_spec(kv, kv.tokens(8), idle_ttl=5.0))).lease
+        await a.step_redis_clock(-30.0)
+        await b.tick()
+        await _until(lambda: a.clock_steps + b.clock_steps == 1)
+        assert a.clock_steps + b.clock_steps == 1
+        got = await a.get_lease(lease.lease_id)
+        assert got.state is LeaseState.ACTIVE and got.expire_at - a.clock.monotonic() <= 5.0
+        await a.advance_clock(6.0)
+        await b.tick()
+        assert (await a.get_lease(lease.lease_id)).state is LeaseState.EXPIRED
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_redis_clock_step_below_the_threshold_is_not_one(redis_server: Any,
+                                                               redis_namespace: str) -> None:
+    """Steps under a second (or calls that merely ran late) store no fix: the fleet's clock is
+    Redis's."""
+    a, b = await _two_replicas(redis_server.url, redis_namespace)
+    try:
+        await a.step_redis_clock(0.3)
+        for _ in range(5):
+            await a.tick()
+            await b.tick()
+        assert a.clock_steps == b.clock_steps == 0
+        assert a._clock_bounds is not None and b._clock_bounds is not None
+    finally:
+        await a.close()
+        await b.close()

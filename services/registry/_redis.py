@@ -96,6 +96,10 @@ _EVENT_BATCH = 1000
 _EVENT_BLOCK_MS = 200  # also bounds how long close() waits for the tail to stop
 _RENEW_WATCH_MS = 5000  # replicas watching renewals re-announce it at least this often
 _UNREACHABLE_LOG_EVERY = 5.0
+# How far Redis's clock and this process's monotonic clock may drift apart, in seconds per
+# second (NTP slews a clock by at most 500 ppm): what this replica knows of Redis's clock
+# widens by this much with the time since it last saw it.
+_CLOCK_DRIFT = 1e-3
 
 
 def _s(value: bytes) -> str:
@@ -130,6 +134,12 @@ class RedisStore:
         self._last_unreachable_log = 0.0
         self._closing = False
         self._pin_secret = b""  # from Redis at start
+        # What this replica knows of the fleet clock: (lo, hi, at) bounds of (that clock - our
+        # monotonic clock) as of our monotonic `at`; see `_clock_check` and the script.
+        self._clock_bounds: tuple[float, float, float] | None = None
+        self._clock_fixing = False
+        self._last_clock_log = float("-inf")
+        self.clock_steps = 0  # steps of Redis's clock this replica confirmed (and fixed)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -221,8 +231,15 @@ class RedisStore:
         """Run one script command; raise Unavailable when Redis cannot be reached."""
         if self._script is None:
             raise Unavailable("the Redis store is not started", backend="redis")
-        argv = [args[0], self.config.redis_events_maxlen, self._grace, *args[1:]]
         sent = self.clock.monotonic()
+        bounds = self._clock_bounds
+        if bounds is None:
+            lo = hi = ""
+        else:
+            widen = max(sent - bounds[2], 0.0) * _CLOCK_DRIFT
+            lo, hi = f"{bounds[0] - widen:.6f}", f"{bounds[1] + widen:.6f}"
+        argv = [args[0], self.config.redis_events_maxlen, self._grace, f"{sent:.6f}", lo, hi,
+                *args[1:]]
         try:
             reply: list[Any]
             if self._pipe is not None:
@@ -244,11 +261,69 @@ class RedisStore:
             raise Unavailable(f"Redis cannot serve now: {code} {exc}", backend="redis",
                               redis_error=code) from exc
         if reply[0] == b"OK":
+            stamp = reply[1].split()
+            self._clock_check(stamp, sent, lo, hi)
             # The script's NOW becomes the base that puts Redis times on the local clock, as of
             # when the call was sent: the reply's own delay (queued behind others, a busy loop)
             # then shortens the durations derived from it, never lengthens them.
-            reply[1] = sent - float(reply[1])
+            reply[1] = sent - float(stamp[0])
         return reply
+
+    def _clock_check(self, stamp: list[bytes], sent: float, lo: str, hi: str) -> None:
+        """Learn the fleet clock from a reply's stamp (NOW, the clock) or, when the script
+        found the clock outside what this replica knew of it (NOW, the clock it ran at, Redis's
+        clock, the fix in force), confirm the step and store the fix that undoes it.
+
+        Each reply bounds (fleet clock - monotonic clock): the script ran after the call was
+        sent and before its reply came. Bounds meet (intersect) over replies, widened by the
+        drift allowed since; replies that disagree with them (a step below the script's
+        threshold) start them anew."""
+        recv = self.clock.monotonic()
+        if len(stamp) == 2:
+            base = float(stamp[1])
+            s_lo, s_hi = base - recv, base - sent
+            bounds = self._clock_bounds
+            if bounds is not None:
+                widen = max(sent - bounds[2], 0.0) * _CLOCK_DRIFT
+                n_lo, n_hi = max(bounds[0] - widen, s_lo), min(bounds[1] + widen, s_hi)
+                if n_lo <= n_hi:
+                    s_lo, s_hi = n_lo, n_hi
+            self._clock_bounds = (s_lo, s_hi, sent)
+            return
+        # The call ran at sent + lo (the script's BASE); Redis's clock said `raw`.
+        base, raw, fix = float(stamp[1]), float(stamp[2]), float(stamp[3])
+        off = raw - base  # > 0: Redis's clock is ahead of what we know of it
+        # Back: certain (a call cannot run before it is sent). Forward: certain once more than
+        # the round trip (the call ran before its reply came), plus what we did not know.
+        spread = float(hi) - float(lo)
+        certain = off < 0 or off > (recv - sent) + spread + 0.01
+        if not certain:
+            if recv - self._last_clock_log < _UNREACHABLE_LOG_EVERY:
+                return
+            self._last_clock_log = recv
+            log.warning("redis_clock_unconfirmed", ahead_s=round(off, 6),
+                        round_trip_s=round(recv - sent, 6),
+                        hint="a call ran later than this replica can tell from Redis's clock: "
+                             "it ran at the earliest time it could have")
+            return
+        if self._clock_fixing or self._closing:
+            return
+        self._clock_fixing = True
+        new_fix = fix - off
+        log.warning("redis_clock_step", step_s=round(off, 6), fix_s=round(new_fix, 6),
+                    hint="Redis's clock stepped (NTP, a failover to another host): the fleet's "
+                         "clock keeps its pace; pins and leases keep their deadlines")
+        self._chore(self._store_clock_fix(fix, new_fix))
+
+    async def _store_clock_fix(self, old: float, new: float) -> None:
+        try:
+            reply = await self._run("clockfix", f"{old:.6f}", f"{new:.6f}")
+            if int(reply[2]):
+                self.clock_steps += 1
+        except (Unavailable, RedisError, OSError) as exc:
+            self._unreachable("clockfix", exc)
+        finally:
+            self._clock_fixing = False
 
     @staticmethod
     def _base(base: float) -> float:
@@ -628,7 +703,13 @@ class RedisStore:
         if seconds < 0:
             raise ValueError("a clock cannot go backwards")
         assert self._redis is not None
-        await self._redis.incrbyfloat(self.prefix + "clock_offset", seconds)
+        await self._redis.hincrbyfloat(self.prefix + "clock", "off", seconds)
+
+    async def step_redis_clock(self, seconds: float) -> None:
+        """Step Redis's own clock (as an NTP step or a failover to another host would), which
+        the replicas must notice and undo: for tests."""
+        assert self._redis is not None
+        await self._redis.hincrbyfloat(self.prefix + "clock", "tstep", seconds)
 
 
 def _retry() -> Retry:

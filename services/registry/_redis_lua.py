@@ -1,15 +1,16 @@
 """The Lua script behind `RedisStore`: every read and mutation of the shared state, atomically.
 
 One script, dispatched on ARGV[1] (the command), ARGV[2] the event stream's MAXLEN, ARGV[3]
-the recovery grace (seconds), command arguments from ARGV[4] (ARGS[3] in the script).
-KEYS[1] is `<prefix>events`; every key starts with `<prefix>`, which is a Redis Cluster hash
-tag (`{namespace}:`), so all keys of a fleet live in one slot.
+the recovery grace (seconds), ARGV[4..6] the caller's clock check (below), command arguments
+from ARGV[7] (ARGS[3] in the script). KEYS[1] is `<prefix>events`; every key starts with
+`<prefix>`, which is a Redis Cluster hash tag (`{namespace}:`), so all keys of a fleet live in
+one slot.
 
-Time is Redis's own (`TIME`, plus `<prefix>clock_offset`, a number of seconds that tests
-raise to move every replica's time at once; absent in production), so replicas need no clock
-agreement: replies carry the script's `now` next to absolute Redis times, and the Python side
-turns each into a duration on its own clock (DESIGN invariant 5). Floats are returned as
-strings (a Lua number in a reply is truncated to an integer).
+Time is Redis's own (`TIME`, plus the fix in `<prefix>clock` that undoes a step of Redis's
+clock, which the replicas detect against their monotonic clocks: see the script), so replicas
+need no clock agreement: replies carry the script's `now` next to absolute Redis times, and
+the Python side turns each into a duration on its own clock (DESIGN invariant 5). Floats are
+returned as strings (a Lua number in a reply is truncated to an integer).
 
 Keys (P = prefix):
   P h:<holder>       hash: host port tp bs fp ttl x(expire) ver s(state) la(lost at) rb(blocks)
@@ -30,6 +31,7 @@ Keys (P = prefix):
   P renew_watch      string with a TTL: set while some replica watches renewals
   P pin_secret       the key of derived pin ids (kvbridge.ids.read_pin_id), set by the first
                      replica to start, read by the others (not by this script)
+  P clock            hash: fix (seconds added to TIME after a step), off and tstep (tests)
   P started, P hold_until  when this state began (empty), and until when nothing is reported
                      reclaimable (pins granted before a loss of Redis data may still be read)
 """
@@ -40,12 +42,43 @@ local P = string.sub(EV, 1, -7)
 local cmd = ARGV[1]
 local MAXLEN = ARGV[2]
 local GRACE = tonumber(ARGV[3])
--- The command's arguments: ARGS[3] onwards (ARGV without the grace).
+-- The command's arguments: ARGS[3] onwards (ARGV without the grace and the clock check).
 local ARGS = {ARGV[1], ARGV[2]}
-for i = 4, #ARGV do ARGS[#ARGS + 1] = ARGV[i] end
+for i = 7, #ARGV do ARGS[#ARGS + 1] = ARGV[i] end
+
+-- The fleet's clock: Redis's TIME plus `fix`, which undoes steps of Redis's own clock (an NTP
+-- step, a failover to a host whose clock differs). A step forward would end pins early (a
+-- lease reclaimed while prefill still reads it); one back would let a pin outlive its holder's
+-- hard deadline. The caller sends its monotonic reading as sent (ARGV[4]) and the bounds it
+-- knows of (this clock - its monotonic clock) (ARGV[5], ARGV[6]; empty before its first
+-- reply). A clock outside them by more than STEP has stepped (back: certainly; forward: or
+-- the call waited that long): this call then runs at the earliest time it can be, the
+-- caller's reading plus the lower bound, which neither ends a pin early nor lengthens a pin
+-- past a deadline as the caller sees it, and its reply says so (the caller confirms a step
+-- with its round trip and stores the fix, `clockfix`). `off` and `tstep` are for tests only:
+-- `off` moves every replica's time forward (as if time passed), `tstep` steps Redis's clock.
+local STEP = 1.0
+local CLK = redis.call('HMGET', P .. 'clock', 'fix', 'off', 'tstep')
+local FIX = tonumber(CLK[1] or '0')
 local t = redis.call('TIME')
-local NOW = tonumber(t[1]) + tonumber(t[2]) / 1000000
-  + tonumber(redis.call('GET', P .. 'clock_offset') or '0')
+local RAW = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(CLK[3] or '0') + FIX
+local BASE, STEPPED = RAW, false
+if ARGV[5] ~= '' then
+  local sent = tonumber(ARGV[4])
+  local lo_t, hi_t = sent + tonumber(ARGV[5]), sent + tonumber(ARGV[6])
+  if RAW < lo_t - STEP or RAW > hi_t + STEP then
+    BASE, STEPPED = lo_t, true
+  end
+end
+local NOW = BASE + tonumber(CLK[2] or '0')
+-- A reply's first field after OK: NOW, the clock without `off`, and after a step the
+-- clock as Redis had it and the fix in force.
+local function STAMP()
+  if STEPPED then
+    return string.format('%.6f %.6f %.6f %.6f', NOW, BASE, RAW, FIX)
+  end
+  return string.format('%.6f %.6f', NOW, BASE)
+end
 
 -- State that starts empty (a new namespace, or a Redis that lost its data) may be a restarted
 -- one: readers may hold pins from before. Report nothing reclaimable for the grace. A read
@@ -300,7 +333,7 @@ if cmd == 'register' then
       if f[1] == hid and tonumber(f[2]) == ACTIVE then restored[#restored + 1] = lid end
     end
   end
-  return {'OK', F(NOW), holder_enc(hid), restored, reclaimable_of(hid), event}
+  return {'OK', STAMP(), holder_enc(hid), restored, reclaimable_of(hid), event}
 
 elseif cmd == 'heartbeat' then
   local hid = ARGS[3]
@@ -318,7 +351,7 @@ elseif cmd == 'heartbeat' then
       redis.call('SREM', P .. 'hd:' .. hid, lid)  -- also when its hash was evicted
     end
   end
-  return {'OK', F(NOW), reclaimable_of(hid), ttl}
+  return {'OK', STAMP(), reclaimable_of(hid), ttl}
 
 elseif cmd == 'deregister' then
   local hid = ARGS[3]
@@ -330,7 +363,7 @@ elseif cmd == 'deregister' then
   for _, lid in ipairs(redis.call('SMEMBERS', P .. 'hd:' .. hid)) do
     if pins_of(lid) > 0 then pinned = pinned + 1 end
   end
-  return {'OK', F(NOW), reclaimable_of(hid), pinned}
+  return {'OK', STAMP(), reclaimable_of(hid), pinned}
 
 elseif cmd == 'holders' then
   for _, hid in ipairs(redis.call('ZRANGEBYSCORE', P .. 'holders', '-inf', F(NOW))) do
@@ -340,12 +373,12 @@ elseif cmd == 'holders' then
   for _, hid in ipairs(redis.call('ZRANGE', P .. 'holders', 0, -1)) do
     out[#out + 1] = holder_enc(hid)
   end
-  return {'OK', F(NOW), out}
+  return {'OK', STAMP(), out}
 
 elseif cmd == 'get_holder' then
   local s = holder_state(ARGS[3])
   if not s or s == H_LOST then return {'ERR', 'HOLDER_NOT_FOUND'} end
-  return {'OK', F(NOW), holder_enc(ARGS[3])}
+  return {'OK', STAMP(), holder_enc(ARGS[3])}
 
 elseif cmd == 'grant' then
   local hid, lid = ARGS[3], ARGS[5]
@@ -364,7 +397,7 @@ elseif cmd == 'grant' then
     if f[1] ~= tenant or f[2] ~= conv or f[3] ~= rrid or f[4] ~= hid then
       return {'ERR', 'REQUEST_ID_REUSED'}
     end
-    return {'OK', F(NOW), lease_enc(lid), holder_enc(hid), {}}
+    return {'OK', STAMP(), lease_enc(lid), holder_enc(hid), {}}
   end
   if redis.call('ZCARD', P .. 'leases') >= tonumber(ARGS[15]) then
     return {'ERR', 'CAPACITY_EXHAUSTED'}
@@ -437,7 +470,7 @@ elseif cmd == 'grant' then
   redis.call('SET', C, lid)
   redis.call('ZADD', P .. 'lexp', F(x), lid)
   emit(1, lid, tenant, conv, hid, epoch, 0)
-  return {'OK', F(NOW), lease_enc(lid), holder_enc(hid), sup, evicted}
+  return {'OK', STAMP(), lease_enc(lid), holder_enc(hid), sup, evicted}
 
 elseif cmd == 'renew' then
   local nids = tonumber(ARGS[3])
@@ -467,7 +500,7 @@ elseif cmd == 'renew' then
     one('', redis.call('GET', P .. 'c:' .. ARGS[k] .. ' ' .. ARGS[k + 1]))
     k = k + 2
   end
-  return {'OK', F(NOW), out}
+  return {'OK', STAMP(), out}
 
 elseif cmd == 'revoke' then
   local lid, hid = ARGS[3], ARGS[4]
@@ -480,17 +513,17 @@ elseif cmd == 'revoke' then
     kill(lid, REVOKED, 0)
     revoked = 1
   end
-  return {'OK', F(NOW), lease_enc(lid), holder_enc(owner), revoked}
+  return {'OK', STAMP(), lease_enc(lid), holder_enc(owner), revoked}
 
 elseif cmd == 'get_lease' then
   local lid = ARGS[3]
   if redis.call('EXISTS', P .. 'l:' .. lid) == 0 then return {'ERR', 'LEASE_NOT_FOUND'} end
   refresh(lid)
-  return {'OK', F(NOW), lease_enc(lid), holder_enc(redis.call('HGET', P .. 'l:' .. lid, 'h'))}
+  return {'OK', STAMP(), lease_enc(lid), holder_enc(redis.call('HGET', P .. 'l:' .. lid, 'h'))}
 
 elseif cmd == 'hold' then
   -- Seconds left of the recovery grace (0 when over), which started above if state was empty.
-  return {'OK', F(NOW), F(math.max(HOLD_UNTIL - NOW, 0))}
+  return {'OK', STAMP(), F(math.max(HOLD_UNTIL - NOW, 0))}
 
 elseif cmd == 'list' then
   local tenant, conv, hid = ARGS[3], ARGS[4], ARGS[5]
@@ -539,24 +572,24 @@ elseif cmd == 'list' then
       start = '(' .. chunk[#chunk]
     end
   end
-  return {'OK', F(NOW), out, holders}
+  return {'OK', STAMP(), out, holders}
 
 elseif cmd == 'read' then
   local mode, tenant, conv, prompt = ARGS[3], ARGS[4], ARGS[5], ARGS[6]
   local min_tokens, pin_ttl, pin_id = tonumber(ARGS[7]), tonumber(ARGS[8]), ARGS[9]
   local max_pin = tonumber(ARGS[11])  -- ARGS[10]: whether the pin id came from a request_id
   local lid = redis.call('GET', P .. 'c:' .. tenant .. ' ' .. conv)
-  if not lid then return {'OK', F(NOW), 1, 0, 0, 0} end
+  if not lid then return {'OK', STAMP(), 1, 0, 0, 0} end
   local L = P .. 'l:' .. lid
   -- The hot path reads the lease and its holder once each and answers from what it read.
   -- Anything but a live lease of an active, unexpired holder takes the general path below,
   -- which applies passed deadlines first (refresh) and reports the miss.
   local lf = redis.call('HMGET', L, unpack(LF))  -- t c h r p n e i m ct x s k
   local hid = lf[3]
-  if not hid then return {'OK', F(NOW), 1, 0, 0, 0} end  -- a pointer to a lease now gone
+  if not hid then return {'OK', STAMP(), 1, 0, 0, 0} end  -- a pointer to a lease now gone
   local hf = redis.call('HMGET', P .. 'h:' .. hid, unpack(HF))  -- host .. s rb
   local function miss(reason, k, matched, partial)
-    return {'OK', F(NOW), reason, k, matched, partial, lease_enc(lid), holder_enc(hid)}
+    return {'OK', STAMP(), reason, k, matched, partial, lease_enc(lid), holder_enc(hid)}
   end
   if not (hf[9] and tonumber(lf[12]) == ACTIVE and tonumber(lf[11]) > NOW
           and tonumber(hf[9]) == H_ACTIVE and tonumber(hf[7]) > NOW) then
@@ -605,18 +638,18 @@ elseif cmd == 'read' then
   redis.call('HSET', L, 'x', x, 'k', pins)
   redis.call('ZADD', P .. 'lexp', x, lid)
   lf[11], lf[13] = x, pins
-  return {'OK', F(NOW), 0, k, k, pflag, lease_enc(lid, lf), holder_enc(hid, hf), pin_id,
+  return {'OK', STAMP(), 0, k, k, pflag, lease_enc(lid, lf), holder_enc(hid, hf), pin_id,
           F(deadline)}
 
 elseif cmd == 'release' then
   local pin = ARGS[3]
   local PK = P .. 'p:' .. pin
   local lid = redis.call('HGET', PK, 'l')
-  if not lid then return {'OK', F(NOW), 0} end
+  if not lid then return {'OK', STAMP(), 0} end
   redis.call('DEL', PK)
   redis.call('ZREM', P .. 'pexp', pin)
   unpin(lid)
-  return {'OK', F(NOW), 1}
+  return {'OK', STAMP(), 1}
 
 elseif cmd == 'tick' then
   local batch, retention = tonumber(ARGS[3]), tonumber(ARGS[4])
@@ -661,9 +694,15 @@ elseif cmd == 'tick' then
   end
   local next_in = ''
   if nxt then next_in = F(nxt - NOW) end
-  return {'OK', F(NOW), expired, next_in, lost, redis.call('ZCARD', P .. 'lexp'),
+  return {'OK', STAMP(), expired, next_in, lost, redis.call('ZCARD', P .. 'lexp'),
           redis.call('ZCARD', P .. 'leases'), redis.call('ZCARD', P .. 'holders'),
           redis.call('ZCARD', P .. 'pexp')}
+
+elseif cmd == 'clockfix' then
+  -- Store a fix a caller confirmed; only over the one it saw (another may have stored it).
+  if math.abs(FIX - tonumber(ARGS[3])) > 0.0000005 then return {'OK', STAMP(), 0} end
+  redis.call('HSET', P .. 'clock', 'fix', ARGS[4])
+  return {'OK', STAMP(), 1}
 end
 return {'ERR', 'UNKNOWN_COMMAND'}
 """
