@@ -1493,12 +1493,13 @@ async def test_redis_clock_step_forward_ends_no_pin_early(redis_server: Any,
             assert await store.heartbeat("h1") == ([], 300.0)
         lease = await c.get_lease(old.lease_id)
         assert lease.state is LeaseState.SUPERSEDED
-        assert lease.expire_at - c.clock.monotonic() <= 60.0
+        assert 50.0 < lease.expire_at - c.clock.monotonic() <= 60.0  # not 30 s early
         # The pin still ends when it was to (5 s from the read), by every replica's count.
         pin_left = read.pin.expire_at - a.clock.monotonic()
         assert 3.0 < pin_left <= 5.0
         assert await c.release_read(read.pin.pin_id)
         assert await a.heartbeat("h1") == ([old.lease_id], 300.0)
+        assert a.clock_steps + b.clock_steps + c.clock_steps == 1
     finally:
         for store in (a, b, c):
             if store is not None:
@@ -1542,3 +1543,31 @@ async def test_redis_clock_step_below_the_threshold_is_not_one(redis_server: Any
     finally:
         await a.close()
         await b.close()
+
+
+async def test_redis_replica_that_learned_a_stepped_clock_follows_the_fix(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """A replica started after a step but before the fix learned the stepped clock; once a
+    replica that saw the step stores the fix, the newcomer learns the clock anew instead of
+    undoing the fix (which would set the replicas fixing against each other)."""
+    a, b = await _two_replicas(redis_server.url, redis_namespace)
+    c = RedisStore(b.config, SystemClock(), recovering=False)
+    try:
+        await a.register_holder(holder(ttl=300.0))
+        lease = (await a.grant(grant_spec(kv, kv.tokens(8), idle_ttl=60.0))).lease
+        await a.step_redis_clock(30.0)
+        await c.start()
+        await b.tick()
+        await _until(lambda: a.clock_steps + b.clock_steps == 1)
+        for _ in range(3):
+            for store in (c, a, b):
+                await store.tick()
+        await asyncio.sleep(0.1)  # any fix a replica would start is done
+        assert (a.clock_steps, b.clock_steps, c.clock_steps).count(0) == 2
+        assert sum((a.clock_steps, b.clock_steps, c.clock_steps)) == 1
+        got = await c.get_lease(lease.lease_id)
+        assert got.state is LeaseState.ACTIVE
+        assert 50.0 < got.expire_at - c.clock.monotonic() <= 60.0
+    finally:
+        for store in (a, b, c):
+            await store.close()

@@ -100,6 +100,7 @@ _UNREACHABLE_LOG_EVERY = 5.0
 # second (NTP slews a clock by at most 500 ppm): what this replica knows of Redis's clock
 # widens by this much with the time since it last saw it.
 _CLOCK_DRIFT = 1e-3
+_CLOCK_FIX_MAX_RTT = 0.1  # a step is fixed from a call of at most this round trip (seconds)
 
 
 def _s(value: bytes) -> str:
@@ -136,7 +137,7 @@ class RedisStore:
         self._pin_secret = b""  # from Redis at start
         # What this replica knows of the fleet clock: (lo, hi, at) bounds of (that clock - our
         # monotonic clock) as of our monotonic `at`; see `_clock_check` and the script.
-        self._clock_bounds: tuple[float, float, float] | None = None
+        self._clock_bounds: tuple[float, float, float, bytes] | None = None
         self._clock_fixing = False
         self._last_clock_log = float("-inf")
         self.clock_steps = 0  # steps of Redis's clock this replica confirmed (and fixed)
@@ -235,11 +236,13 @@ class RedisStore:
         bounds = self._clock_bounds
         if bounds is None:
             lo = hi = ""
+            gen = b""
         else:
             widen = max(sent - bounds[2], 0.0) * _CLOCK_DRIFT
             lo, hi = f"{bounds[0] - widen:.6f}", f"{bounds[1] + widen:.6f}"
+            gen = bounds[3]
         argv = [args[0], self.config.redis_events_maxlen, self._grace, f"{sent:.6f}", lo, hi,
-                *args[1:]]
+                gen, *args[1:]]
         try:
             reply: list[Any]
             if self._pipe is not None:
@@ -270,56 +273,56 @@ class RedisStore:
         return reply
 
     def _clock_check(self, stamp: list[bytes], sent: float, lo: str, hi: str) -> None:
-        """Learn the fleet clock from a reply's stamp (NOW, the clock) or, when the script
-        found the clock outside what this replica knew of it (NOW, the clock it ran at, Redis's
-        clock, the fix in force), confirm the step and store the fix that undoes it.
+        """Learn the fleet clock from a reply's stamp (NOW, the clock, the fix's generation)
+        or, when the script found the clock outside what this replica knew of it (then also
+        Redis's clock), confirm the step and store the fix that undoes it.
 
         Each reply bounds (fleet clock - monotonic clock): the script ran after the call was
         sent and before its reply came. Bounds meet (intersect) over replies, widened by the
         drift allowed since; replies that disagree with them (a step below the script's
-        threshold) start them anew."""
+        threshold) or come under another fix start them anew."""
         recv = self.clock.monotonic()
-        if len(stamp) == 2:
-            base = float(stamp[1])
+        base, gen = float(stamp[1]), stamp[2]
+        if len(stamp) == 3:
             s_lo, s_hi = base - recv, base - sent
             bounds = self._clock_bounds
-            if bounds is not None:
+            if bounds is not None and bounds[3] == gen:
                 widen = max(sent - bounds[2], 0.0) * _CLOCK_DRIFT
                 n_lo, n_hi = max(bounds[0] - widen, s_lo), min(bounds[1] + widen, s_hi)
                 if n_lo <= n_hi:
                     s_lo, s_hi = n_lo, n_hi
-            self._clock_bounds = (s_lo, s_hi, sent)
+            self._clock_bounds = (s_lo, s_hi, sent, gen)
             return
         # The call ran at sent + lo (the script's BASE); Redis's clock said `raw`.
-        base, raw, fix = float(stamp[1]), float(stamp[2]), float(stamp[3])
-        off = raw - base  # > 0: Redis's clock is ahead of what we know of it
+        off = float(stamp[3]) - base  # > 0: Redis's clock is ahead of what we know of it
+        rtt = recv - sent
         # Back: certain (a call cannot run before it is sent). Forward: certain once more than
-        # the round trip (the call ran before its reply came), plus what we did not know.
-        spread = float(hi) - float(lo)
-        certain = off < 0 or off > (recv - sent) + spread + 0.01
-        if not certain:
-            if recv - self._last_clock_log < _UNREACHABLE_LOG_EVERY:
-                return
-            self._last_clock_log = recv
-            log.warning("redis_clock_unconfirmed", ahead_s=round(off, 6),
-                        round_trip_s=round(recv - sent, 6),
-                        hint="a call ran later than this replica can tell from Redis's clock: "
-                             "it ran at the earliest time it could have")
+        # the round trip (the call ran before its reply came), plus what we did not know. A fix
+        # is only as good as the call's round trip: only a quick one stores it.
+        certain = off < 0 or off > rtt + (float(hi) - float(lo)) + 0.01
+        if not certain or rtt > _CLOCK_FIX_MAX_RTT:
+            if recv - self._last_clock_log >= _UNREACHABLE_LOG_EVERY:
+                self._last_clock_log = recv
+                log.warning("redis_clock_unconfirmed", ahead_s=round(off, 6),
+                            round_trip_s=round(rtt, 6),
+                            hint="Redis's clock is not where this replica expected it, and the "
+                                 "call took too long to tell a step: it ran at the earliest "
+                                 "time it could have")
             return
         if self._clock_fixing or self._closing:
             return
         self._clock_fixing = True
-        new_fix = fix - off
-        log.warning("redis_clock_step", step_s=round(off, 6), fix_s=round(new_fix, 6),
-                    hint="Redis's clock stepped (NTP, a failover to another host): the fleet's "
-                         "clock keeps its pace; pins and leases keep their deadlines")
-        self._chore(self._store_clock_fix(fix, new_fix))
+        self._chore(self._store_clock_fix(gen, off))
 
-    async def _store_clock_fix(self, old: float, new: float) -> None:
+    async def _store_clock_fix(self, gen: bytes, step: float) -> None:
         try:
-            reply = await self._run("clockfix", f"{old:.6f}", f"{new:.6f}")
+            reply = await self._run("clockfix", gen, f"{-step:.6f}")
             if int(reply[2]):
                 self.clock_steps += 1
+                log.warning("redis_clock_step", step_s=round(step, 6),
+                            hint="Redis's clock stepped (NTP, a failover to another host): "
+                                 "the fleet's clock keeps its pace; pins and leases keep "
+                                 "their deadlines")
         except (Unavailable, RedisError, OSError) as exc:
             self._unreachable("clockfix", exc)
         finally:

@@ -1,8 +1,8 @@
 """The Lua script behind `RedisStore`: every read and mutation of the shared state, atomically.
 
 One script, dispatched on ARGV[1] (the command), ARGV[2] the event stream's MAXLEN, ARGV[3]
-the recovery grace (seconds), ARGV[4..6] the caller's clock check (below), command arguments
-from ARGV[7] (ARGS[3] in the script). KEYS[1] is `<prefix>events`; every key starts with
+the recovery grace (seconds), ARGV[4..7] the caller's clock check (below), command arguments
+from ARGV[8] (ARGS[3] in the script). KEYS[1] is `<prefix>events`; every key starts with
 `<prefix>`, which is a Redis Cluster hash tag (`{namespace}:`), so all keys of a fleet live in
 one slot.
 
@@ -44,26 +44,30 @@ local MAXLEN = ARGV[2]
 local GRACE = tonumber(ARGV[3])
 -- The command's arguments: ARGS[3] onwards (ARGV without the grace and the clock check).
 local ARGS = {ARGV[1], ARGV[2]}
-for i = 7, #ARGV do ARGS[#ARGS + 1] = ARGV[i] end
+for i = 8, #ARGV do ARGS[#ARGS + 1] = ARGV[i] end
 
 -- The fleet's clock: Redis's TIME plus `fix`, which undoes steps of Redis's own clock (an NTP
 -- step, a failover to a host whose clock differs). A step forward would end pins early (a
 -- lease reclaimed while prefill still reads it); one back would let a pin outlive its holder's
--- hard deadline. The caller sends its monotonic reading as sent (ARGV[4]) and the bounds it
+-- hard deadline. The caller sends its monotonic reading as sent (ARGV[4]), the bounds it
 -- knows of (this clock - its monotonic clock) (ARGV[5], ARGV[6]; empty before its first
--- reply). A clock outside them by more than STEP has stepped (back: certainly; forward: or
--- the call waited that long): this call then runs at the earliest time it can be, the
--- caller's reading plus the lower bound, which neither ends a pin early nor lengthens a pin
--- past a deadline as the caller sees it, and its reply says so (the caller confirms a step
--- with its round trip and stores the fix, `clockfix`). `off` and `tstep` are for tests only:
--- `off` moves every replica's time forward (as if time passed), `tstep` steps Redis's clock.
+-- reply) and the generation of the fix they were learned under (ARGV[7]); bounds learned
+-- under an older fix are not checked against (the caller learns them anew). A clock outside
+-- the bounds by more than STEP has stepped (back: certainly; forward: or the call waited that
+-- long): this call then runs at the earliest time it can have run, the caller's reading plus
+-- the lower bound (so its deadlines are off by at most the bounds' spread, under a
+-- millisecond on a quick link), and its reply says so: the caller confirms a step with its
+-- round trip and stores the fix (`clockfix`, which bumps `gen`). `off` and `tstep` are for
+-- tests only: `off` moves every replica's time forward (as if time passed), `tstep` steps
+-- Redis's clock.
 local STEP = 1.0
-local CLK = redis.call('HMGET', P .. 'clock', 'fix', 'off', 'tstep')
+local CLK = redis.call('HMGET', P .. 'clock', 'fix', 'off', 'tstep', 'gen')
+local GEN = CLK[4] or '0'
 local FIX = tonumber(CLK[1] or '0')
 local t = redis.call('TIME')
 local RAW = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(CLK[3] or '0') + FIX
 local BASE, STEPPED = RAW, false
-if ARGV[5] ~= '' then
+if ARGV[5] ~= '' and ARGV[7] == GEN then
   local sent = tonumber(ARGV[4])
   local lo_t, hi_t = sent + tonumber(ARGV[5]), sent + tonumber(ARGV[6])
   if RAW < lo_t - STEP or RAW > hi_t + STEP then
@@ -71,13 +75,13 @@ if ARGV[5] ~= '' then
   end
 end
 local NOW = BASE + tonumber(CLK[2] or '0')
--- A reply's first field after OK: NOW, the clock without `off`, and after a step the
--- clock as Redis had it and the fix in force.
+-- A reply's first field after OK: NOW, the clock without `off`, the fix's generation, and
+-- after a step the clock as Redis had it.
 local function STAMP()
   if STEPPED then
-    return string.format('%.6f %.6f %.6f %.6f', NOW, BASE, RAW, FIX)
+    return string.format('%.6f %.6f %s %.6f', NOW, BASE, GEN, RAW)
   end
-  return string.format('%.6f %.6f', NOW, BASE)
+  return string.format('%.6f %.6f %s', NOW, BASE, GEN)
 end
 
 -- State that starts empty (a new namespace, or a Redis that lost its data) may be a restarted
@@ -699,9 +703,11 @@ elseif cmd == 'tick' then
           redis.call('ZCARD', P .. 'pexp')}
 
 elseif cmd == 'clockfix' then
-  -- Store a fix a caller confirmed; only over the one it saw (another may have stored it).
-  if math.abs(FIX - tonumber(ARGS[3])) > 0.0000005 then return {'OK', STAMP(), 0} end
-  redis.call('HSET', P .. 'clock', 'fix', ARGS[4])
+  -- Store a fix a caller confirmed, moved by the step it saw: only over the generation it saw
+  -- (another replica may have stored one since).
+  if ARGS[3] ~= GEN then return {'OK', STAMP(), 0} end
+  redis.call('HSET', P .. 'clock', 'fix', F(FIX + tonumber(ARGS[4])),
+             'gen', tostring(tonumber(GEN) + 1))
   return {'OK', STAMP(), 1}
 end
 return {'ERR', 'UNKNOWN_COMMAND'}
