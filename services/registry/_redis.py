@@ -103,6 +103,12 @@ _CLOCK_DRIFT = 1e-3
 _CLOCK_FIX_MAX_RTT = 0.1  # a step is fixed from a call of at most this round trip (seconds)
 
 
+def _widened(bounds: tuple[float, float, float, bytes], at: float) -> tuple[float, float]:
+    """Clock bounds learned at `bounds[2]`, widened by the drift allowed until `at`."""
+    widen = max(at - bounds[2], 0.0) * _CLOCK_DRIFT
+    return bounds[0] - widen, bounds[1] + widen
+
+
 def _s(value: bytes) -> str:
     return value.decode()
 
@@ -135,8 +141,9 @@ class RedisStore:
         self._last_unreachable_log = 0.0
         self._closing = False
         self._pin_secret = b""  # from Redis at start
-        # What this replica knows of the fleet clock: (lo, hi, at) bounds of (that clock - our
-        # monotonic clock) as of our monotonic `at`; see `_clock_check` and the script.
+        # What this replica knows of the fleet clock: (lo, hi, at, gen) bounds of (that clock -
+        # our monotonic clock) as of our monotonic `at`, learned under the fix of generation
+        # `gen`; see `_clock_check` and the script.
         self._clock_bounds: tuple[float, float, float, bytes] | None = None
         self._clock_fixing = False
         self._last_clock_log = float("-inf")
@@ -238,9 +245,8 @@ class RedisStore:
             lo = hi = ""
             gen = b""
         else:
-            widen = max(sent - bounds[2], 0.0) * _CLOCK_DRIFT
-            lo, hi = f"{bounds[0] - widen:.6f}", f"{bounds[1] + widen:.6f}"
-            gen = bounds[3]
+            b_lo, b_hi = _widened(bounds, sent)
+            lo, hi, gen = f"{b_lo:.6f}", f"{b_hi:.6f}", bounds[3]
         argv = [args[0], self.config.redis_events_maxlen, self._grace, f"{sent:.6f}", lo, hi,
                 gen, *args[1:]]
         try:
@@ -287,8 +293,8 @@ class RedisStore:
             s_lo, s_hi = base - recv, base - sent
             bounds = self._clock_bounds
             if bounds is not None and bounds[3] == gen:
-                widen = max(sent - bounds[2], 0.0) * _CLOCK_DRIFT
-                n_lo, n_hi = max(bounds[0] - widen, s_lo), min(bounds[1] + widen, s_hi)
+                b_lo, b_hi = _widened(bounds, sent)
+                n_lo, n_hi = max(b_lo, s_lo), min(b_hi, s_hi)
                 if n_lo <= n_hi:
                     s_lo, s_hi = n_lo, n_hi
             self._clock_bounds = (s_lo, s_hi, sent, gen)
