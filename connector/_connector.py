@@ -13,7 +13,6 @@ not NIXL's to track (they would be logged as reads of expired blocks).
 from __future__ import annotations
 
 import os
-import time
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -23,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPull
 from kvbridge import blockhash
 from kvbridge.clients import RegistryClient
 from kvbridge.clients._router import RouterClient
+from kvbridge.clock import monotonic
 from kvbridge.connector._decode import DecodeRetention
 from kvbridge.connector._layerwise import capturing
 from kvbridge.connector._metrics import ConnectorMetrics
@@ -228,7 +228,7 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                 if end is not None:
                     ends[req_id] = end
             if ends:  # the worker checks them where it posts and where the reads land
-                setattr(meta, PIN_ENDS_ATTR, PinEnds(self._boot_id, time.monotonic(), ends))
+                setattr(meta, PIN_ENDS_ATTR, PinEnds(self._boot_id, monotonic(), ends))
         if self._sync_planned:
             sync = self._sync_planned & set(meta.reqs_to_recv)
             self._sync_planned -= sync

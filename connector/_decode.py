@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ import structlog
 
 from kvbridge import blockhash
 from kvbridge.clients import GrantOutcomeUnknown, HolderSession, RegistryClient
+from kvbridge.clock import monotonic
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._settings import (
     REMOTE_ID_PREFIX,
@@ -104,7 +104,7 @@ class DecodeRetention:
         hold the blocks it needs."""
         self.drain()
         need = -(-request.num_tokens // self.block_size) + 1
-        now = time.monotonic()
+        now = monotonic()
         self._demand[request.request_id] = (need, now)
         self._note_demand(sum(n for n, _ in self._demand.values()), now)
         self.check_watermark()
@@ -113,7 +113,7 @@ class DecodeRetention:
         """The scheduler gave the request its blocks: no demand left."""
         demand = self._demand.pop(request_id, None)
         if demand is not None:
-            self.metrics.admission_wait.observe(time.monotonic() - demand[1])
+            self.metrics.admission_wait.observe(monotonic() - demand[1])
 
     def on_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> dict[str, Any] | None:
         """Retain a normally finished conversation turn's blocks and grant a lease over them in
@@ -147,7 +147,7 @@ class DecodeRetention:
         pool = self._pool
         pool.touch([pool.blocks[b] for b in blocks])
         retained = _Retained(f"{REMOTE_ID_PREFIX}{request.request_id}", blocks, computed,
-                             time.monotonic())
+                             monotonic())
         with self._lock:
             self._by_key[retained.key] = retained
         self.metrics.retained_blocks.inc(len(blocks))
@@ -180,7 +180,7 @@ class DecodeRetention:
             self.metrics.blocks_freed.labels(why).inc(len(retained.block_ids))
             log.info("retained_blocks_freed", lease_id=retained.lease_id or None,
                      blocks=len(retained.block_ids), why=why,
-                     held_s=round(time.monotonic() - retained.since, 1))
+                     held_s=round(monotonic() - retained.since, 1))
         return freed
 
     def make_room(self) -> bool:
@@ -201,7 +201,7 @@ class DecodeRetention:
                    for lid in self._revoked - self._revoked_pinned - self._in_flight):
                 return True  # reported reclaimable: freed by the next drain
             return bool(self._in_flight) and (
-                time.monotonic() - self._revoke_sent < _REVOKE_WAIT_S)
+                monotonic() - self._revoke_sent < _REVOKE_WAIT_S)
 
     def _note_demand(self, blocks: int, now: float) -> None:
         if self.settings.headroom_window_s <= 0:
@@ -217,7 +217,7 @@ class DecodeRetention:
         within the window, capped at `headroom_cap` of the pool."""
         if self._pool is None or self.settings.headroom_window_s <= 0:
             return 0
-        horizon = time.monotonic() - self.settings.headroom_window_s
+        horizon = monotonic() - self.settings.headroom_window_s
         with self._lock:
             peaks = self._peaks
             while peaks and peaks[0][0] < horizon:
@@ -236,7 +236,7 @@ class DecodeRetention:
         thread once a new lease is recorded, so room is made while the engine is idle, before
         the next request comes."""
         pool = self._pool
-        if pool is None or self._revoking or time.monotonic() < self._revoke_backoff_until:
+        if pool is None or self._revoking or monotonic() < self._revoke_backoff_until:
             return
         total = pool.num_gpu_blocks - 1
         watermark = int(total * self.settings.free_watermark)
@@ -272,9 +272,9 @@ class DecodeRetention:
             self._revoking = True
             self._revoked.update(victims)
             self._in_flight = set(victims)
-            self._revoke_sent = time.monotonic()
+            self._revoke_sent = monotonic()
         self.metrics.revocations.labels(cause).inc()
-        self._revokes.submit(self._revoke, victims, time.monotonic(), cause)
+        self._revokes.submit(self._revoke, victims, monotonic(), cause)
 
     # ---- background threads -----------------------------------------------------------------
 
@@ -360,13 +360,13 @@ class DecodeRetention:
 
     def _revoke(self, lease_ids: list[str], submitted: float, cause: str = "demand") -> None:
         try:
-            started = time.monotonic()
+            started = monotonic()
             result = self.session.revoke(lease_ids, "memory_pressure")
             with self._lock:
                 # Not revoked: they may be picked again on a later pass, not at once.
                 self._revoked.difference_update(result.failed)
                 if result.unreachable:  # not a lease refused (say, gone): the registry
-                    self._revoke_backoff_until = (time.monotonic()
+                    self._revoke_backoff_until = (monotonic()
                                                   + max(self.settings.rpc_timeout_s, 1.0))
                 # Pinned: freed when the pin ends, so not counted as free meanwhile.
                 self._revoked_pinned.update(lid for lid in result.pinned
@@ -377,7 +377,7 @@ class DecodeRetention:
                      freed_now=len(result.freed), pinned=len(result.pinned),
                      failed=len(result.failed),
                      queued_ms=round((started - submitted) * 1000, 1),
-                     rpc_ms=round((time.monotonic() - started) * 1000, 1))
+                     rpc_ms=round((monotonic() - started) * 1000, 1))
         finally:
             with self._lock:
                 self._in_flight = set()

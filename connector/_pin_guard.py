@@ -23,12 +23,13 @@ it does.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
+
+from kvbridge.clock import monotonic
 
 log = structlog.get_logger("kvbridge.connector")
 
@@ -65,7 +66,7 @@ class PinEnds:
 class PinGuard:
     """Worker side: the pin end of each read this worker may post, on its own clock."""
 
-    def __init__(self, margin_s: float, *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, margin_s: float, *, clock: Callable[[], float] = monotonic,
                  boot: str | None = None) -> None:
         self.margin_s = margin_s
         self._clock = clock

@@ -2,12 +2,28 @@
 
 Durations cross the wire; absolute readings never do (DESIGN invariant 5). `monotonic()` is the
 only clock used for deadlines; `wall()` only labels things for people (`*_time` fields, logs).
+
+Deadlines run on a clock that counts the time a host spends suspended (Linux's
+`CLOCK_BOOTTIME`), not on `time.monotonic()`, which stops while the host sleeps. The hosts of a
+fleet agree on durations only if each counts all the time that passed: a registry whose clock
+stopped would, on waking, still hand out leases whose holders had let them go at their hard
+deadline (their blocks freed, perhaps reused), and a prefill engine's would still read under a
+pin that had ended. Where the kernel has no such clock, `time.monotonic()` is used.
 """
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from typing import Protocol
+
+#: Seconds on the clock deadlines use (see the module docstring); only differences mean anything.
+monotonic: Callable[[], float]
+if hasattr(time, "CLOCK_BOOTTIME"):
+    monotonic = functools.partial(time.clock_gettime, time.CLOCK_BOOTTIME)
+else:  # not Linux
+    monotonic = time.monotonic
 
 
 class Clock(Protocol):
@@ -24,7 +40,7 @@ class SystemClock:
     """The process's real clocks."""
 
     def monotonic(self) -> float:
-        return time.monotonic()
+        return monotonic()
 
     def wall(self) -> float:
         return time.time()

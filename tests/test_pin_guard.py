@@ -7,7 +7,6 @@ real connector class over a real registry on 127.0.0.1."""
 from __future__ import annotations
 
 import pickle
-import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -40,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConne
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvbridge.clients import RegistryClient
+from kvbridge.clock import monotonic
 from kvbridge.connector._pin_guard import (
     _FORGET_AFTER_S,
     _REBASE_SLACK_S,
@@ -331,7 +331,7 @@ def test_the_scheduler_sends_each_read_its_pin_end_and_counts_why_it_failed(
         kit: PrefillKit, client: RegistryClient) -> None:
     lease = grant(client, "c1", LEASE_TOKENS)
     request = kit.request("p-1", LEASE_TOKENS + EXTRA)
-    asked = time.monotonic()
+    asked = monotonic()
     assert kit.resolve(request) is True
     meta = NixlConnectorMetadata()
     meta.reqs_to_recv = {"p-1": object(), "not-ours": object()}  # type: ignore[dict-item]
