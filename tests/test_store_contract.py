@@ -523,6 +523,45 @@ async def test_fresh_state_reports_nothing_reclaimable_for_the_grace(make_backen
     assert await b.store.reclaim_hold() == 0
 
 
+async def test_reclaimable_events_wait_for_the_grace(make_backend: Factory, kv: Any) -> None:
+    """Within the grace no RECLAIMABLE event goes out either (a watcher would take it for
+    leave to free); once it ends, one per dead lease no pin holds."""
+    b = await make_backend(recovering=True, max_pin_ttl_s=5.0, default_pin_ttl_s=5.0)
+    await b.store.register_holder(holder(ttl=300.0))
+    superseded = (await b.store.grant(grant_spec(kv, kv.tokens(8)))).lease
+    pinned = (await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c2"))).lease
+    expired = (await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c3",
+                                              idle_ttl=1.0))).lease
+    read = await b.store.pin_lease("t1", "c2")
+    assert read.pin is not None
+    await b.store.grant(grant_spec(kv, kv.tokens(12)))  # supersedes an unpinned lease
+    await b.store.grant(grant_spec(kv, kv.tokens(12), conversation="c2"))  # and a pinned one
+    assert await b.store.release_read(read.pin.pin_id)  # which the release leaves unpinned
+    await b.advance(1.5)
+    miss = await b.store.acquire_read("t1", "c3", kv.prompt_hashes(kv.tokens(8)))
+    assert miss.miss is MissReason.EXPIRED  # found expired by the read itself
+    assert await b.store.tick() == 0
+    deadline = b.store.next_deadline()
+    assert deadline is not None and 0 < b.left(deadline) <= 6.0 - 1.5 + 0.5  # the grace's end
+
+    async def marker(name: str) -> None:  # events arrive in order: all before it are in
+        lease = (await b.store.grant(grant_spec(kv, kv.tokens(8), conversation=name))).lease
+        await b.wait_events(lease.lease_id, ["GRANTED"])
+
+    await marker("m1")
+    dead = [superseded.lease_id, pinned.lease_id, expired.lease_id]
+    assert not [e for e in b.events if e.type is EventType.RECLAIMABLE]
+    await b.advance(4.6)  # past the grace (6 s)
+    await b.store.tick()
+    await b.wait_events(superseded.lease_id, ["GRANTED", "SUPERSEDED", "RECLAIMABLE"])
+    await b.wait_events(pinned.lease_id, ["GRANTED", "SUPERSEDED", "RECLAIMABLE"])
+    await b.wait_events(expired.lease_id, ["GRANTED", "EXPIRED", "RECLAIMABLE"])
+    await b.store.tick()  # paid once
+    await marker("m2")
+    assert sorted(e.lease_id for e in b.events if e.type is EventType.RECLAIMABLE) == sorted(dead)
+    assert sorted((await b.store.heartbeat("h1"))[0]) == sorted(dead)
+
+
 async def test_no_hold_on_a_store_started_without_recovery(b: Backend) -> None:
     assert await b.store.reclaim_hold() == 0
 

@@ -12,7 +12,8 @@ Invariants kept here (DESIGN.md):
   holder's own hard deadline is built on;
 - only the conversation's current ACTIVE lease is readable: superseded, expired, revoked and
   holder-lost leases never are again;
-- after a start with empty state nothing is reported reclaimable for the recovery grace.
+- after a start with empty state nothing is reported reclaimable for the recovery grace (not
+  by heartbeats, lease lookups or RECLAIMABLE events, which are sent once it ends).
 """
 
 from __future__ import annotations
@@ -270,6 +271,8 @@ class LeaseTable:
         now = clock.monotonic()
         # A fresh, empty registry may be a restarted one: holders may have pins from before.
         self._reclaim_hold_until = now + config.effective_recovery_grace_s if recovering else now
+        # RECLAIMABLE events held back by the grace are owed: sent by the first tick after it.
+        self._reclaimable_owed = False
         self.active_leases = 0
         # tenant -> [active leases, their blocks], for quotas (only while quotas are set)
         self._quotas = config.tenant_quotas()
@@ -662,7 +665,23 @@ class LeaseTable:
     def _unpin(self, lease: Lease) -> None:
         lease.pin_count -= 1
         if lease.reclaimable:
+            self._emit_reclaimable(lease)
+
+    def _emit_reclaimable(self, lease: Lease) -> None:
+        """RECLAIMABLE, or, within the recovery grace (when heartbeats report nothing
+        reclaimable: pins from before a restart may be live), owed until it ends."""
+        if self._reclaim_hold_until > self.clock.monotonic():
+            self._reclaimable_owed = True
+        else:
             self._emit(EventType.RECLAIMABLE, lease)
+
+    def _pay_reclaimable(self) -> None:
+        """The grace is over: RECLAIMABLE for every dead lease no pin holds now."""
+        self._reclaimable_owed = False
+        for holder in list(self._holders.values()):
+            for lease in list(holder.dead_leases.values()):
+                if lease.pin_count == 0:
+                    self._emit(EventType.RECLAIMABLE, lease)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -772,7 +791,7 @@ class LeaseTable:
         holder.dead_leases[lease.lease_id] = lease
         self._emit(_DEAD_EVENT[state], lease, lateness)
         if lease.pin_count == 0:
-            self._emit(EventType.RECLAIMABLE, lease)
+            self._emit_reclaimable(lease)
 
     def _forget(self, lease: Lease) -> None:
         """The holder freed the blocks: drop every trace of the lease."""
@@ -792,6 +811,8 @@ class LeaseTable:
         number of leases expired."""
         now = self.clock.monotonic()
         self._expire_holders(now)
+        if self._reclaimable_owed and now >= self._reclaim_hold_until:
+            self._pay_reclaimable()
         pins = self._pins
         for pin in self._pin_expiry.due(now, len(self._pin_expiry)):
             if pins.get(pin.pin_id) is pin:  # not released
@@ -830,6 +851,8 @@ class LeaseTable:
                                       self._expiry.next_deadline()) if due is not None]
         candidates += [h.expire_at for h in self._holders.values()
                        if h.state is not HolderState.LOST]
+        if self._reclaimable_owed:
+            candidates.append(self._reclaim_hold_until)
         return min(candidates) if candidates else None
 
     # ---- introspection ----------------------------------------------------------------------

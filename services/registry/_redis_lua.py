@@ -110,6 +110,20 @@ local function emit(etype, lid, tenant, conv, hid, epoch, lateness)
              'c', conv, 'h', hid, 'e', epoch, 'w', F(NOW), 'lt', F(lateness))
 end
 
+-- RECLAIMABLE (f: the lease's t c h e), or, within the recovery grace (when heartbeats report
+-- nothing reclaimable: pins from before may be live), owed: the first tick after it sends one
+-- for every dead lease no pin holds then.
+local function emit_reclaimable(lid, f)
+  if HOLD_UNTIL == math.huge then  -- a read, which did not look it up
+    HOLD_UNTIL = tonumber(redis.call('GET', P .. 'hold_until') or '0')
+  end
+  if NOW < HOLD_UNTIL then
+    redis.call('SET', P .. 'owed', '1')
+  else
+    emit(7, lid, f[1], f[2], f[3], f[4], 0)
+  end
+end
+
 -- Leases whose hash a key-evicting Redis dropped (see the README) are skipped by kill and
 -- forget below rather than failing the script: an error there would fail every tick, and no
 -- pin, lease or holder would expire again.
@@ -131,7 +145,7 @@ local function kill(lid, state, lateness)
   end
   redis.call('SADD', P .. 'hd:' .. f[3], lid)
   emit(DEAD_EVENT[state], lid, f[1], f[2], f[3], f[4], lateness)
-  if tonumber(f[5]) == 0 then emit(7, lid, f[1], f[2], f[3], f[4], 0) end
+  if tonumber(f[5]) == 0 then emit_reclaimable(lid, f) end
   return true
 end
 
@@ -199,8 +213,7 @@ local function unpin(lid)
   if redis.call('EXISTS', L) == 0 then return end
   local k = redis.call('HINCRBY', L, 'k', -1)
   if k == 0 and tonumber(redis.call('HGET', L, 's')) ~= ACTIVE then
-    local f = redis.call('HMGET', L, 't', 'c', 'h', 'e')
-    emit(7, lid, f[1], f[2], f[3], f[4], 0)
+    emit_reclaimable(lid, redis.call('HMGET', L, 't', 'c', 'h', 'e'))
   end
 end
 
@@ -688,7 +701,21 @@ elseif cmd == 'tick' then
   for i = 1, #due, 2 do
     if kill(due[i], EXPIRED, NOW - tonumber(due[i + 1])) then expired = expired + 1 end
   end
+  local owed = redis.call('EXISTS', P .. 'owed') == 1
+  if owed and NOW >= HOLD_UNTIL then  -- the grace is over: the RECLAIMABLE events it held
+    owed = false
+    redis.call('DEL', P .. 'owed')
+    for _, z in ipairs({'holders', 'lost'}) do
+      for _, hid in ipairs(redis.call('ZRANGE', P .. z, 0, -1)) do
+        for _, lid in ipairs(redis.call('SMEMBERS', P .. 'hd:' .. hid)) do
+          local f = redis.call('HMGET', P .. 'l:' .. lid, 't', 'c', 'h', 'e', 'k')
+          if f[1] and tonumber(f[5]) == 0 then emit(7, lid, f[1], f[2], f[3], f[4], 0) end
+        end
+      end
+    end
+  end
   local nxt = nil
+  if owed then nxt = HOLD_UNTIL end
   for _, z in ipairs({'holders', 'pexp', 'lexp'}) do
     local first = redis.call('ZRANGE', P .. z, 0, 0, 'WITHSCORES')
     if first[2] then
