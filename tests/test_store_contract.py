@@ -1610,3 +1610,42 @@ async def test_redis_replica_that_learned_a_stepped_clock_follows_the_fix(
     finally:
         for store in (a, b, c):
             await store.close()
+
+
+async def test_redis_replicas_record_their_layout_and_an_outdated_one_stops_serving(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """Replicas record the state layout they speak; once a newer replica needs an older one
+    gone (a layout it would misread), the older stops serving (UNAVAILABLE: readers recompute,
+    clients fail over) and another of its version refuses to start, with a message that says
+    to upgrade."""
+    config = _redis_config(redis_server.url, redis_namespace)
+    old = RedisStore(config, SystemClock(), recovering=False)
+    await old.start()
+    new = RedisStore(config, SystemClock(), recovering=False)
+    try:
+        await old.register_holder(holder())
+        layout = await old._redis.hgetall(old.prefix + "layout")  # type: ignore[union-attr]
+        assert layout == {b"version": b"2", b"min": b"2"}
+        new.layout, new.layout_min = 3, 3
+        await new.start()
+        lease = (await new.grant(grant_spec(kv, kv.tokens(8)))).lease
+        assert old._outdated == ""  # until its next tick
+        with capture_logs() as logs:
+            await old.tick()
+        assert any(e["event"] == "redis_layout_outdated" for e in logs)
+        for call in (old.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8))),
+                     old.heartbeat("h1")):
+            with pytest.raises(errors.Unavailable, match=r"needs at least 3.*upgrade"):
+                await call
+        read = await new.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
+        assert read.miss is MissReason.HIT and read.lease is not None
+        assert read.lease.lease_id == lease.lease_id
+        again = RedisStore(config, SystemClock(), recovering=False)
+        with pytest.raises(OSError, match="layout needs at least 3; this replica speaks "
+                                          "layout 2: upgrade"):
+            await again.start()
+        layout = await new._redis.hgetall(new.prefix + "layout")  # type: ignore[union-attr]
+        assert layout == {b"version": b"3", b"min": b"3"}  # the refused one changed nothing
+    finally:
+        await new.close()
+        await old.close()

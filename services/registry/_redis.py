@@ -101,6 +101,23 @@ _UNREACHABLE_LOG_EVERY = 5.0
 # widens by this much with the time since it last saw it.
 _CLOCK_DRIFT = 1e-3
 _CLOCK_FIX_MAX_RTT = 0.1  # a step is fixed from a call of at most this round trip (seconds)
+# The layout of the shared state (its keys and fields, and what the script's arguments mean)
+# that this replica speaks, recorded in `<prefix>layout`. A change that replicas of another
+# version would misread bumps it, and raises LAYOUT_MIN when the older ones must not go on
+# sharing the namespace. Layout 1: replicas from before layouts were recorded (they neither
+# record nor check one, and ignore the clock fix).
+LAYOUT = 2
+LAYOUT_MIN = 2  # the oldest layout that may share a namespace with this one
+_LAYOUT_LUA = r"""
+local K = KEYS[1]
+local mine, min = tonumber(ARGV[1]), tonumber(ARGV[2])
+local f = redis.call('HMGET', K, 'version', 'min')
+local v, m = tonumber(f[1] or '0'), tonumber(f[2] or '0')
+if mine < m then return {0, tostring(v), tostring(m)} end
+if mine > v then v = mine; redis.call('HSET', K, 'version', v) end
+if min > m then m = min; redis.call('HSET', K, 'min', m) end
+return {1, tostring(v), tostring(m)}
+"""
 
 
 def _widened(bounds: tuple[float, float, float, bytes], at: float) -> tuple[float, float]:
@@ -148,6 +165,8 @@ class RedisStore:
         self._clock_fixing = False
         self._last_clock_log = float("-inf")
         self.clock_steps = 0  # steps of Redis's clock this replica confirmed (and fixed)
+        self.layout, self.layout_min = LAYOUT, LAYOUT_MIN  # (tests set others)
+        self._outdated = ""  # why this replica no longer serves (a newer layout's minimum)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -167,6 +186,7 @@ class RedisStore:
             await self.close()
             raise OSError(f"cannot reach Redis at {url}: {exc}") from exc
         await self._check_eviction_policy()
+        await self._check_layout()
         self._pin_secret = await self._shared_pin_secret()
         self._script = self._redis.register_script(LUA)
         if supported(url):
@@ -178,6 +198,31 @@ class RedisStore:
         last_id: Any = last[0][0] if last else b"0-0"
         self._reader = asyncio.create_task(self._read_events(last_id), name="registry-events")
         log.info("redis_store_started", url=_redacted(url), namespace=self.config.redis_namespace)
+
+    async def _check_layout(self) -> None:
+        """Record this replica's state layout in the namespace, or refuse to start when the
+        replicas sharing it need a newer one (it would misread their state)."""
+        assert self._redis is not None
+        try:
+            ok, version, minimum = await self._redis.eval(
+                _LAYOUT_LUA, 1, self.prefix + "layout", self.layout, self.layout_min)
+        except (RedisError, OSError) as exc:
+            await self.close()
+            raise OSError(f"cannot reach Redis at {_redacted(self.config.redis_url)}: {exc}"
+                          ) from exc
+        if not int(ok):
+            await self.close()
+            raise OSError(self._too_old(int(minimum)))
+        if int(version) > self.layout:
+            log.info("redis_layout_newer", namespace=self.config.redis_namespace,
+                     layout=self.layout, namespace_layout=int(version),
+                     hint="replicas of a newer version share this namespace; upgrade this "
+                          "one too")
+
+    def _too_old(self, minimum: int) -> str:
+        return (f"Redis namespace {self.config.redis_namespace!r} is shared by replicas whose "
+                f"state layout needs at least {minimum}; this replica speaks layout "
+                f"{self.layout}: upgrade kvbridge on it")
 
     async def _shared_pin_secret(self) -> bytes:
         """The key of every replica's pin ids (`kvbridge.ids.read_pin_id`), made by the first
@@ -239,6 +284,8 @@ class RedisStore:
         """Run one script command; raise Unavailable when Redis cannot be reached."""
         if self._script is None:
             raise Unavailable("the Redis store is not started", backend="redis")
+        if self._outdated:
+            raise Unavailable(self._outdated, backend="redis", redis_error="LAYOUT")
         sent = self.clock.monotonic()
         bounds = self._clock_bounds
         if bounds is None:
@@ -687,6 +734,12 @@ class RedisStore:
         self._next_deadline = self.clock.monotonic() + float(reply[3]) if reply[3] else None
         self._counts = {"leases_active": int(reply[5]), "leases_total": int(reply[6]),
                         "holders": int(reply[7]), "pins": int(reply[8])}
+        if int(reply[9]) > self.layout:  # a newer replica needs this one gone: stop serving
+            self._outdated = self._too_old(int(reply[9]))
+            log.error("redis_layout_outdated", namespace=self.config.redis_namespace,
+                      layout=self.layout, namespace_layout_min=int(reply[9]),
+                      hint="this replica now answers UNAVAILABLE (readers recompute): "
+                           "upgrade it")
         expired = int(reply[2])
         if expired:
             log.debug("leases_expired", count=expired)
@@ -696,7 +749,10 @@ class RedisStore:
         now = time.monotonic()
         if now - self._last_unreachable_log >= _UNREACHABLE_LOG_EVERY:
             self._last_unreachable_log = now
-            log.warning("redis_unreachable", during=during, error=str(exc))
+            if self._outdated:
+                log.error("redis_layout_outdated", during=during, error=self._outdated)
+            else:
+                log.warning("redis_unreachable", during=during, error=str(exc))
 
     def next_deadline(self) -> float | None:
         return self._next_deadline

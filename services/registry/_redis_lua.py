@@ -32,6 +32,8 @@ Keys (P = prefix):
   P pin_secret       the key of derived pin ids (kvbridge.ids.read_pin_id), set by the first
                      replica to start, read by the others (not by this script)
   P clock            hash: fix (seconds added to TIME after a step), off and tstep (tests)
+  P layout           hash: version (the newest state layout of the replicas that shared it),
+                     min (the oldest layout that may still share it; see _redis.LAYOUT)
   P started, P hold_until  when this state began (empty), and until when nothing is reported
                      reclaimable (pins granted before a loss of Redis data may still be read)
 """
@@ -727,7 +729,7 @@ elseif cmd == 'tick' then
   if nxt then next_in = F(nxt - NOW) end
   return {'OK', STAMP(), expired, next_in, lost, redis.call('ZCARD', P .. 'lexp'),
           redis.call('ZCARD', P .. 'leases'), redis.call('ZCARD', P .. 'holders'),
-          redis.call('ZCARD', P .. 'pexp')}
+          redis.call('ZCARD', P .. 'pexp'), redis.call('HGET', P .. 'layout', 'min') or '0'}
 
 elseif cmd == 'clockfix' then
   -- Store a fix a caller confirmed, moved by the step it saw: only over the generation it saw
