@@ -525,41 +525,68 @@ async def test_fresh_state_reports_nothing_reclaimable_for_the_grace(make_backen
 
 async def test_reclaimable_events_wait_for_the_grace(make_backend: Factory, kv: Any) -> None:
     """Within the grace no RECLAIMABLE event goes out either (a watcher would take it for
-    leave to free); once it ends, one per dead lease no pin holds."""
-    b = await make_backend(recovering=True, max_pin_ttl_s=5.0, default_pin_ttl_s=5.0)
+    leave to free); the first tick after it sends one per dead lease no pin holds, and each
+    lease is reported once however it died: superseded, its pin released or expired, found
+    expired by a read, its holder lost, released between the grace's end and that tick, or
+    killed by that tick itself."""
+    b = await make_backend(recovering=True, max_pin_ttl_s=20.0, default_pin_ttl_s=5.0)
+    grace = 21.0  # the longest pin + 1
     await b.store.register_holder(holder(ttl=300.0))
-    superseded = (await b.store.grant(grant_spec(kv, kv.tokens(8)))).lease
-    pinned = (await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c2"))).lease
-    expired = (await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c3",
-                                              idle_ttl=1.0))).lease
-    read = await b.store.pin_lease("t1", "c2")
-    assert read.pin is not None
-    await b.store.grant(grant_spec(kv, kv.tokens(12)))  # supersedes an unpinned lease
-    await b.store.grant(grant_spec(kv, kv.tokens(12), conversation="c2"))  # and a pinned one
-    assert await b.store.release_read(read.pin.pin_id)  # which the release leaves unpinned
+    await b.store.register_holder(holder("h2", ttl=2.0))
+    await b.store.register_holder(holder("h3", ttl=grace + 0.5))
+
+    async def grant(conversation: str, tokens: int = 8, **kw: Any) -> Any:
+        spec = grant_spec(kv, kv.tokens(tokens), conversation=conversation, **kw)
+        return (await b.store.grant(spec)).lease
+
+    async def pin(conversation: str, **kw: Any) -> str:
+        read = await b.store.pin_lease("t1", conversation, **kw)
+        assert read.pin is not None
+        return read.pin.pin_id
+
+    superseded, released, expired = await grant("c1"), await grant("c2"), await grant(
+        "c3", idle_ttl=1.0)
+    lost, pin_ran_out, lost_late = await grant("c4", holder_id="h2"), await grant("c7"), \
+        await grant("c6", holder_id="h3")
+    released_late = await grant("c5")
+    released_pin = await pin("c2")
+    await pin("c7")  # runs out at 5 s
+    for conversation in ("c1", "c2", "c7"):
+        await grant(conversation, 12)  # supersedes
+    assert await b.store.release_read(released_pin)
     await b.advance(1.5)
     miss = await b.store.acquire_read("t1", "c3", kv.prompt_hashes(kv.tokens(8)))
     assert miss.miss is MissReason.EXPIRED  # found expired by the read itself
-    assert await b.store.tick() == 0
+    await b.advance(7.5)
+    await b.store.tick()  # the pin of c7 runs out, h2 is lost
     deadline = b.store.next_deadline()
-    assert deadline is not None and 0 < b.left(deadline) <= 6.0 - 1.5 + 0.5  # the grace's end
+    assert deadline is not None
+    assert b.left(deadline) == pytest.approx(await b.store.reclaim_hold(), abs=0.1)
+    late_pin = await pin("c5", pin_ttl=20.0)
+    await grant("c5", 12)
 
     async def marker(name: str) -> None:  # events arrive in order: all before it are in
         lease = (await b.store.grant(grant_spec(kv, kv.tokens(8), conversation=name))).lease
         await b.wait_events(lease.lease_id, ["GRANTED"])
 
     await marker("m1")
-    dead = [superseded.lease_id, pinned.lease_id, expired.lease_id]
     assert not [e for e in b.events if e.type is EventType.RECLAIMABLE]
-    await b.advance(4.6)  # past the grace (6 s)
-    await b.store.tick()
-    await b.wait_events(superseded.lease_id, ["GRANTED", "SUPERSEDED", "RECLAIMABLE"])
-    await b.wait_events(pinned.lease_id, ["GRANTED", "SUPERSEDED", "RECLAIMABLE"])
-    await b.wait_events(expired.lease_id, ["GRANTED", "EXPIRED", "RECLAIMABLE"])
-    await b.store.tick()  # paid once
+    assert (await b.store.heartbeat("h1"))[0] == []
+    await b.advance(grace + 0.7 - 9.0)  # past the grace and h3's TTL
+    assert await b.store.release_read(late_pin)  # before the tick that pays
+    await b.store.tick()  # pays, and loses h3
     await marker("m2")
-    assert sorted(e.lease_id for e in b.events if e.type is EventType.RECLAIMABLE) == sorted(dead)
-    assert sorted((await b.store.heartbeat("h1"))[0]) == sorted(dead)
+    for lease, death in ((superseded, "SUPERSEDED"), (released, "SUPERSEDED"),
+                         (pin_ran_out, "SUPERSEDED"), (released_late, "SUPERSEDED"),
+                         (expired, "EXPIRED"), (lost, "HOLDER_LOST"),
+                         (lost_late, "HOLDER_LOST")):
+        await b.wait_events(lease.lease_id, ["GRANTED", death, "RECLAIMABLE"])
+    await b.store.tick()
+    await marker("m3")
+    assert len([e for e in b.events if e.type is EventType.RECLAIMABLE]) == 7  # once each
+    mine = sorted(x.lease_id for x in (superseded, released, pin_ran_out, released_late,
+                                       expired))
+    assert sorted((await b.store.heartbeat("h1"))[0]) == mine
 
 
 async def test_no_hold_on_a_store_started_without_recovery(b: Backend) -> None:

@@ -669,8 +669,9 @@ class LeaseTable:
 
     def _emit_reclaimable(self, lease: Lease) -> None:
         """RECLAIMABLE, or, within the recovery grace (when heartbeats report nothing
-        reclaimable: pins from before a restart may be live), owed until it ends."""
-        if self._reclaim_hold_until > self.clock.monotonic():
+        reclaimable: pins from before a restart may be live), owed until the tick after it,
+        which sends every owed one (and so, until then, this one too)."""
+        if self._reclaimable_owed or self._reclaim_hold_until > self.clock.monotonic():
             self._reclaimable_owed = True
         else:
             self._emit(EventType.RECLAIMABLE, lease)
@@ -810,9 +811,9 @@ class LeaseTable:
         """Process due deadlines (holders, pins, at most `expiry_batch` leases). Returns the
         number of leases expired."""
         now = self.clock.monotonic()
-        self._expire_holders(now)
         if self._reclaimable_owed and now >= self._reclaim_hold_until:
-            self._pay_reclaimable()
+            self._pay_reclaimable()  # first: what this tick kills is then sent as it dies
+        self._expire_holders(now)
         pins = self._pins
         for pin in self._pin_expiry.due(now, len(self._pin_expiry)):
             if pins.get(pin.pin_id) is pin:  # not released

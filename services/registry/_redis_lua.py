@@ -34,6 +34,8 @@ Keys (P = prefix):
   P clock            hash: fix (seconds added to TIME after a step), off and tstep (tests)
   P layout           hash: version (the newest state layout of the replicas that shared it),
                      min (the oldest layout that may still share it; see _redis.LAYOUT)
+  P owed             string: RECLAIMABLE events held back by the grace are owed (the first
+                     tick after it sends them)
   P started, P hold_until  when this state began (empty), and until when nothing is reported
                      reclaimable (pins granted before a loss of Redis data may still be read)
 """
@@ -114,12 +116,12 @@ end
 
 -- RECLAIMABLE (f: the lease's t c h e), or, within the recovery grace (when heartbeats report
 -- nothing reclaimable: pins from before may be live), owed: the first tick after it sends one
--- for every dead lease no pin holds then.
+-- for every dead lease no pin holds then (so, until that tick, this one is owed too).
 local function emit_reclaimable(lid, f)
   if HOLD_UNTIL == math.huge then  -- a read, which did not look it up
     HOLD_UNTIL = tonumber(redis.call('GET', P .. 'hold_until') or '0')
   end
-  if NOW < HOLD_UNTIL then
+  if NOW < HOLD_UNTIL or redis.call('EXISTS', P .. 'owed') == 1 then
     redis.call('SET', P .. 'owed', '1')
   else
     emit(7, lid, f[1], f[2], f[3], f[4], 0)
@@ -672,6 +674,19 @@ elseif cmd == 'release' then
 
 elseif cmd == 'tick' then
   local batch, retention = tonumber(ARGS[3]), tonumber(ARGS[4])
+  -- The grace is over: the RECLAIMABLE events it held, first (what this tick kills is then
+  -- sent as it dies).
+  if NOW >= HOLD_UNTIL and redis.call('EXISTS', P .. 'owed') == 1 then
+    redis.call('DEL', P .. 'owed')
+    for _, z in ipairs({'holders', 'lost'}) do
+      for _, hid in ipairs(redis.call('ZRANGE', P .. z, 0, -1)) do
+        for _, lid in ipairs(redis.call('SMEMBERS', P .. 'hd:' .. hid)) do
+          local f = redis.call('HMGET', P .. 'l:' .. lid, 't', 'c', 'h', 'e', 'k')
+          if f[1] and tonumber(f[5]) == 0 then emit(7, lid, f[1], f[2], f[3], f[4], 0) end
+        end
+      end
+    end
+  end
   local lost = {}
   local due_holders = redis.call('ZRANGEBYSCORE', P .. 'holders', '-inf', F(NOW),
                                  'LIMIT', 0, batch)
@@ -703,21 +718,8 @@ elseif cmd == 'tick' then
   for i = 1, #due, 2 do
     if kill(due[i], EXPIRED, NOW - tonumber(due[i + 1])) then expired = expired + 1 end
   end
-  local owed = redis.call('EXISTS', P .. 'owed') == 1
-  if owed and NOW >= HOLD_UNTIL then  -- the grace is over: the RECLAIMABLE events it held
-    owed = false
-    redis.call('DEL', P .. 'owed')
-    for _, z in ipairs({'holders', 'lost'}) do
-      for _, hid in ipairs(redis.call('ZRANGE', P .. z, 0, -1)) do
-        for _, lid in ipairs(redis.call('SMEMBERS', P .. 'hd:' .. hid)) do
-          local f = redis.call('HMGET', P .. 'l:' .. lid, 't', 'c', 'h', 'e', 'k')
-          if f[1] and tonumber(f[5]) == 0 then emit(7, lid, f[1], f[2], f[3], f[4], 0) end
-        end
-      end
-    end
-  end
   local nxt = nil
-  if owed then nxt = HOLD_UNTIL end
+  if redis.call('EXISTS', P .. 'owed') == 1 then nxt = HOLD_UNTIL end
   for _, z in ipairs({'holders', 'pexp', 'lexp'}) do
     local first = redis.call('ZRANGE', P .. z, 0, 0, 'WITHSCORES')
     if first[2] then
