@@ -26,6 +26,7 @@ import grpc
 
 from kvbridge._grpc_status import from_rpc_error
 from kvbridge.auth import TlsFiles, call_metadata
+from kvbridge.clock import monotonic
 from kvbridge.errors import DeadlineExceeded, KvbridgeError, Unavailable
 
 DEFAULT_TIMEOUT = 2.0
@@ -204,11 +205,11 @@ class SyncClient(_Replicas):
     def _call(self, method: str, request: Any, *, idempotent: bool = True,
               timeout: float | None = None) -> Any:
         budget = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + budget
+        deadline = monotonic() + budget  # the clock the holder's deadlines run on
         attempt, tried = 0, 1
         sent = False  # whether some attempt may have reached a server
         while True:
-            left = deadline - time.monotonic()
+            left = deadline - monotonic()
             if left <= 0:
                 raise _failed_call(DeadlineExceeded(
                     f"{method} to {self.target}: no reply within {budget:g}s"), sent)
@@ -225,7 +226,7 @@ class SyncClient(_Replicas):
                     tried += 1  # another replica, at once
                     continue
                 if (idempotent and attempt < self.retries and code in RETRYABLE
-                        and deadline - time.monotonic() > backoff(attempt)):
+                        and deadline - monotonic() > backoff(attempt)):
                     time.sleep(backoff(attempt))
                     attempt += 1
                     continue
@@ -264,12 +265,11 @@ class AsyncClient(_Replicas):
     async def _call(self, method: str, request: Any, *, idempotent: bool = True,
                     timeout: float | None = None) -> Any:
         budget = self.timeout if timeout is None else timeout
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + budget
+        deadline = monotonic() + budget  # the clock the holder's deadlines run on
         attempt, tried = 0, 1
         sent = False  # whether some attempt may have reached a server
         while True:
-            left = deadline - loop.time()
+            left = deadline - monotonic()
             if left <= 0:
                 raise _failed_call(DeadlineExceeded(
                     f"{method} to {self.target}: no reply within {budget:g}s"), sent)
@@ -286,7 +286,7 @@ class AsyncClient(_Replicas):
                     tried += 1  # another replica, at once
                     continue
                 if (idempotent and attempt < self.retries and code in RETRYABLE
-                        and deadline - loop.time() > backoff(attempt)):
+                        and deadline - monotonic() > backoff(attempt)):
                     await asyncio.sleep(backoff(attempt))
                     attempt += 1
                     continue

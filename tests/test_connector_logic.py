@@ -22,6 +22,7 @@ from conftest import ThreadedRegistry
 
 from kvbridge import blockhash, errors
 from kvbridge.clients import RegistryClient
+from kvbridge.clock import monotonic
 from kvbridge.connector._decode import DecodeRetention
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._prefill import REMOTE_FIELDS, PrefillReuse
@@ -563,10 +564,10 @@ def test_decode_unresolved_grant_is_freed_at_its_hard_deadline(
     (request_id,) = session.pending_grants()
     pending = session._pending[request_id]
     # sent + timeout + margin + max lifetime + the registry's max pin TTL
-    assert pending.hard_deadline - time.monotonic() > decode.retention.settings.max_lifetime_s
+    assert pending.hard_deadline - monotonic() > decode.retention.settings.max_lifetime_s
     session.heartbeat_once()  # unreachable: nothing resolved, nothing freed
     assert decode.retention.drain() == 0 and decode.pool.refs(table) == [1] * 2
-    pending.hard_deadline = time.monotonic()  # as if that time had come
+    pending.hard_deadline = monotonic()  # as if that time had come
     session.heartbeat_once()
     assert session.pending_grants() == []
     wait_for(lambda: decode.retention.drain() == 2, "the unresolved grant's blocks to be freed")

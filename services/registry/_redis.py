@@ -28,7 +28,6 @@ import contextlib
 import inspect
 import secrets
 import sys
-import time
 from array import array
 from collections.abc import Iterable
 from typing import Any
@@ -41,7 +40,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from kvbridge.clock import Clock
+from kvbridge.clock import Clock, monotonic
 from kvbridge.errors import (
     CapacityExhausted,
     HolderConflict,
@@ -699,8 +698,8 @@ class RedisStore:
                     except Exception as exc:  # one unreadable event must not stop the tail
                         log.warning("redis_event_skipped", id=_event_id(event_id),
                                     reason=f"{type(exc).__name__}: {exc}")
-            if self._renewal_listeners and time.monotonic() - announced > _RENEW_WATCH_MS / 1e3:
-                announced = time.monotonic()
+            if self._renewal_listeners and monotonic() - announced > _RENEW_WATCH_MS / 1e3:
+                announced = monotonic()
                 await self._announce_renewal_watch()
 
     def _deliver(self, fields: dict[bytes, bytes]) -> None:
@@ -746,7 +745,7 @@ class RedisStore:
         return expired
 
     def _unreachable(self, during: str, exc: Exception) -> None:
-        now = time.monotonic()
+        now = monotonic()
         if now - self._last_unreachable_log >= _UNREACHABLE_LOG_EVERY:
             self._last_unreachable_log = now
             if self._outdated:
