@@ -22,11 +22,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPull
 from kvbridge import blockhash
 from kvbridge.clients import RegistryClient
 from kvbridge.clients._router import RouterClient
-from kvbridge.clock import monotonic
+from kvbridge.clock import boot_id, monotonic
 from kvbridge.connector._decode import DecodeRetention
 from kvbridge.connector._layerwise import capturing
 from kvbridge.connector._metrics import ConnectorMetrics
-from kvbridge.connector._pin_guard import PIN_ENDS_ATTR, PinEnds, PinGuard, boot_id, guard_worker
+from kvbridge.connector._pin_guard import PIN_ENDS_ATTR, PinEnds, PinGuard, guard_worker
 from kvbridge.connector._prefill import PrefillReuse, ReadClient
 from kvbridge.connector._settings import REMOTE_ID_PREFIX, ConnectorSettings, parse_cpus
 from kvbridge.connector._sync_reads import SYNC_READS_ATTR, SyncReadResults, SyncReads

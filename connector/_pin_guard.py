@@ -29,7 +29,7 @@ from typing import Any
 
 import structlog
 
-from kvbridge.clock import monotonic
+from kvbridge.clock import boot_id, monotonic
 
 log = structlog.get_logger("kvbridge.connector")
 
@@ -42,15 +42,6 @@ _REBASE_SLACK_S = 1.0
 # Ends kept for reads never reported done (a request aborted before its read was posted): let
 # go this long after the pin ended.
 _FORGET_AFTER_S = 60.0
-
-
-def boot_id() -> str:
-    """This kernel's boot id: processes that share it share CLOCK_MONOTONIC."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return ""  # unknown: never taken to be the same host
 
 
 @dataclass

@@ -19,7 +19,13 @@ from kvbridge.clients import seconds
 from kvbridge.clock import monotonic
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._pin_guard import LANDED_LATE, NOT_POSTED
-from kvbridge.connector._routed import READ_KEY, BadRoutedRead, verified_read
+from kvbridge.connector._routed import (
+    READ_KEY,
+    ROUTED_TRANSIT_SLACK_S,
+    BadRoutedRead,
+    routed_pin_base,
+    verified_read,
+)
 from kvbridge.connector._settings import (
     CONVERSATION_KEY,
     ConnectorSettings,
@@ -67,6 +73,7 @@ class _Pending:
     started: float = 0.0
     answered: float = 0.0  # when the AcquireRead came back (monotonic)
     source: str = "lookup"  # "route": pinned when the gateway routed the turn
+    pin_base: float | None = None  # when the pin's expires_in counts from (None: started)
 
 
 @dataclass
@@ -100,6 +107,7 @@ class PrefillReuse:
         # stays until the read is reported done (vLLM keeps the blocks until then too), or
         # runs out on its own.
         self._draining: dict[str, _Active] = {}
+        self._rebase_logged = False  # routed reads from a gateway on another host, said once
         # What was decided for each conversation request, until it finishes: the gateway
         # reads it back from the prefill response's kv_transfer_params.
         self._outcomes: dict[str, dict[str, Any]] = {}
@@ -169,9 +177,16 @@ class PrefillReuse:
             self._release(release)
         future: Future[pb.AcquireReadResponse] = Future()
         future.set_result(read)
+        base, exact = routed_pin_base(routed, now)
+        if not exact and not self._rebase_logged:
+            self._rebase_logged = True
+            log.info("routed_pins_rebased",
+                     hint="the gateway is on another host (or older): routed reads' pins are "
+                          "taken to end sooner by the time they may have spent on the way",
+                     slack_s=ROUTED_TRANSIT_SLACK_S)
         self._pending[request.request_id] = _Pending(
             tenant, conversation, hashes, future, now, started=now, answered=now,
-            source="route")
+            source="route", pin_base=base)
         return True
 
     def resolve(self, request: Any, num_computed_tokens: int) -> bool | None:
@@ -222,8 +237,10 @@ class PrefillReuse:
         # does not go through the asynchronous path's own step back by one token).
         usable = min(usable, len(tokens) - 1)
         # The pin ends `expires_in` after the registry answered, which was after this request
-        # asked: counted from the asking, the end is never later than the registry's.
-        pin_end = pending.started + seconds(read.pin.expires_in)
+        # asked: counted from the asking, the end is never later than the registry's. A routed
+        # read's counts from when the gateway sent it (`_routed`).
+        base = pending.started if pending.pin_base is None else pending.pin_base
+        pin_end = base + seconds(read.pin.expires_in)
         why = None
         if usable <= num_computed_tokens:
             why = "local_cache"

@@ -4,7 +4,8 @@ The gateway asks the router to pin the conversation's whole lease while routing 
 (`RouteRequest.pin_read`) and puts the answer in the prefill request's
 `kv_transfer_params["kvbridge"]["read"]` as JSON:
 
-    {"pin_id": "p-...", "expires_in_s": 9.98, "lease_id": "l-...", "epoch": 3,
+    {"pin_id": "p-...", "expires_in_s": 9.98, "sent": {"boot": "<boot id>", "clock": 5123.4},
+     "lease_id": "l-...", "epoch": 3,
      "token_count": 1123, "remote_request_id": "kvbridge-...",
      "holder": {"id": "decode-0", "host": "10.0.0.7", "port": 5600, "tp_size": 1,
                 "block_size": 32},
@@ -16,8 +17,13 @@ or, when there is nothing to read, `{"miss": "no_lease"}` (the registry's miss r
 The prefill connector checks its own prompt's chained hashes against `block_hashes` and reuses
 only the leading blocks that match (and the partial block only when its hash matches too): the
 registry's answer is verified locally, so it needs no lookup call on the request's path.
-Durations cross the wire, never clock readings: `expires_in_s` is what was left of the pin when
-the gateway sent the request.
+Durations cross the wire as the authority: `expires_in_s` is what was left of the pin when the
+gateway sent the request. The request then spends time in transit and in the prefill engine
+(its API server, its input queue: up to a whole engine step) before the connector sees it, and
+that time comes off the pin too. `sent` says when, on the gateway's clock, and on which host
+(its boot id): a prefill engine on the same host counts the pin from that moment exactly; one
+on another host cannot compare clocks, and takes the pin to end `ROUTED_TRANSIT_SLACK_S`
+sooner than counted from when it saw the request.
 """
 
 from __future__ import annotations
@@ -30,9 +36,14 @@ from typing import Any
 
 from kvbridge import blockhash
 from kvbridge.clients import seconds
+from kvbridge.clock import boot_id, monotonic
 from kvbridge.registry.v1 import registry_pb2 as pb
 
 READ_KEY = "read"
+# A routed read seen by a prefill engine on another host than the gateway's: the time it spent
+# on its way (HTTP, the engine's API server and input queue), taken off its pin.
+ROUTED_TRANSIT_SLACK_S = 1.0
+_BOOT = boot_id()
 
 
 def routed_read(pinned: pb.PinLeaseResponse, elapsed_s: float) -> dict[str, Any]:
@@ -44,6 +55,7 @@ def routed_read(pinned: pb.PinLeaseResponse, elapsed_s: float) -> dict[str, Any]
     out: dict[str, Any] = {
         "pin_id": read.pin.pin_id,
         "expires_in_s": round(max(seconds(read.pin.expires_in) - elapsed_s, 0.0), 4),
+        "sent": {"boot": _BOOT, "clock": round(monotonic(), 6)},
         "lease_id": read.lease.lease_id,
         "epoch": read.lease.epoch,
         "token_count": read.lease.token_count,
@@ -59,6 +71,18 @@ def routed_read(pinned: pb.PinLeaseResponse, elapsed_s: float) -> dict[str, Any]
                           "tokens": read.partial_block_tokens,
                           "hash": base64.b64encode(read.partial_block_hash).decode("ascii")}
     return out
+
+
+def routed_pin_base(routed: Mapping[str, Any], seen: float) -> tuple[float, bool]:
+    """When a routed read's `expires_in_s` counts from, on this host's clock, for a request
+    this engine saw at `seen`; and whether that is exact (the gateway is on this host)."""
+    sent = routed.get("sent")
+    if isinstance(sent, Mapping) and _BOOT and sent.get("boot") == _BOOT:
+        clock = sent.get("clock")
+        if (isinstance(clock, (int, float)) and not isinstance(clock, bool)
+                and math.isfinite(clock) and clock <= seen):
+            return float(clock), True
+    return seen - ROUTED_TRANSIT_SLACK_S, False
 
 
 class BadRoutedRead(ValueError):

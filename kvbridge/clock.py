@@ -26,6 +26,16 @@ else:  # not Linux
     monotonic = time.monotonic
 
 
+def boot_id() -> str:
+    """This kernel's boot id: processes that share it share `monotonic()` (one host, one
+    boot); "" when unknown, which never matches."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 class Clock(Protocol):
     def monotonic(self) -> float:
         """Seconds on a clock that never goes backwards; only differences are meaningful."""

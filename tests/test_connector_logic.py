@@ -26,7 +26,12 @@ from kvbridge.clock import monotonic
 from kvbridge.connector._decode import DecodeRetention
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._prefill import REMOTE_FIELDS, PrefillReuse
-from kvbridge.connector._routed import BadRoutedRead, routed_read, verified_read
+from kvbridge.connector._routed import (
+    ROUTED_TRANSIT_SLACK_S,
+    BadRoutedRead,
+    routed_read,
+    verified_read,
+)
 from kvbridge.connector._settings import ConnectorSettings
 from kvbridge.registry.v1 import registry_pb2 as pb
 
@@ -1550,6 +1555,45 @@ def test_prefill_routed_miss_and_pin_margin(routed_prefill: PrefillKit, client: 
                                      kvbridge={**conv_key("c1"), "read": read})
     assert routed_prefill.reuse.resolve(request, 0) is False
     assert routed_prefill.decision("pin_margin") == 1
+    wait_unpinned(client, lease.lease_id)
+
+
+@pytest.mark.parametrize(("sent", "pin_ttl", "left"), [
+    # The gateway on this host sent it 3 s ago (a slow API server, an engine step): the pin
+    # has 7 s left, not 10.
+    pytest.param({"boot": "here", "clock": -3.0}, 10.0, 7.0, id="same-host-3s-on-the-way"),
+    # 8.5 s ago: 1.5 s left, within the margin (seen as fresh, it would have been a hit).
+    pytest.param({"boot": "here", "clock": -8.5}, 10.0, None, id="same-host-pin-margin"),
+    # From another host: the slack comes off (2.9 s would pass the 2 s margin, 1.9 does not).
+    pytest.param({"boot": "elsewhere", "clock": -3.0}, 10.0, 10.0 - ROUTED_TRANSIT_SLACK_S,
+                 id="other-host"),
+    pytest.param({"boot": "elsewhere", "clock": 0.0}, 2.9, None, id="other-host-pin-margin"),
+    # Without `sent` (an older gateway), or a clock after the request was seen: as another host.
+    pytest.param(None, 10.0, 10.0 - ROUTED_TRANSIT_SLACK_S, id="older-gateway"),
+    pytest.param({"boot": "here", "clock": 60.0}, 10.0, 10.0 - ROUTED_TRANSIT_SLACK_S,
+                 id="clock-from-the-future"),
+])
+def test_prefill_counts_a_routed_pin_from_when_the_gateway_sent_it(
+        routed_prefill: PrefillKit, client: RegistryClient, sent: dict[str, Any] | None,
+        pin_ttl: float, left: float | None):
+    lease = grant(client, "c1", LEASE_TOKENS)
+    read = pinned_read(client, pin_ttl=pin_ttl)
+    if sent is None:
+        del read["sent"]
+    else:
+        read["sent"] = {"boot": read["sent"]["boot"] if sent["boot"] == "here" else "b-2",
+                        "clock": monotonic() + sent["clock"]}
+    request = routed_prefill.request("p-1", LEASE_TOKENS + EXTRA,
+                                     kvbridge={**conv_key("c1"), "read": read})
+    hit = routed_prefill.reuse.resolve(request, 0)
+    if left is None:
+        assert hit is False and routed_prefill.decision("pin_margin") == 1
+        wait_unpinned(client, lease.lease_id)
+        return
+    assert hit is True
+    end = routed_prefill.reuse.read_sent("p-1")
+    assert end is not None and left - 1.5 < end - monotonic() <= left
+    routed_prefill.reuse.read_done("p-1", ok=True)
     wait_unpinned(client, lease.lease_id)
 
 

@@ -19,7 +19,7 @@ import pytest
 from aiohttp import web
 
 from kvbridge.clients import AsyncRegistryClient
-from kvbridge.clock import FakeClock
+from kvbridge.clock import FakeClock, boot_id, monotonic
 from kvbridge.registry.v1 import registry_pb2 as reg_pb
 from kvbridge.services.gateway import GatewayConfig, GatewayServer, start_gateway
 from kvbridge.services.registry import RegistryServer
@@ -295,6 +295,9 @@ async def test_route_follows_the_conversations_lease(registry_server: RegistrySe
             assert base64.b64decode(read["block_hashes"]) == kv.prompt_hashes(tokens)
             assert read["holder"]["id"] == "engine-d1" and read["token_count"] == 8
             assert 0 < read["expires_in_s"] <= 10.0
+            # When and where it was sent: a prefill engine on this host counts from then.
+            assert read["sent"]["boot"] == boot_id() != ""
+            assert 0 <= monotonic() - read["sent"]["clock"] < 5.0
             assert registry_server.table.counts()["pins"] == turn + 1
     finally:
         await close(s)
