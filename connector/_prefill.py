@@ -181,8 +181,9 @@ class PrefillReuse:
         if not exact and not self._rebase_logged:
             self._rebase_logged = True
             log.info("routed_pins_rebased",
-                     hint="the gateway is on another host (or older): routed reads' pins are "
-                          "taken to end sooner by the time they may have spent on the way",
+                     hint="the gateway is on another host (or older, or sent no usable "
+                          "time): routed reads' pins are taken to end sooner by the time they "
+                          "may have spent on the way",
                      slack_s=ROUTED_TRANSIT_SLACK_S)
         self._pending[request.request_id] = _Pending(
             tenant, conversation, hashes, future, now, started=now, answered=now,

@@ -44,18 +44,22 @@ READ_KEY = "read"
 # on its way (HTTP, the engine's API server and input queue), taken off its pin.
 ROUTED_TRANSIT_SLACK_S = 1.0
 _BOOT = boot_id()
+_MAX_EXPIRES_IN_S = 86400.0  # far above any pin TTL a registry grants
 
 
-def routed_read(pinned: pb.PinLeaseResponse, elapsed_s: float) -> dict[str, Any]:
-    """The JSON form of the router's pinned read, `elapsed_s` after it was received."""
+def routed_read(pinned: pb.PinLeaseResponse, received: float) -> dict[str, Any]:
+    """The JSON form of the router's pinned read, received at `received` (`monotonic()`),
+    as of now: what is left of the pin (rounded down), and now as `sent`."""
+    now = monotonic()
     read = pinned.read
     if not read.pin.pin_id:
         reason = pb.MissReason.Name(read.miss_reason).removeprefix("MISS_REASON_").lower()
         return {"miss": reason if read.miss_reason else "no_pin"}
     out: dict[str, Any] = {
         "pin_id": read.pin.pin_id,
-        "expires_in_s": round(max(seconds(read.pin.expires_in) - elapsed_s, 0.0), 4),
-        "sent": {"boot": _BOOT, "clock": round(monotonic(), 6)},
+        "expires_in_s": math.floor(max(seconds(read.pin.expires_in) - (now - received), 0.0)
+                                   * 1e4) / 1e4,
+        "sent": {"boot": _BOOT, "clock": now},
         "lease_id": read.lease.lease_id,
         "epoch": read.lease.epoch,
         "token_count": read.lease.token_count,
@@ -79,9 +83,13 @@ def routed_pin_base(routed: Mapping[str, Any], seen: float) -> tuple[float, bool
     sent = routed.get("sent")
     if isinstance(sent, Mapping) and _BOOT and sent.get("boot") == _BOOT:
         clock = sent.get("clock")
-        if (isinstance(clock, (int, float)) and not isinstance(clock, bool)
-                and math.isfinite(clock) and clock <= seen):
-            return float(clock), True
+        if isinstance(clock, (int, float)) and not isinstance(clock, bool):
+            try:
+                at = float(clock)  # an int too large for a float: OverflowError
+            except OverflowError:
+                at = math.inf
+            if math.isfinite(at) and at <= seen:
+                return at, True
     return seen - ROUTED_TRANSIT_SLACK_S, False
 
 
@@ -129,8 +137,8 @@ def verified_read(routed: Mapping[str, Any], prompt_hashes: bytes
                                       else pb.MISS_REASON_NO_LEASE), None
     expires_in = routed.get("expires_in_s")
     if isinstance(expires_in, bool) or not isinstance(expires_in, (int, float)) or not (
-            math.isfinite(expires_in) and expires_in >= 0):
-        raise BadRoutedRead("expires_in_s must be a non-negative number")
+            0 <= expires_in <= _MAX_EXPIRES_IN_S):  # (NaN compares false; a huge int is out)
+        raise BadRoutedRead(f"expires_in_s must be a number in [0, {_MAX_EXPIRES_IN_S:g}]")
     holder = routed.get("holder")
     if not isinstance(holder, Mapping):
         raise BadRoutedRead("holder must be an object")

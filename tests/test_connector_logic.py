@@ -22,7 +22,7 @@ from conftest import ThreadedRegistry
 
 from kvbridge import blockhash, errors
 from kvbridge.clients import RegistryClient
-from kvbridge.clock import monotonic
+from kvbridge.clock import boot_id, monotonic
 from kvbridge.connector._decode import DecodeRetention
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._prefill import REMOTE_FIELDS, PrefillReuse
@@ -1463,7 +1463,7 @@ def pinned_read(client: RegistryClient, conversation: str = "c1", pin_ttl: float
                 ) -> dict[str, Any]:
     """What the gateway puts in kv_transfer_params after the router pinned the lease."""
     return routed_read(client.pin_lease(TENANT, conversation, pin_ttl=pin_ttl,
-                                        reader_id=READER), 0.0)
+                                        reader_id=READER), monotonic())
 
 
 class SlowReleaseClient(NoLookupClient):
@@ -1572,17 +1572,31 @@ def test_prefill_routed_miss_and_pin_margin(routed_prefill: PrefillKit, client: 
     pytest.param(None, 10.0, 10.0 - ROUTED_TRANSIT_SLACK_S, id="older-gateway"),
     pytest.param({"boot": "here", "clock": 60.0}, 10.0, 10.0 - ROUTED_TRANSIT_SLACK_S,
                  id="clock-from-the-future"),
+    # Hostile or broken values of this host's gateway: as another host, never an error.
+    pytest.param({"boot": "here", "clock": 10**400}, 10.0, 10.0 - ROUTED_TRANSIT_SLACK_S,
+                 id="clock-too-large-for-a-float"),
+    pytest.param({"boot": "here", "clock": float("nan")}, 10.0, 10.0 - ROUTED_TRANSIT_SLACK_S,
+                 id="clock-nan"),
+    pytest.param({"boot": "here", "clock": "soon"}, 10.0, 10.0 - ROUTED_TRANSIT_SLACK_S,
+                 id="clock-a-string"),
+    pytest.param({"boot": "here", "clock": True}, 10.0, 10.0 - ROUTED_TRANSIT_SLACK_S,
+                 id="clock-a-bool"),
 ])
 def test_prefill_counts_a_routed_pin_from_when_the_gateway_sent_it(
         routed_prefill: PrefillKit, client: RegistryClient, sent: dict[str, Any] | None,
         pin_ttl: float, left: float | None):
+    if sent is not None and sent["boot"] == "here" and not boot_id():
+        pytest.skip("this host has no boot id: no gateway is taken to share its clock")
     lease = grant(client, "c1", LEASE_TOKENS)
     read = pinned_read(client, pin_ttl=pin_ttl)
     if sent is None:
         del read["sent"]
     else:
+        clock = sent["clock"]
+        if isinstance(clock, float) and -60 < clock < 100:  # relative to now
+            clock += monotonic()
         read["sent"] = {"boot": read["sent"]["boot"] if sent["boot"] == "here" else "b-2",
-                        "clock": monotonic() + sent["clock"]}
+                        "clock": clock}
     request = routed_prefill.request("p-1", LEASE_TOKENS + EXTRA,
                                      kvbridge={**conv_key("c1"), "read": read})
     hit = routed_prefill.reuse.resolve(request, 0)
@@ -1615,6 +1629,8 @@ def test_prefill_malformed_routed_read_falls_back_to_a_lookup(prefill: PrefillKi
 @pytest.mark.parametrize(("change", "error"), [
     ({"expires_in_s": -1}, "expires_in_s"),
     ({"expires_in_s": float("nan")}, "expires_in_s"),
+    ({"expires_in_s": 10**400}, "expires_in_s"),
+    ({"expires_in_s": 1e300}, "expires_in_s"),
     ({"block_hashes": "not base64!"}, "block_hashes"),
     ({"token_count": 39}, "token_count"),
     ({"holder": {"id": "d", "host": "h", "port": 0, "block_size": BS}}, "holder.port"),

@@ -29,6 +29,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvbridge.clients._registry import AsyncRegistryClient
 from kvbridge.clients._router import AsyncRouterClient
+from kvbridge.clock import monotonic
 from kvbridge.connector._routed import READ_KEY, routed_read
 from kvbridge.connector._settings import CONVERSATION_KEY
 from kvbridge.errors import InvalidArgument, KvbridgeError, NoInstance
@@ -346,7 +347,7 @@ class Gateway:
         except KvbridgeError as err:
             raise HttpError(503, f"router unavailable: {err.message}", "service_unavailable",
                             "router_unavailable") from None
-        routed = time.perf_counter()
+        routed, received = time.perf_counter(), monotonic()
         turn.route_ms += (routed - routing) * 1000
         turn.prefill, turn.decode = route.prefill.instance_id, route.decode.instance_id
         turn.decode_reason = (router_pb.DecodeReason.Name(route.decode_reason)
@@ -362,7 +363,7 @@ class Gateway:
         if turn.conversation and route.HasField("read"):
             prefill_key = {CONVERSATION_KEY: {
                 **key[CONVERSATION_KEY],
-                READ_KEY: routed_read(route.read, time.perf_counter() - routed)}}
+                READ_KEY: routed_read(route.read, received)}}
         prefill_body.update(max_tokens=1, stream=False, kv_transfer_params={
             "do_remote_decode": True, "do_remote_prefill": False, **prefill_key})
         start = time.perf_counter()
