@@ -1676,3 +1676,43 @@ async def test_redis_replicas_record_their_layout_and_an_outdated_one_stops_serv
     finally:
         await new.close()
         await old.close()
+
+
+async def test_redis_outdated_replica_reports_not_serving_and_a_lost_layout_is_rewritten(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """Over gRPC: a replica a newer layout left behind turns its health NOT_SERVING (load
+    balancers and probes take it out) and answers UNAVAILABLE; and a layout record Redis lost
+    is written again by the running replicas' ticks, so an older replica started after the
+    loss is still refused."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    old = await _replica(redis_server.url, redis_namespace)
+    config = _redis_config(redis_server.url, redis_namespace)
+    new = RedisStore(config, SystemClock(), recovering=False)
+    new.layout, new.layout_min = 3, 3
+    channel = grpc.aio.insecure_channel(old.address)
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        check = health_pb2.HealthCheckRequest(service="")
+        assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING
+        await new.start()
+        deadline = time.monotonic() + 5
+        while (await health.Check(check)).status != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, "the outdated replica still reports SERVING"
+            await asyncio.sleep(0.02)
+        async with AsyncRegistryClient(old.address, retries=0) as client:
+            with pytest.raises(errors.Unavailable, match="upgrade"):
+                await client.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
+        assert new._redis is not None
+        await new._redis.delete(new.prefix + "layout")  # as a Redis that lost its data
+        await new.tick()
+        assert await new._redis.hgetall(new.prefix + "layout") == {b"version": b"3",
+                                                                    b"min": b"3"}
+        again = RedisStore(config, SystemClock(), recovering=False)
+        with pytest.raises(OSError, match="needs at least 3"):
+            await again.start()
+    finally:
+        await channel.close()
+        await new.close()
+        await old.stop()

@@ -194,6 +194,9 @@ class RedisStore:
         else:
             self._batcher = _Batcher(self._redis, self._script, self._events_key)
         await self.tick()  # loads the script, primes counts
+        if self._outdated:  # a newer replica raised the minimum since the check above
+            await self.close()
+            raise OSError(self._outdated)
         last_id: Any = last[0][0] if last else b"0-0"
         self._reader = asyncio.create_task(self._read_events(last_id), name="registry-events")
         log.info("redis_store_started", url=_redacted(url), namespace=self.config.redis_namespace)
@@ -217,6 +220,12 @@ class RedisStore:
                      layout=self.layout, namespace_layout=int(version),
                      hint="replicas of a newer version share this namespace; upgrade this "
                           "one too")
+
+    @property
+    def not_serving(self) -> str:
+        """Why this replica no longer serves ("" while it does): its server reports
+        NOT_SERVING health, so that load balancers and probes take it out."""
+        return self._outdated
 
     def _too_old(self, minimum: int) -> str:
         return (f"Redis namespace {self.config.redis_namespace!r} is shared by replicas whose "
@@ -722,7 +731,8 @@ class RedisStore:
         cfg = self.config
         try:
             reply = await self._run("tick", cfg.expiry_batch,
-                                    cfg.max_lifetime_cap_s + cfg.max_pin_ttl_s)
+                                    cfg.max_lifetime_cap_s + cfg.max_pin_ttl_s, self.layout,
+                                    self.layout_min)
         except Unavailable as exc:
             self._unreachable("tick", exc)
             self._next_deadline = None

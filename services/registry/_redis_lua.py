@@ -674,6 +674,11 @@ elseif cmd == 'release' then
 
 elseif cmd == 'tick' then
   local batch, retention = tonumber(ARGS[3]), tonumber(ARGS[4])
+  -- The layout record, written again by every replica's tick when Redis lost it (ARGS[5..6]:
+  -- the caller's layout and minimum): an older replica started after a loss must still see it.
+  if ARGS[5] and redis.call('EXISTS', P .. 'layout') == 0 then
+    redis.call('HSET', P .. 'layout', 'version', ARGS[5], 'min', ARGS[6])
+  end
   -- The grace is over: the RECLAIMABLE events it held, first (what this tick kills is then
   -- sent as it dies).
   if NOW >= HOLD_UNTIL and redis.call('EXISTS', P .. 'owed') == 1 then

@@ -53,6 +53,7 @@ class RegistryServer:
     metrics_port: int | None = None
     _scheduler: asyncio.Task[None] | None = None
     _stopping: bool = False
+    _not_serving: bool = False
     _http: object | None = field(default=None, repr=False)
 
     @property
@@ -93,6 +94,10 @@ class RegistryServer:
             except Exception:  # the scheduler must outlive any single bad tick
                 log.exception("expiry_tick_failed")
                 expired = 0
+            if getattr(store, "not_serving", "") and not self._not_serving:
+                self._not_serving = True  # for good: only a restart (an upgrade) serves again
+                for name in ("", SERVICE_NAME):
+                    await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             if expired >= self.config.expiry_batch:
                 await asyncio.sleep(0)  # more are due: let RPCs in, then continue
                 continue
