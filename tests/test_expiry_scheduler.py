@@ -19,6 +19,7 @@ class _AlwaysDue:
         self.config = config
         self.clock = SystemClock()
         self.ticks = 0
+        self.not_serving = ""
 
     async def tick(self) -> int:
         self.ticks += 1

@@ -30,7 +30,7 @@ import secrets
 import sys
 from array import array
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import redis.asyncio as aioredis
 import structlog
@@ -209,9 +209,7 @@ class RedisStore:
             ok, version, minimum = await self._redis.eval(
                 _LAYOUT_LUA, 1, self.prefix + "layout", self.layout, self.layout_min)
         except (RedisError, OSError) as exc:
-            await self.close()
-            raise OSError(f"cannot reach Redis at {_redacted(self.config.redis_url)}: {exc}"
-                          ) from exc
+            await self._failed_start(exc)
         if not int(ok):
             await self.close()
             raise OSError(self._too_old(int(minimum)))
@@ -223,9 +221,12 @@ class RedisStore:
 
     @property
     def not_serving(self) -> str:
-        """Why this replica no longer serves ("" while it does): its server reports
-        NOT_SERVING health, so that load balancers and probes take it out."""
-        return self._outdated
+        return self._outdated  # a newer layout's minimum left this replica behind
+
+    async def _failed_start(self, exc: Exception) -> NoReturn:
+        await self.close()
+        raise OSError(f"cannot reach Redis at {_redacted(self.config.redis_url)}: {exc}"
+                      ) from exc
 
     def _too_old(self, minimum: int) -> str:
         return (f"Redis namespace {self.config.redis_namespace!r} is shared by replicas whose "
@@ -243,9 +244,7 @@ class RedisStore:
             await self._redis.set(key, secrets.token_hex(16), nx=True)
             secret = await self._redis.get(key)
         except (RedisError, OSError) as exc:
-            await self.close()
-            raise OSError(f"cannot reach Redis at {_redacted(self.config.redis_url)}: {exc}"
-                          ) from exc
+            await self._failed_start(exc)
         if not secret:  # evicted or flushed between the two calls: this replica's own
             return secrets.token_bytes(16)
         return secret.encode() if isinstance(secret, str) else bytes(secret)

@@ -94,7 +94,7 @@ class RegistryServer:
             except Exception:  # the scheduler must outlive any single bad tick
                 log.exception("expiry_tick_failed")
                 expired = 0
-            if getattr(store, "not_serving", "") and not self._not_serving:
+            if store.not_serving and not self._not_serving:
                 self._not_serving = True  # for good: only a restart (an upgrade) serves again
                 for name in ("", SERVICE_NAME):
                     await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -157,6 +157,12 @@ class LeaseStore(Protocol):
         tick). Synchronous: the metrics scrape calls it from another thread."""
         ...
 
+    @property
+    def not_serving(self) -> str:
+        """Why this store no longer serves, for good ("" while it does): its server then
+        reports NOT_SERVING health, so that load balancers and probes take it out."""
+        ...
+
 
 class MemoryStore:
     """The embedded backend: one `LeaseTable` in this process."""
@@ -248,3 +254,7 @@ class MemoryStore:
 
     def counts(self) -> dict[str, int]:
         return self.table.counts()
+
+    @property
+    def not_serving(self) -> str:
+        return ""  # nothing outlives this process's own state
