@@ -32,7 +32,7 @@ class _AlwaysDue:
 async def _ticks_in(seconds: float, **settings: Any) -> int:
     config = RegistryConfig(insecure=True, **settings)
     store = _AlwaysDue(config)
-    server = RegistryServer(config, store, None, None, 0, None)  # type: ignore[arg-type]
+    server = RegistryServer(config, store, None, None, 0, None, None)  # type: ignore[arg-type]
     task = asyncio.create_task(server._run_expiry())
     await asyncio.sleep(seconds)
     server._stopping = True

@@ -1692,15 +1692,28 @@ async def test_redis_outdated_replica_reports_not_serving_and_a_lost_layout_is_r
     new = RedisStore(config, SystemClock(), recovering=False)
     new.layout, new.layout_min = 3, 3
     channel = grpc.aio.insecure_channel(old.address)
+    watcher = AsyncRegistryClient(old.address, retries=0)
     try:
         health = health_pb2_grpc.HealthStub(channel)
         check = health_pb2.HealthCheckRequest(service="")
         assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING
+        # A watch open on the old replica before the upgrade: it sees events, then ends with
+        # UNAVAILABLE once the replica stops serving (rather than go on quietly).
+        await old.store.register_holder(holder(ttl=300.0))
+        stream = watcher.watch_leases()
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.2)  # the stream is open before the grant
+        await old.store.grant(grant_spec(kv, kv.tokens(8)))
+        assert (await asyncio.wait_for(first, 5)).type == pb.LEASE_EVENT_TYPE_GRANTED
         await new.start()
         deadline = time.monotonic() + 5
         while (await health.Check(check)).status != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.monotonic() < deadline, "the outdated replica still reports SERVING"
             await asyncio.sleep(0.02)
+        with pytest.raises(errors.Unavailable, match="upgrade"):
+            await asyncio.wait_for(stream.__anext__(), 5)
+        with pytest.raises(errors.Unavailable, match="upgrade"):  # and no new one opens
+            await asyncio.wait_for(watcher.watch_leases().__anext__(), 5)
         async with AsyncRegistryClient(old.address, retries=0) as client:
             with pytest.raises(errors.Unavailable, match="upgrade"):
                 await client.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
@@ -1713,6 +1726,7 @@ async def test_redis_outdated_replica_reports_not_serving_and_a_lost_layout_is_r
         with pytest.raises(OSError, match="needs at least 3"):
             await again.start()
     finally:
+        await watcher.close()
         await channel.close()
         await new.close()
         await old.stop()

@@ -19,6 +19,7 @@ from kvbridge import aio, auth, logs
 from kvbridge._grpc_handlers import add_health_and_reflection, add_servicer
 from kvbridge.clients._base import parse_hostport
 from kvbridge.clock import Clock, SystemClock
+from kvbridge.errors import Unavailable
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.services.registry._access import RULES
 from kvbridge.services.registry._config import RegistryConfig
@@ -50,6 +51,7 @@ class RegistryServer:
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
+    servicer: RegistryServicer
     metrics_port: int | None = None
     _scheduler: asyncio.Task[None] | None = None
     _stopping: bool = False
@@ -98,6 +100,10 @@ class RegistryServer:
                 self._not_serving = True  # for good: only a restart (an upgrade) serves again
                 for name in ("", SERVICE_NAME):
                     await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+                # Its watchers would otherwise go on with only the events it can still read:
+                # ended, they reconnect to a replica that serves and re-list.
+                ended = self.servicer.end_watches(Unavailable(store.not_serving))
+                log.error("registry_not_serving", error=store.not_serving, watches_ended=ended)
             if expired >= self.config.expiry_batch:
                 await asyncio.sleep(0)  # more are due: let RPCs in, then continue
                 continue
@@ -165,7 +171,8 @@ def _bind(config: RegistryConfig, store: LeaseStore) -> RegistryServer:
     ])
     # Requests are parsed by the handlers: bytes that are not the request message get
     # INVALID_ARGUMENT with a reason, not gRPC's UNKNOWN.
-    add_servicer(server, RegistryServicer(store, metrics), pb, "RegistryService",
+    servicer = RegistryServicer(store, metrics)
+    add_servicer(server, servicer, pb, "RegistryService",
                  authenticator=auth.Authenticator(config.token_table()), rules=RULES)
     health_servicer = health.aio.HealthServicer()
     add_health_and_reflection(
@@ -180,7 +187,7 @@ def _bind(config: RegistryConfig, store: LeaseStore) -> RegistryServer:
         raise OSError(f"cannot bind the registry to {config.listen}: {exc}") from exc
     if bound == 0:
         raise OSError(f"cannot bind the registry to {config.listen}")
-    return RegistryServer(config, store, metrics, server, bound, health_servicer)
+    return RegistryServer(config, store, metrics, server, bound, health_servicer, servicer)
 
 
 async def _tame_gc(freeze_every: float, full_every: float) -> None:

@@ -24,6 +24,7 @@ from kvbridge.errors import (
     KvbridgeError,
     LeaseNotFound,
     Recovering,
+    Unavailable,
 )
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
@@ -108,6 +109,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         self.metrics = metrics
         self.clock = store.clock
         self._watchers = 0
+        self._watch_enders: set[Callable[[KvbridgeError], None]] = set()
         self._started = time.monotonic()
         self._durations = {
             name: metrics.rpc_duration.labels(name)
@@ -399,14 +401,25 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                 value = getattr(request, name)
                 if value:
                     check.identifier(name, value, cfg.max_id_length)
+            if self.store.not_serving:
+                raise Unavailable(self.store.not_serving)
             if self._watchers >= cfg.max_watchers:
                 raise CapacityExhausted("too many watchers", limit=cfg.max_watchers)
         except KvbridgeError as err:
             await context.abort_with_status(to_status(err))
             return
-        queue: asyncio.Queue[LeaseEvent] = asyncio.Queue(_WATCH_QUEUE)
+        # None wakes the stream to end it (`ended`); events that arrive after it are dropped
+        # with the stream, which the watcher re-lists elsewhere.
+        queue: asyncio.Queue[LeaseEvent | None] = asyncio.Queue(_WATCH_QUEUE)
         holder, tenant = request.holder_id, request.tenant
         overflowed = False
+        ended: KvbridgeError | None = None
+
+        def end(err: KvbridgeError) -> None:
+            nonlocal ended
+            ended = err
+            if not queue.full():  # else the stream wakes for what is queued and sees `ended`
+                queue.put_nowait(None)
 
         def listener(event: LeaseEvent) -> None:
             nonlocal overflowed
@@ -420,16 +433,23 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                 queue.put_nowait(event)
 
         self._watchers += 1
+        self._watch_enders.add(end)
         self.store.add_listener(listener, renewals=request.include_renewals)
         log.info("watch_started", holder=holder or "*", tenant=tenant or "*")
         try:
             while True:
                 event = await queue.get()
+                if ended is not None:
+                    log.warning("watch_ended", holder=holder or "*", tenant=tenant or "*",
+                                reason=ended.reason, error=ended.message)
+                    await context.abort_with_status(to_status(ended))
+                    return
                 if overflowed:
                     log.warning("watch_overflow", holder=holder or "*", tenant=tenant or "*")
                     await context.abort_with_status(to_status(CapacityExhausted(
                         "watcher fell behind; reconnect and re-list", queue=_WATCH_QUEUE)))
                     return
+                assert event is not None  # None comes only with `ended`
                 yield pb.WatchLeasesResponse(event=pb.LeaseEvent(
                     type=cast(pb.LeaseEventType.ValueType, int(event.type)),
                     lease_id=event.lease_id, tenant=event.tenant,
@@ -438,4 +458,13 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                     lateness=_duration(event.lateness)))
         finally:
             self.store.remove_listener(listener, renewals=request.include_renewals)
+            self._watch_enders.discard(end)
             self._watchers -= 1
+
+    def end_watches(self, err: KvbridgeError) -> int:
+        """End every open watch stream with `err` (a replica that stops serving: watchers
+        reconnect to another and re-list). Returns how many were open."""
+        enders = list(self._watch_enders)
+        for end in enders:
+            end(err)
+        return len(enders)
