@@ -44,6 +44,7 @@ from kvbridge.services.registry import (
     Snapshot,
     create_server,
 )
+from kvbridge.services.registry._core import OWED_EVENTS_PER_TICK
 from kvbridge.services.registry._redis import RedisStore
 
 BS = 4
@@ -587,6 +588,62 @@ async def test_reclaimable_events_wait_for_the_grace(make_backend: Factory, kv: 
     mine = sorted(x.lease_id for x in (superseded, released, pin_ran_out, released_late,
                                        expired))
     assert sorted((await b.store.heartbeat("h1"))[0]) == mine
+
+
+async def test_owed_reclaimable_events_go_out_a_share_per_tick(make_backend: Factory,
+                                                                 kv: Any) -> None:
+    """More owed RECLAIMABLE events than one tick sends: they go out OWED_EVENTS_PER_TICK a
+    tick (the scheduler is due again at once while some are left), each lease once: one pinned
+    when they were queued is sent as its pin is released, one its holder freed before its turn
+    is not sent at all."""
+    b = await make_backend(recovering=True, max_pin_ttl_s=20.0, default_pin_ttl_s=5.0)
+    grace = 21.0  # the longest pin + 1
+    await b.store.register_holder(holder(ttl=300.0))
+    many = OWED_EVENTS_PER_TICK * 2 + 100
+    dead = []
+    for i in range(many):  # they expire at 1 s, within the grace
+        spec = grant_spec(kv, kv.tokens(8), conversation=f"c{i}", idle_ttl=1.0)
+        dead.append((await b.store.grant(spec)).lease.lease_id)
+    held = [(await b.store.grant(grant_spec(kv, kv.tokens(8), conversation=f"held{i}"))).lease
+            for i in range(20)]
+    await b.advance(10.0)
+    await b.store.tick()
+    pins = []
+    for i in range(20):  # pinned until 30 s, superseded: dead, held past the grace
+        pin = (await b.store.pin_lease("t1", f"held{i}", pin_ttl=20.0)).pin
+        assert pin is not None
+        pins.append(pin.pin_id)
+        await b.store.grant(grant_spec(kv, kv.tokens(12), conversation=f"held{i}"))
+
+    async def marker(name: str) -> None:  # events arrive in order: all before it are in
+        lease = (await b.store.grant(grant_spec(kv, kv.tokens(8), conversation=name))).lease
+        await b.wait_events(lease.lease_id, ["GRANTED"], timeout=30.0)
+
+    def sent() -> list[str]:
+        return [e.lease_id for e in b.events if e.type is EventType.RECLAIMABLE]
+
+    await marker("m0")
+    assert sent() == []
+    await b.advance(grace + 0.5 - 10.0)
+    await b.store.tick()
+    await marker("m1")
+    first = sent()
+    # (Redis queues the pinned ones too and skips them in their turn: a share of up to 20 less)
+    assert OWED_EVENTS_PER_TICK - len(held) <= len(first) <= OWED_EVENTS_PER_TICK
+    deadline = b.store.next_deadline()
+    assert deadline is not None and b.left(deadline) <= 0  # the rest are due now
+    freed = sorted(set(dead) - set(first))[:50]
+    await b.store.heartbeat("h1", freed)  # the holder frees 50 before their turn
+    for pin_id in pins:  # released, most of them before their turn in the queue
+        assert await b.store.release_read(pin_id)
+    for _ in range(3):
+        await b.store.tick()
+    await marker("m2")
+    got = sent()
+    assert len(got) == len(set(got)), "a lease was reported twice"
+    assert sorted(got) == sorted((set(dead) - set(freed)) | {x.lease_id for x in held})
+    deadline = b.store.next_deadline()
+    assert deadline is None or b.left(deadline) > 0  # nothing left to send
 
 
 async def test_no_hold_on_a_store_started_without_recovery(b: Backend) -> None:

@@ -59,6 +59,9 @@ Listener = Callable[[LeaseEvent], None]
 # The largest epoch a restored lease may carry: the Redis backend's Lua numbers are doubles,
 # exact up to 2**53 (a larger epoch would be stored as '4.6e+18' and fail every read back).
 MAX_EPOCH = 2**53 - 1
+# RECLAIMABLE events the recovery grace held back, sent per scheduler tick once it is over
+# (both backends; each is a watch event, and in Redis a stream entry written by one script).
+OWED_EVENTS_PER_TICK = 1000
 
 _DEAD_EVENT = {
     LeaseState.EXPIRED: EventType.EXPIRED,
@@ -271,8 +274,10 @@ class LeaseTable:
         now = clock.monotonic()
         # A fresh, empty registry may be a restarted one: holders may have pins from before.
         self._reclaim_hold_until = now + config.effective_recovery_grace_s if recovering else now
-        # RECLAIMABLE events held back by the grace are owed: sent by the first tick after it.
+        # RECLAIMABLE events held back by the grace are owed: once it is over, the dead leases
+        # no pin holds are queued (`_paying`) and sent OWED_EVENTS_PER_TICK a tick.
         self._reclaimable_owed = False
+        self._paying: list[Lease] = []
         self.active_leases = 0
         # tenant -> [active leases, their blocks], for quotas (only while quotas are set)
         self._quotas = config.tenant_quotas()
@@ -676,13 +681,22 @@ class LeaseTable:
         else:
             self._emit(EventType.RECLAIMABLE, lease)
 
-    def _pay_reclaimable(self) -> None:
-        """The grace is over: RECLAIMABLE for every dead lease no pin holds now."""
-        self._reclaimable_owed = False
-        for holder in list(self._holders.values()):
-            for lease in list(holder.dead_leases.values()):
-                if lease.pin_count == 0:
-                    self._emit(EventType.RECLAIMABLE, lease)
+    def _pay_reclaimable(self, now: float) -> None:
+        """After the grace: queue every dead lease no pin holds once (a dead lease gains no
+        pin, so those pinned now are sent as their last pin ends), then send a tick's share of
+        the queue. One tick does not walk them all: that would stall every RPC for as long."""
+        if now < self._reclaim_hold_until:
+            return
+        if self._reclaimable_owed:
+            self._reclaimable_owed = False
+            for holder in list(self._holders.values()):
+                self._paying += [lease for lease in holder.dead_leases.values()
+                                 if lease.pin_count == 0]
+        paying, leases = self._paying, self._leases
+        for _ in range(min(len(paying), OWED_EVENTS_PER_TICK)):
+            lease = paying.pop()
+            if leases.get(lease.lease_id) is lease:  # not freed by its holder since
+                self._emit(EventType.RECLAIMABLE, lease)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -811,8 +825,8 @@ class LeaseTable:
         """Process due deadlines (holders, pins, at most `expiry_batch` leases). Returns the
         number of leases expired."""
         now = self.clock.monotonic()
-        if self._reclaimable_owed and now >= self._reclaim_hold_until:
-            self._pay_reclaimable()  # first: what this tick kills is then sent as it dies
+        if self._reclaimable_owed or self._paying:
+            self._pay_reclaimable(now)  # first: what this tick kills is then sent as it dies
         self._expire_holders(now)
         pins = self._pins
         for pin in self._pin_expiry.due(now, len(self._pin_expiry)):
@@ -852,7 +866,7 @@ class LeaseTable:
                                       self._expiry.next_deadline()) if due is not None]
         candidates += [h.expire_at for h in self._holders.values()
                        if h.state is not HolderState.LOST]
-        if self._reclaimable_owed:
+        if self._reclaimable_owed or self._paying:
             candidates.append(self._reclaim_hold_until)
         return min(candidates) if candidates else None
 

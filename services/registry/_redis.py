@@ -58,6 +58,7 @@ from kvbridge.ids import grant_lease_id, read_pin_id
 from kvbridge.services.registry import _validate as check
 from kvbridge.services.registry._config import RegistryConfig
 from kvbridge.services.registry._core import (
+    OWED_EVENTS_PER_TICK,
     Grant,
     GrantSpec,
     HolderSpec,
@@ -731,7 +732,7 @@ class RedisStore:
         try:
             reply = await self._run("tick", cfg.expiry_batch,
                                     cfg.max_lifetime_cap_s + cfg.max_pin_ttl_s, self.layout,
-                                    self.layout_min)
+                                    self.layout_min, OWED_EVENTS_PER_TICK)
         except Unavailable as exc:
             self._unreachable("tick", exc)
             self._next_deadline = None

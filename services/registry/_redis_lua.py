@@ -35,7 +35,10 @@ Keys (P = prefix):
   P layout           hash: version (the newest state layout of the replicas that shared it),
                      min (the oldest layout that may still share it; see _redis.LAYOUT)
   P owed             string: RECLAIMABLE events held back by the grace are owed (the first
-                     tick after it sends them)
+                     tick after it queues them in P paying)
+  P paying           zset: dead lease ids whose owed RECLAIMABLE is yet to be sent (a share
+                     each tick; replicas of layout 2 before it ignore it: they leave the
+                     sending to the others)
   P started, P hold_until  when this state began (empty), and until when nothing is reported
                      reclaimable (pins granted before a loss of Redis data may still be read)
 """
@@ -124,6 +127,8 @@ local function emit_reclaimable(lid, f)
   if NOW < HOLD_UNTIL or redis.call('EXISTS', P .. 'owed') == 1 then
     redis.call('SET', P .. 'owed', '1')
   else
+    -- Sent now, so not again from the queue of owed ones (a lease pinned when it was queued)
+    redis.call('ZREM', P .. 'paying', lid)
     emit(7, lid, f[1], f[2], f[3], f[4], 0)
   end
 end
@@ -680,16 +685,30 @@ elseif cmd == 'tick' then
     redis.call('HSET', P .. 'layout', 'version', ARGS[5], 'min', ARGS[6])
   end
   -- The grace is over: the RECLAIMABLE events it held, first (what this tick kills is then
-  -- sent as it dies).
-  if NOW >= HOLD_UNTIL and redis.call('EXISTS', P .. 'owed') == 1 then
-    redis.call('DEL', P .. 'owed')
-    for _, z in ipairs({'holders', 'lost'}) do
-      for _, hid in ipairs(redis.call('ZRANGE', P .. z, 0, -1)) do
-        for _, lid in ipairs(redis.call('SMEMBERS', P .. 'hd:' .. hid)) do
-          local f = redis.call('HMGET', P .. 'l:' .. lid, 't', 'c', 'h', 'e', 'k')
-          if f[1] and tonumber(f[5]) == 0 then emit(7, lid, f[1], f[2], f[3], f[4], 0) end
+  -- sent as it dies). Every dead lease is queued once (P paying, by Redis itself: no Lua per
+  -- lease), then ARGS[7] a tick are sent: one script over them all would stall Redis.
+  if NOW >= HOLD_UNTIL then
+    if redis.call('EXISTS', P .. 'owed') == 1 then
+      redis.call('DEL', P .. 'owed')
+      local keys = {}
+      for _, z in ipairs({'holders', 'lost'}) do
+        for _, hid in ipairs(redis.call('ZRANGE', P .. z, 0, -1)) do
+          keys[#keys + 1] = P .. 'hd:' .. hid
+          if #keys == 200 then
+            redis.call('ZUNIONSTORE', P .. 'paying', #keys + 1, P .. 'paying', unpack(keys))
+            keys = {}
+          end
         end
       end
+      if #keys > 0 then
+        redis.call('ZUNIONSTORE', P .. 'paying', #keys + 1, P .. 'paying', unpack(keys))
+      end
+    end
+    for _, lid in ipairs(redis.call('ZRANGE', P .. 'paying', 0, tonumber(ARGS[7] or '1000') - 1)) do
+      redis.call('ZREM', P .. 'paying', lid)
+      local f = redis.call('HMGET', P .. 'l:' .. lid, 't', 'c', 'h', 'e', 'k')
+      -- forgotten since (its holder freed it): nothing to send; pinned: sent as it is unpinned
+      if f[1] and tonumber(f[5]) == 0 then emit(7, lid, f[1], f[2], f[3], f[4], 0) end
     end
   end
   local lost = {}
@@ -724,7 +743,9 @@ elseif cmd == 'tick' then
     if kill(due[i], EXPIRED, NOW - tonumber(due[i + 1])) then expired = expired + 1 end
   end
   local nxt = nil
-  if redis.call('EXISTS', P .. 'owed') == 1 then nxt = HOLD_UNTIL end
+  if redis.call('EXISTS', P .. 'owed') == 1 or redis.call('EXISTS', P .. 'paying') == 1 then
+    nxt = HOLD_UNTIL
+  end
   for _, z in ipairs({'holders', 'pexp', 'lexp'}) do
     local first = redis.call('ZRANGE', P .. z, 0, 0, 'WITHSCORES')
     if first[2] then
