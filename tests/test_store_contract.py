@@ -1759,7 +1759,8 @@ async def test_redis_outdated_replica_reports_not_serving_and_a_lost_layout_is_r
         await old.store.register_holder(holder(ttl=300.0))
         stream = watcher.watch_leases()
         first = asyncio.ensure_future(stream.__anext__())
-        await asyncio.sleep(0.2)  # the stream is open before the grant
+        from conftest import wait_for_watchers
+        await wait_for_watchers(old, 1)  # the stream is open before the grant
         await old.store.grant(grant_spec(kv, kv.tokens(8)))
         assert (await asyncio.wait_for(first, 5)).type == pb.LEASE_EVENT_TYPE_GRANTED
         await new.start()

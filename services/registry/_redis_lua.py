@@ -690,21 +690,16 @@ elseif cmd == 'tick' then
   if NOW >= HOLD_UNTIL then
     if redis.call('EXISTS', P .. 'owed') == 1 then
       redis.call('DEL', P .. 'owed')
-      local keys = {}
       for _, z in ipairs({'holders', 'lost'}) do
-        for _, hid in ipairs(redis.call('ZRANGE', P .. z, 0, -1)) do
-          keys[#keys + 1] = P .. 'hd:' .. hid
-          if #keys == 200 then
-            redis.call('ZUNIONSTORE', P .. 'paying', #keys + 1, P .. 'paying', unpack(keys))
-            keys = {}
-          end
+        local hids = redis.call('ZRANGE', P .. z, 0, -1)
+        for i = 1, #hids, 200 do  -- 200 sets a call: unpack has a stack limit
+          local keys = {P .. 'paying'}
+          for j = i, math.min(i + 199, #hids) do keys[#keys + 1] = P .. 'hd:' .. hids[j] end
+          redis.call('ZUNIONSTORE', P .. 'paying', #keys, unpack(keys))
         end
       end
-      if #keys > 0 then
-        redis.call('ZUNIONSTORE', P .. 'paying', #keys + 1, P .. 'paying', unpack(keys))
-      end
     end
-    for _, lid in ipairs(redis.call('ZRANGE', P .. 'paying', 0, tonumber(ARGS[7] or '1000') - 1)) do
+    for _, lid in ipairs(redis.call('ZRANGE', P .. 'paying', 0, tonumber(ARGS[7]) - 1)) do
       redis.call('ZREM', P .. 'paying', lid)
       local f = redis.call('HMGET', P .. 'l:' .. lid, 't', 'c', 'h', 'e', 'k')
       -- forgotten since (its holder freed it): nothing to send; pinned: sent as it is unpinned

@@ -108,7 +108,6 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         self.store = store
         self.metrics = metrics
         self.clock = store.clock
-        self._watchers = 0
         self._watch_enders: set[Callable[[KvbridgeError], None]] = set()
         self._started = time.monotonic()
         self._durations = {
@@ -403,7 +402,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                     check.identifier(name, value, cfg.max_id_length)
             if self.store.not_serving:
                 raise Unavailable(self.store.not_serving)
-            if self._watchers >= cfg.max_watchers:
+            if len(self._watch_enders) >= cfg.max_watchers:
                 raise CapacityExhausted("too many watchers", limit=cfg.max_watchers)
         except KvbridgeError as err:
             await context.abort_with_status(to_status(err))
@@ -432,7 +431,6 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             else:
                 queue.put_nowait(event)
 
-        self._watchers += 1
         self._watch_enders.add(end)
         self.store.add_listener(listener, renewals=request.include_renewals)
         log.info("watch_started", holder=holder or "*", tenant=tenant or "*")
@@ -459,7 +457,6 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         finally:
             self.store.remove_listener(listener, renewals=request.include_renewals)
             self._watch_enders.discard(end)
-            self._watchers -= 1
 
     def end_watches(self, err: KvbridgeError) -> int:
         """End every open watch stream with `err` (a replica that stops serving: watchers
