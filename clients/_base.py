@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import grpc
@@ -171,6 +171,65 @@ class _Replicas:
         if self._active == index:  # another thread or task may have moved on already
             self._active = (index + 1) % len(self._stubs)
         return True
+
+
+def stream_backoff(attempt: int) -> float:
+    """Seconds before opening a lost stream again once every address failed (up to 2 s)."""
+    return float(min(0.1 * 2**attempt, 2.0) * (0.5 + random.random() / 2))
+
+
+class StreamResume:
+    """When and where a failed server stream (a watch) is opened again; shared by both clients.
+
+    Opening fails over like a call: on UNAVAILABLE the next address is tried at once, and once
+    every address failed, again after a backoff. A stream that was live and then ended with
+    UNAVAILABLE (its replica stopped, restarted or stopped serving) is opened again only when
+    `reconnect_for` > 0, since the events between the two streams are not replayed. Either way
+    the stream gives up (`failed` returns None) once `reconnect_for` seconds pass without a
+    live stream; with 0 that is after one try of every address.
+    """
+
+    def __init__(self, replicas: _Replicas, reconnect_for: float,
+                 on_lost: Callable[[str, KvbridgeError], None] | None = None,
+                 on_resumed: Callable[[str], None] | None = None) -> None:
+        self.replicas = replicas
+        self.reconnect_for = reconnect_for
+        self.on_lost, self.on_resumed = on_lost, on_resumed
+        self._since = monotonic()  # the start, or when the last live stream ended
+        self._tried = 1  # addresses tried since then
+        self._attempt = 0  # rounds of every address since then
+        self._lost = False  # a live stream ended and none is live again yet
+
+    def live(self, index: int) -> None:
+        """The stream just opened on replica `index` is live (`on_resumed` after a loss)."""
+        self._tried, self._attempt = 1, 0
+        if self._lost:
+            self._lost = False
+            if self.on_resumed is not None:
+                self.on_resumed(self.replicas.targets[index])
+
+    def failed(self, index: int, err: grpc.RpcError, was_live: bool) -> float | None:
+        """The stream on replica `index` failed with `err`: seconds to wait before opening it
+        again (on the replica active then), or None when the caller raises `err`."""
+        code = err.code()
+        if code not in RETRYABLE:
+            return None
+        now = monotonic()
+        if was_live:
+            if self.reconnect_for <= 0:
+                return None
+            self._lost = True
+            self._since, self._tried, self._attempt = now, 1, 0
+            if self.on_lost is not None:
+                self.on_lost(self.replicas.targets[index], from_rpc_error(err))
+        if self.replicas._failed(index, code) and self._tried < len(self.replicas._stubs):
+            self._tried += 1
+            return 0.0
+        left = self._since + self.reconnect_for - now
+        if left <= 0:
+            return None
+        self._tried, self._attempt = 1, self._attempt + 1
+        return min(stream_backoff(self._attempt - 1), left)  # the last try at the end
 
 
 class SyncClient(_Replicas):

@@ -313,15 +313,38 @@ def leases_revoke(registry: str, lease_id: str, reason: str, as_json: bool,
 @click.option("--renewals", is_flag=True, help="also show renewals (high volume)")
 @click.option("--count", default=0, type=click.IntRange(min=0),
               help="exit after this many events (0: run until interrupted)")
+@click.option("--reconnect-for", "reconnect_for", default=30.0, show_default=True,
+              type=click.FloatRange(min=0),
+              help="when the registry (replica) goes away, keep trying it and the other "
+                   "--registry addresses for this many seconds; 0: exit at once")
 @json_option
 @_fail_cleanly
 def leases_watch(registry: str, holder: str, tenant: str, renewals: bool, count: int,
-                 as_json: bool) -> None:
-    """Stream lease events as they happen."""
+                 reconnect_for: float, as_json: bool) -> None:
+    """Stream lease events as they happen.
+
+    When the replica streaming them stops, restarts or stops serving, the watch moves to the
+    next address in --registry (or waits for the same one to come back), saying so on stderr.
+    Events in between are not replayed: `kvbridge leases list` shows where things stand.
+    """
     seen = 0
+    lost_at = [0.0]
+
+    def lost(target: str, err: KvbridgeError) -> None:
+        lost_at[0] = time.time()
+        click.echo(f"watch: the stream from {target} ended ({err.reason}: {err.message}); "
+                   f"reconnecting for up to {reconnect_for:g}s", err=True)
+
+    def resumed(target: str) -> None:
+        click.echo(f"watch: watching {target} again after {time.time() - lost_at[0]:.1f}s; "
+                   "events in between are not shown (`kvbridge leases list` has the leases "
+                   "as they are now)", err=True)
+
     with RegistryClient(registry, **client_security()) as client:
         try:
-            for event in client.watch_leases(holder, tenant, renewals):
+            for event in client.watch_leases(holder, tenant, renewals,
+                                             reconnect_for=reconnect_for, on_lost=lost,
+                                             on_resumed=resumed):
                 if as_json:
                     click.echo(_json(event))
                 else:

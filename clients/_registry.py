@@ -9,15 +9,17 @@ raise `kvbridge.errors` exceptions (`LeaseNotFound`, `Unavailable`, `DeadlineExc
 
 from __future__ import annotations
 
+import asyncio
+import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2
 
-from kvbridge._grpc_status import from_rpc_error
-from kvbridge.clients._base import AsyncClient, SyncClient
+from kvbridge._grpc_status import from_rpc_error, stream_is_live
+from kvbridge.clients._base import AsyncClient, StreamResume, SyncClient
 from kvbridge.errors import KvbridgeError, Unavailable
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
@@ -206,19 +208,44 @@ class RegistryClient(SyncClient):
         return bool(self._call("ReleaseRead", req, idempotent=True, timeout=timeout).released)
 
     def watch_leases(self, holder_id: str = "", tenant: str = "",
-                     include_renewals: bool = False) -> Iterator[pb.LeaseEvent]:
-        """Stream lease events until the caller stops iterating or the stream fails."""
+                     include_renewals: bool = False, *, reconnect_for: float = 0.0,
+                     on_lost: Callable[[str, KvbridgeError], None] | None = None,
+                     on_resumed: Callable[[str], None] | None = None
+                     ) -> Iterator[pb.LeaseEvent]:
+        """Stream lease events until the caller stops iterating or the stream fails.
+
+        With several addresses the stream opens on the first that answers. With
+        `reconnect_for` > 0 a stream whose replica goes away (UNAVAILABLE) is opened again, on
+        the next address first, for up to that many seconds without one: `on_lost(target,
+        error)` is called when it ends and `on_resumed(target)` when another is live. Events
+        between the two are not replayed: a watcher that needs them re-lists.
+        """
         req = pb.WatchLeasesRequest(holder_id=holder_id, tenant=tenant,
                                     include_renewals=include_renewals)
-        stream = self._stub.WatchLeases(req, metadata=self.metadata)
-        try:
-            for resp in stream:
-                yield resp.event
-        except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.CANCELLED:
-                raise from_rpc_error(err) from None
-        finally:
-            stream.cancel()
+        resume = StreamResume(self, reconnect_for, on_lost, on_resumed)
+        while True:
+            index = self._active
+            stream = self._stubs[index].WatchLeases(req, metadata=self.metadata)
+            live = False
+            try:
+                if stream_is_live(stream.initial_metadata()):
+                    live = True
+                    resume.live(index)
+                for resp in stream:
+                    if not live:  # a server that does not say so: its first event does
+                        live = True
+                        resume.live(index)
+                    yield resp.event
+                return
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.CANCELLED:
+                    return
+                wait = resume.failed(index, err, live)
+                if wait is None:
+                    raise from_rpc_error(err) from None
+            finally:
+                stream.cancel()
+            time.sleep(wait)
 
 
 class AsyncRegistryClient(AsyncClient):
@@ -323,19 +350,37 @@ class AsyncRegistryClient(AsyncClient):
         return bool(resp.released)
 
     async def watch_leases(self, holder_id: str = "", tenant: str = "",
-                           include_renewals: bool = False) -> Any:
-        """An async iterator of lease events."""
+                           include_renewals: bool = False, *, reconnect_for: float = 0.0,
+                           on_lost: Callable[[str, KvbridgeError], None] | None = None,
+                           on_resumed: Callable[[str], None] | None = None) -> Any:
+        """An async iterator of lease events; failover and `reconnect_for` as in
+        `RegistryClient.watch_leases`."""
         req = pb.WatchLeasesRequest(holder_id=holder_id, tenant=tenant,
                                     include_renewals=include_renewals)
-        call = self._stub.WatchLeases(req, metadata=self.metadata)
-        try:
-            async for resp in call:
-                yield resp.event
-        except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.CANCELLED:
-                raise from_rpc_error(err) from None
-        finally:
-            call.cancel()
+        resume = StreamResume(self, reconnect_for, on_lost, on_resumed)
+        while True:
+            index = self._active
+            call = self._stubs[index].WatchLeases(req, metadata=self.metadata)
+            live = False
+            try:
+                if stream_is_live(await call.initial_metadata()):
+                    live = True
+                    resume.live(index)
+                async for resp in call:
+                    if not live:
+                        live = True
+                        resume.live(index)
+                    yield resp.event
+                return
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.CANCELLED:
+                    return
+                wait = resume.failed(index, err, live)
+                if wait is None:
+                    raise from_rpc_error(err) from None
+            finally:
+                call.cancel()
+            await asyncio.sleep(wait)
 
 
 __all__ = ["AsyncRegistryClient", "KvbridgeError", "RegistryClient", "Unavailable",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2  # type: ignore[import-untyped]
@@ -63,3 +65,13 @@ def from_rpc_error(err: grpc.RpcError) -> KvbridgeError:
         return InvalidArgument(field, message.removeprefix(prefix), **meta)
     error = cls(message, **meta)
     return error
+
+
+# The initial metadata a server stream sends once it is subscribed (WatchLeases): from then on
+# the stream is live, and its loss is a gap in what its watcher saw.
+STREAM_LIVE = ("kvbridge-stream", "live")
+
+
+def stream_is_live(metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
+    """Whether a stream's initial metadata (key, value pairs) says its server subscribed it."""
+    return any(tuple(item) == STREAM_LIVE for item in (metadata or ()))

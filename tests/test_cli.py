@@ -240,6 +240,58 @@ def test_leases_watch_table(cli, sync_client, kv, threaded_registry):
     assert " granted " in line and "tenant=t1 conversation=c1 holder=h1 epoch=1" in line
 
 
+@pytest.mark.timeout(60)
+def test_leases_watch_reconnects_when_its_registry_restarts(cli, sync_client, kv,
+                                                            threaded_registry):
+    sync_client.register_holder(**kv.holder_args("h1"))
+
+    def wait_for_watcher() -> None:
+        deadline = time.monotonic() + 10
+        while threaded_registry.watcher_count() < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def produce() -> None:
+        wait_for_watcher()
+        with RegistryClient(threaded_registry.target) as client:
+            client.grant_lease(**kv.grant_args("h1", "t1", "before", kv.tokens(4)))
+        threaded_registry.restart_fresh()  # the stream ends with the old registry
+        wait_for_watcher()
+        with RegistryClient(threaded_registry.target) as client:
+            client.register_holder(**kv.holder_args("h1"))
+            client.grant_lease(**kv.grant_args("h1", "t1", "after", kv.tokens(4)))
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    result = cli("leases", "watch", "--count", "2", "--reconnect-for", "10", "--json")
+    producer.join(10)
+    assert result.exit_code == 0, result.output
+    assert [r["conversation_id"] for r in json_lines(result.stdout)] == ["before", "after"]
+    # (the registry runs in this process: its own log lines go to the same stderr)
+    lost, resumed = [line for line in result.stderr.splitlines() if line.startswith("watch:")]
+    assert lost.startswith(f"watch: the stream from {threaded_registry.target} ended "
+                           "(UNAVAILABLE: the registry is shutting down); reconnecting")
+    assert resumed.startswith(f"watch: watching {threaded_registry.target} again after ")
+    assert "events in between are not shown" in resumed
+
+
+def test_leases_watch_without_reconnect_exits_when_its_registry_stops(cli, sync_client,
+                                                                      threaded_registry):
+    def stop() -> None:
+        deadline = time.monotonic() + 10
+        while threaded_registry.watcher_count() < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        threaded_registry.stop()
+
+    stopper = threading.Thread(target=stop)
+    stopper.start()
+    started = time.monotonic()
+    result = cli("leases", "watch", "--reconnect-for", "0")
+    stopper.join(10)
+    assert result.exit_code == 1
+    assert "the registry is shutting down" in result.stderr
+    assert time.monotonic() - started < 10
+
+
 # ---- holders --------------------------------------------------------------------------------
 
 

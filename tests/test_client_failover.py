@@ -4,11 +4,14 @@ fleet's state intact."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import threading
 import time
 from typing import Any
 
 import pytest
+from conftest import wait_for_watchers
 
 from kvbridge import errors
 from kvbridge.clients import AsyncRegistryClient, RegistryClient
@@ -111,3 +114,118 @@ async def test_router_forwarding_moves_to_the_next_registry_replica(
     finally:
         await channel.close()
         await router.stop(0)
+
+
+# ---- watch streams --------------------------------------------------------------------------
+
+
+def test_sync_watch_opens_on_the_address_that_answers(threaded_registry: Any, kv: Any) -> None:
+    dead = f"127.0.0.1:{_closed_port()}"
+    with RegistryClient(f"{dead},{threaded_registry.target}") as client:
+        client.register_holder(**kv.holder_args("h1"))
+        stream = client.watch_leases()  # no reconnect_for: one try of each address
+        granted: list[str] = []
+
+        def grant() -> None:
+            deadline = time.monotonic() + 10
+            while threaded_registry.watcher_count() < 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            with RegistryClient(threaded_registry.target) as other:
+                granted.append(other.grant_lease(**kv.grant_args("h1", "t1", "c1",
+                                                                 kv.tokens(4))).lease.lease_id)
+
+        producer = threading.Thread(target=grant)
+        producer.start()
+        event = next(stream)
+        producer.join(10)
+        stream.close()
+        assert [event.lease_id] == granted
+        assert client.targets[client._active] == threaded_registry.target
+
+
+async def test_watch_with_every_address_down_gives_up_after_reconnect_for() -> None:
+    targets = [f"127.0.0.1:{_closed_port()}" for _ in range(2)]
+    async with AsyncRegistryClient(targets) as client:
+        for reconnect_for, within in ((0.0, 1.0), (1.5, 4.0)):
+            started = time.monotonic()
+            with pytest.raises(errors.Unavailable):
+                async for _ in client.watch_leases(reconnect_for=reconnect_for):
+                    pass
+            took = time.monotonic() - started
+            assert took < within
+            if reconnect_for:
+                assert took >= 1.5  # it kept trying for reconnect_for
+
+
+async def _redis_replicas(redis_server: Any, namespace: str, n: int) -> list[RegistryServer]:
+    replicas: list[RegistryServer] = []
+    for _ in range(n):
+        server = await create_server(RegistryConfig(
+            listen="127.0.0.1:0", metrics_listen="", backend="redis",
+            redis_url=redis_server.url, redis_namespace=namespace))
+        await server.start()
+        replicas.append(server)
+    return replicas
+
+
+async def test_watch_moves_to_the_next_redis_replica_when_its_own_stops(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+
+    replicas = await _redis_replicas(redis_server, redis_namespace, 2)
+    targets = [f"127.0.0.1:{r.port}" for r in replicas]
+    lost: list[tuple[str, str]] = []
+    resumed: list[str] = []
+    seen: list[str] = []
+    first = asyncio.Event()
+    try:
+        async with AsyncRegistryClient(targets, timeout=5.0) as writer, \
+                AsyncRegistryClient(targets, timeout=5.0) as watcher:
+            await writer.register_holder(**kv.holder_args("h1", ttl=300.0))
+
+            async def watch() -> None:
+                async for event in watcher.watch_leases(
+                        tenant="t1", reconnect_for=10.0,
+                        on_lost=lambda t, e: lost.append((t, e.message)),
+                        on_resumed=resumed.append):
+                    seen.append(event.conversation_id)
+                    first.set()
+                    if len(seen) == 2:
+                        return
+
+            task = asyncio.create_task(watch())
+            await wait_for_watchers(replicas[0], 1)
+            await writer.grant_lease(**kv.grant_args("h1", "t1", "before", kv.tokens(4)))
+            await asyncio.wait_for(first.wait(), 5)
+            started = time.monotonic()
+            await replicas[0].stop(10.0)  # the watch does not hold the shutdown for its grace
+            assert time.monotonic() - started < 5.0
+            await wait_for_watchers(replicas[1], 1)
+            assert lost == [(targets[0], "the registry is shutting down")]
+            assert resumed == [targets[1]]
+            await writer.grant_lease(**kv.grant_args("h1", "t1", "after", kv.tokens(4)))
+            await asyncio.wait_for(task, 10)
+            assert seen == ["before", "after"]
+    finally:
+        for r in replicas:
+            await r.stop(0)
+
+
+async def test_watch_without_reconnect_ends_with_its_replica(
+        redis_server: Any, redis_namespace: str) -> None:
+
+    replicas = await _redis_replicas(redis_server, redis_namespace, 2)
+    targets = [f"127.0.0.1:{r.port}" for r in replicas]
+    try:
+        async with AsyncRegistryClient(targets) as watcher:
+            async def watch() -> None:
+                async for _ in watcher.watch_leases():
+                    pass
+
+            task = asyncio.create_task(watch())
+            await wait_for_watchers(replicas[0], 1)
+            await replicas[0].stop(10.0)
+            with pytest.raises(errors.Unavailable, match="shutting down"):
+                await asyncio.wait_for(task, 5)
+    finally:
+        for r in replicas:
+            await r.stop(0)

@@ -114,6 +114,11 @@ class RegistryServer:
     async def stop(self, grace: float | None = None) -> None:
         """Stop accepting RPCs, give in-flight ones `grace` seconds, then close."""
         await self.health.enter_graceful_shutdown()
+        # Watch streams never end by themselves: ended now (UNAVAILABLE), their watchers move
+        # to another replica at once instead of holding the shutdown for its whole grace.
+        ended = self.servicer.end_watches(Unavailable("the registry is shutting down"))
+        if ended:
+            log.info("watches_ended", count=ended, why="shutdown")
         await self.server.stop(self.config.shutdown_grace_s if grace is None else grace)
         if self._scheduler is not None:
             # A flag as well as a cancellation: a Redis call may swallow the cancellation

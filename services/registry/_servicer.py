@@ -17,7 +17,7 @@ import structlog
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from kvbridge import __version__, blockhash
-from kvbridge._grpc_status import to_status
+from kvbridge._grpc_status import STREAM_LIVE, to_status
 from kvbridge.errors import (
     CapacityExhausted,
     DeadlineExceeded,
@@ -435,6 +435,8 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         self.store.add_listener(listener, renewals=request.include_renewals)
         log.info("watch_started", holder=holder or "*", tenant=tenant or "*")
         try:
+            # Subscribed: the watcher knows its stream is live before any event comes.
+            await context.send_initial_metadata((STREAM_LIVE,))
             while True:
                 event = await queue.get()
                 if ended is not None:
