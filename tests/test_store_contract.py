@@ -1026,6 +1026,74 @@ async def test_redis_outage_fails_fast_and_service_resumes(tmp_path: Path, kv: A
         server.stop()
 
 
+async def test_a_gap_in_the_event_stream_is_told_and_read_past(evicting: Any) -> None:
+    store, client = await evicting()
+    told: list[str] = []
+    store.on_events_lost(told.append)
+    key = store.prefix + "events"
+    await client.delete(key)
+    first = await client.xadd(key, {"x": 1})
+    second = await client.xadd(key, {"x": 2})
+    assert await store._check_events_kept(second) == second and told == []  # still there
+    assert await store._check_events_kept(b"0-0") == b"0-0" and told == []  # none delivered
+    # Trimmed past what was delivered, later entries kept: told, and read on from there.
+    third = await client.xadd(key, {"x": 3})
+    await client.xtrim(key, minid=third, approximate=False)
+    assert await store._check_events_kept(first) == first
+    assert len(told) == 1 and "may have been lost" in told[0]
+    # The stream gone (Redis lost its data): told, and read from the new stream's start.
+    await client.delete(key)
+    assert await store._check_events_kept(third) == b"0-0" and len(told) == 2
+
+
+@pytest.mark.parametrize("durable", [True, False], ids=["kept", "lost"])
+async def test_watch_ends_when_redis_comes_back_without_its_events(
+        tmp_path: Path, kv: Any, durable: bool) -> None:
+    from conftest import RedisProcess, wait_for_watchers
+
+    kept = (("--dir", str(tmp_path), "--appendonly", "yes", "--appendfsync", "always",
+             "--save", "") if durable else ("--save", "", "--appendonly", "no"))
+    redis = RedisProcess(*kept)
+    server = await create_server(RegistryConfig(
+        listen="127.0.0.1:0", metrics_listen="", backend="redis", redis_url=redis.url,
+        redis_namespace="events-lost"))
+    await server.start()
+    client = AsyncRegistryClient(f"127.0.0.1:{server.port}", timeout=5.0)
+    watch = _Watch(client)
+    try:
+        await wait_for_watchers(server, 1)
+        await client.register_holder(**kv.holder_args("h1", ttl=300.0))
+        before = (await client.grant_lease(**kv.grant_args("h1", "t1", "c1",
+                                                           kv.tokens(4)))).lease
+        await watch.wait_for(("GRANTED", before.lease_id))
+        redis.stop()
+        await asyncio.sleep(1.0)  # the tail's reads fail meanwhile
+        redis = RedisProcess(*kept, port=redis.port)
+        with capture_logs() as logs:
+            if durable:  # the stream still holds what was delivered: the watch goes on
+                await client.register_holder(**kv.holder_args("h1", ttl=300.0))
+                after = (await client.grant_lease(**kv.grant_args("h1", "t1", "c2",
+                                                                  kv.tokens(4)))).lease
+                await watch.wait_for(("GRANTED", after.lease_id), timeout=10.0)
+                assert not watch.task.done()
+            else:  # it does not: the watch ends, and says why
+                with pytest.raises(errors.Unavailable, match="may have been lost"):
+                    await asyncio.wait_for(watch.task, 10.0)
+        assert any(e["event"] == "redis_events_lost" for e in logs) is not durable
+        if not durable:  # a new watch sees the new stream's events
+            watch = _Watch(client)
+            await wait_for_watchers(server, 1)
+            await client.register_holder(**kv.holder_args("h1", ttl=300.0))
+            after = (await client.grant_lease(**kv.grant_args("h1", "t1", "c2",
+                                                              kv.tokens(4)))).lease
+            await watch.wait_for(("GRANTED", after.lease_id), timeout=10.0)
+    finally:
+        await watch.close()
+        await client.close()
+        await server.stop(0)
+        redis.stop()
+
+
 # ---- two registry replicas on one Redis, over real gRPC --------------------------------------
 
 

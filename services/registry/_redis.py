@@ -29,7 +29,7 @@ import inspect
 import secrets
 import sys
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 import redis.asyncio as aioredis
@@ -149,6 +149,7 @@ class RedisStore:
         self._batcher: _Batcher | None = None
         self._pipe: ScriptPipe | None = None  # the script calls' own connection (not TLS)
         self._listeners: list[Listener] = []
+        self._events_lost: Callable[[str], None] | None = None
         self._renewal_listeners: list[Listener] = []
         self._block_sizes: dict[str, int] = {}  # holder -> block size, to check grants first
         self._counts = {"leases_active": 0, "leases_total": 0, "holders": 0, "pins": 0}
@@ -670,6 +671,9 @@ class RedisStore:
     def listener_count(self) -> int:
         return len(self._listeners)
 
+    def on_events_lost(self, callback: Callable[[str], None]) -> None:
+        self._events_lost = callback
+
     def _chore(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._chores.add(task)
@@ -687,14 +691,19 @@ class RedisStore:
         """Tail the fleet's event stream and hand each event to this replica's listeners."""
         assert self._tail is not None
         announced = 0.0
+        broken = False  # the last read failed: the stream may have lost entries since
         while not self._closing:
             try:
+                if broken:
+                    last_id = await self._check_events_kept(last_id)
+                    broken = False
                 reply: Any = await self._tail.xread({self._events_key: last_id},
                                                count=_EVENT_BATCH, block=_EVENT_BLOCK_MS)
             except Exception as exc:  # the tail must outlive any one failure
                 if self._closing:
                     return
                 self._unreachable("events", exc)
+                broken = True
                 await asyncio.sleep(0.5)
                 continue
             streams = reply.items() if isinstance(reply, dict) else reply or []
@@ -710,6 +719,26 @@ class RedisStore:
             if self._renewal_listeners and monotonic() - announced > _RENEW_WATCH_MS / 1e3:
                 announced = monotonic()
                 await self._announce_renewal_watch()
+
+    async def _check_events_kept(self, last_id: Any) -> Any:
+        """After a failed read: whether the stream still holds the last event delivered. If
+        not, entries after it may be gone (Redis restarted without its data, or trimmed the
+        stream to MAXLEN while this replica could not read) and `on_events_lost` hears of it.
+        Returns where to read on: `last_id`, or the start of a stream that holds nothing
+        after it (a new one, whose ids may be lower)."""
+        assert self._tail is not None
+        if last_id == b"0-0":
+            return last_id  # nothing delivered yet: whatever the stream holds is read next
+        first = await self._tail.xrange(self._events_key, min=last_id, count=1)
+        if first and first[0][0] == last_id:
+            return last_id
+        why = ("lease events may have been lost while Redis was unreachable (its event stream "
+               f"no longer holds event {_event_id(last_id)}, the last this replica delivered)")
+        log.warning("redis_events_lost", after=_event_id(last_id),
+                    hint="watch streams end: watchers re-list")
+        if self._events_lost is not None:
+            self._events_lost(why)
+        return last_id if first else b"0-0"
 
     def _deliver(self, fields: dict[bytes, bytes]) -> None:
         kind = EventType(int(fields[b"t"]))

@@ -109,6 +109,9 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         self.metrics = metrics
         self.clock = store.clock
         self._watch_enders: set[Callable[[KvbridgeError], None]] = set()
+        # Events lost upstream (a Redis that lost its stream): the watches end, so that their
+        # watchers know of the gap and re-list, instead of going on as if nothing was missed.
+        store.on_events_lost(self._events_lost)
         self._started = time.monotonic()
         self._durations = {
             name: metrics.rpc_duration.labels(name)
@@ -459,6 +462,10 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         finally:
             self.store.remove_listener(listener, renewals=request.include_renewals)
             self._watch_enders.discard(end)
+
+    def _events_lost(self, why: str) -> None:
+        ended = self.end_watches(Unavailable(why))
+        log.warning("watches_ended", count=ended, why="events lost")
 
     def end_watches(self, err: KvbridgeError) -> int:
         """End every open watch stream with `err` (a replica that stops serving: watchers

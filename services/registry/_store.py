@@ -15,7 +15,7 @@ The contract suite `tests/test_store_contract.py` runs against both.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from typing import Protocol
 
@@ -137,6 +137,12 @@ class LeaseStore(Protocol):
         """Listeners subscribed (metrics included)."""
         ...
 
+    def on_events_lost(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(why)` when events may have been lost before reaching this store's
+        listeners (the shared event stream lost entries it had not delivered yet): the server
+        then ends its watch streams, so that watchers know to re-list."""
+        ...
+
     async def tick(self) -> int:
         """Process due deadlines (holders, pins, a batch of leases); return the leases
         expired. Safe to run on every replica at once: each deadline is processed once."""
@@ -245,6 +251,9 @@ class MemoryStore:
 
     def listener_count(self) -> int:
         return len(self.table._listeners)
+
+    def on_events_lost(self, callback: Callable[[str], None]) -> None:
+        pass  # events go from the table to its listeners in this process: none is lost
 
     async def tick(self) -> int:
         return self.table.tick()
