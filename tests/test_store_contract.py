@@ -1026,6 +1026,35 @@ async def test_redis_outage_fails_fast_and_service_resumes(tmp_path: Path, kv: A
         server.stop()
 
 
+async def test_replicas_agree_on_the_pin_secret_after_redis_loses_it(evicting: Any,
+                                                                     kv: Any) -> None:
+    a, client = await evicting()
+    b, _ = await evicting()
+    key = a.prefix + "pin_secret"
+    shared = a._pin_secret
+    assert shared and b._pin_secret == shared
+    await client.delete(key)  # as a Redis that lost its data
+    c, _ = await evicting()  # started since: it makes a new one
+    assert c._pin_secret != shared
+    with capture_logs() as logs:
+        await a.tick()
+        await b.tick()
+    assert a._pin_secret == b._pin_secret == c._pin_secret == await client.get(key)
+    assert [e["event"] for e in logs].count("redis_pin_secret_changed") == 2
+    # A read retried on another replica finds the same pin.
+    await a.register_holder(holder(ttl=300.0))
+    await a.grant(grant_spec(kv, kv.tokens(8)))
+    hashes = kv.prompt_hashes(kv.tokens(8))
+    first = await a.acquire_read("t1", "c1", hashes, reader_id="p1", request_id="r1")
+    again = await c.acquire_read("t1", "c1", hashes, reader_id="p1", request_id="r1")
+    assert first.pin is not None and again.pin is not None
+    assert again.pin.pin_id == first.pin.pin_id
+    # Lost with no replica started since: the next tick writes the fleet's secret back.
+    await client.delete(key)
+    await b.tick()
+    assert await client.get(key) == c._pin_secret
+
+
 async def test_a_gap_in_the_event_stream_is_told_and_read_past(evicting: Any) -> None:
     store, client = await evicting()
     told: list[str] = []

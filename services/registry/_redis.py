@@ -238,8 +238,8 @@ class RedisStore:
     async def _shared_pin_secret(self) -> bytes:
         """The key of every replica's pin ids (`kvbridge.ids.read_pin_id`), made by the first
         replica to start: a read retried on another replica finds the same pin. (A Redis that
-        lost its data gets a new one; replicas started before keep theirs, and a read retried
-        across them then makes a second pin, which expires.)"""
+        lost its data gets it back from the first replica's tick after; one started in
+        between makes a new one, which the others take at their next tick.)"""
         assert self._redis is not None
         key = self.prefix + "pin_secret"
         try:
@@ -761,7 +761,7 @@ class RedisStore:
         try:
             reply = await self._run("tick", cfg.expiry_batch,
                                     cfg.max_lifetime_cap_s + cfg.max_pin_ttl_s, self.layout,
-                                    self.layout_min, OWED_EVENTS_PER_TICK)
+                                    self.layout_min, OWED_EVENTS_PER_TICK, self._pin_secret)
         except Unavailable as exc:
             self._unreachable("tick", exc)
             self._next_deadline = None
@@ -772,6 +772,14 @@ class RedisStore:
         self._next_deadline = self.clock.monotonic() + float(reply[3]) if reply[3] else None
         self._counts = {"leases_active": int(reply[5]), "leases_total": int(reply[6]),
                         "holders": int(reply[7]), "pins": int(reply[8])}
+        secret = bytes(reply[10]) if len(reply) > 10 else b""
+        if secret and secret != self._pin_secret:
+            # Redis lost its data and a replica started since made a new secret (or this one
+            # had none to share): take it, so that a read retried on any replica finds its pin.
+            self._pin_secret = secret
+            log.warning("redis_pin_secret_changed", namespace=self.config.redis_namespace,
+                        hint="reads retried across the change make a second pin, which "
+                             "expires")
         if int(reply[9]) > self.layout:  # a newer replica needs this one gone: stop serving
             self._outdated = self._too_old(int(reply[9]))
             log.error("redis_layout_outdated", namespace=self.config.redis_namespace,

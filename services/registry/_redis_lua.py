@@ -30,7 +30,8 @@ Keys (P = prefix):
   P events           stream: lease events (t l tn c h e w lt), read by every replica
   P renew_watch      string with a TTL: set while some replica watches renewals
   P pin_secret       the key of derived pin ids (kvbridge.ids.read_pin_id), set by the first
-                     replica to start, read by the others (not by this script)
+                     replica to start, read by the others; written back by the next tick
+                     when Redis lost it (every tick returns it)
   P clock            hash: fix (seconds added to TIME after a step), off and tstep (tests)
   P layout           hash: version (the newest state layout of the replicas that shared it),
                      min (the oldest layout that may still share it; see _redis.LAYOUT)
@@ -684,6 +685,8 @@ elseif cmd == 'tick' then
   if ARGS[5] and redis.call('EXISTS', P .. 'layout') == 0 then
     redis.call('HSET', P .. 'layout', 'version', ARGS[5], 'min', ARGS[6])
   end
+  -- Likewise the pin secret (ARGS[8], the caller's): the replicas keep agreeing on pin ids.
+  if ARGS[8] then redis.call('SET', P .. 'pin_secret', ARGS[8], 'NX') end
   -- The grace is over: the RECLAIMABLE events it held, first (what this tick kills is then
   -- sent as it dies). Every dead lease is queued once (P paying, by Redis itself: no Lua per
   -- lease), then ARGS[7] a tick are sent: one script over them all would stall Redis.
@@ -752,7 +755,8 @@ elseif cmd == 'tick' then
   if nxt then next_in = F(nxt - NOW) end
   return {'OK', STAMP(), expired, next_in, lost, redis.call('ZCARD', P .. 'lexp'),
           redis.call('ZCARD', P .. 'leases'), redis.call('ZCARD', P .. 'holders'),
-          redis.call('ZCARD', P .. 'pexp'), redis.call('HGET', P .. 'layout', 'min') or '0'}
+          redis.call('ZCARD', P .. 'pexp'), redis.call('HGET', P .. 'layout', 'min') or '0',
+          redis.call('GET', P .. 'pin_secret') or ''}
 
 elseif cmd == 'clockfix' then
   -- Store a fix a caller confirmed, moved by the step it saw: only over the generation it saw
