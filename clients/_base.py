@@ -24,12 +24,13 @@ from typing import Any, ClassVar
 
 import grpc
 
-from kvbridge._grpc_status import from_rpc_error
+from kvbridge._grpc_status import from_rpc_error, stream_is_live
 from kvbridge.auth import TlsFiles, call_metadata
 from kvbridge.clock import monotonic
 from kvbridge.errors import DeadlineExceeded, KvbridgeError, Unavailable
 
 DEFAULT_TIMEOUT = 2.0
+KEEPALIVE_TIME_MS = 30_000
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -39,6 +40,15 @@ CHANNEL_OPTIONS = [
     # (min_reconnect_backoff_ms is left alone: it is also the connection attempt's timeout.)
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    # While a call is open, ping every 30 s and drop the connection when a ping goes 10 s
+    # unanswered: a watch stream whose replica vanished without a word (a host crash, a
+    # partition) ends and moves on, instead of waiting for events forever. Servers allow it
+    # (`kvbridge._grpc_handlers.SERVER_KEEPALIVE_OPTIONS`).
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.ping_timeout_ms", 10_000),  # what this gRPC waits for the ack (60 s by default)
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),  # an idle stream sends no data: ping anyway
 ]
 
 
@@ -146,6 +156,7 @@ class _Replicas:
     targets: list[str]
     _stubs: list[Any]
     _active: int
+    closed: bool = False  # `close` was called
     metadata: tuple[tuple[str, str], ...] | None  # the bearer token, sent with every call
 
     def _security(self, token: str | None, tls: TlsFiles | None) -> Any:
@@ -178,15 +189,27 @@ def stream_backoff(attempt: int) -> float:
     return float(min(0.1 * 2**attempt, 2.0) * (0.5 + random.random() / 2))
 
 
+# A watch stream that ends with one of these after it was live is opened again (with
+# `reconnect_for`): its replica went away, cut it (CANCELLED from the server or the network:
+# the client never cancels a stream it still reads) or found it too slow ("reconnect and
+# re-list"). Opening fails over on UNAVAILABLE only.
+REOPEN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+          grpc.StatusCode.RESOURCE_EXHAUSTED)
+# A stream live for less than this before it ended does not restart the `reconnect_for`
+# budget: a replica that opens streams and ends them at once is given up on.
+STREAM_STABLE_S = 1.0
+
+
 class StreamResume:
-    """When and where a failed server stream (a watch) is opened again; shared by both clients.
+    """When and where a server stream (a watch) is opened again; what the clients share.
 
     Opening fails over like a call: on UNAVAILABLE the next address is tried at once, and once
-    every address failed, again after a backoff. A stream that was live and then ended with
-    UNAVAILABLE (its replica stopped, restarted or stopped serving) is opened again only when
-    `reconnect_for` > 0, since the events between the two streams are not replayed. Either way
-    the stream gives up (`failed` returns None) once `reconnect_for` seconds pass without a
-    live stream; with 0 that is after one try of every address.
+    every address failed, again after a backoff. A stream is live once its server says so in
+    its initial metadata (`STREAM_LIVE`) or sends a message. A live stream that ends (see
+    `REOPEN`) is opened again only with `reconnect_for` > 0, since the events between the two
+    streams are not replayed: `on_lost(target, error)` when it ends, `on_resumed(target)`
+    when another is live. The stream gives up (`failed` returns None) once `reconnect_for`
+    seconds pass without a live stream; with 0, after one try of every address.
     """
 
     def __init__(self, replicas: _Replicas, reconnect_for: float,
@@ -195,33 +218,50 @@ class StreamResume:
         self.replicas = replicas
         self.reconnect_for = reconnect_for
         self.on_lost, self.on_resumed = on_lost, on_resumed
-        self._since = monotonic()  # the start, or when the last live stream ended
-        self._tried = 1  # addresses tried since then
-        self._attempt = 0  # rounds of every address since then
+        self._since = monotonic()  # the start, or when the last stable live stream ended
+        self._tried = 1  # addresses tried in this round
+        self._attempt = 0  # rounds of every address since `_since`
         self._lost = False  # a live stream ended and none is live again yet
+        self._index = 0  # the replica of the stream opened last
+        self._live_at: float | None = None  # when that stream went live (None: not yet)
+        self._ever_live = False
 
-    def live(self, index: int) -> None:
-        """The stream just opened on replica `index` is live (`on_resumed` after a loss)."""
-        self._tried, self._attempt = 1, 0
+    def opened(self, index: int, metadata: Any) -> None:
+        """A stream was opened on replica `index`; `metadata`: its initial metadata."""
+        self._index, self._live_at = index, None
+        if stream_is_live(metadata):
+            self._went_live()
+
+    def event(self) -> None:
+        """The stream sent a message (live, even from a server that does not say so)."""
+        if self._live_at is None:
+            self._went_live()
+
+    def _went_live(self) -> None:
+        self._live_at = monotonic()
+        self._ever_live = True
+        self._tried = 1
         if self._lost:
             self._lost = False
             if self.on_resumed is not None:
-                self.on_resumed(self.replicas.targets[index])
+                self.on_resumed(self.replicas.targets[self._index])
 
-    def failed(self, index: int, err: grpc.RpcError, was_live: bool) -> float | None:
-        """The stream on replica `index` failed with `err`: seconds to wait before opening it
-        again (on the replica active then), or None when the caller raises `err`."""
-        code = err.code()
-        if code not in RETRYABLE:
+    def failed(self, err: grpc.RpcError) -> float | None:
+        """The stream opened last failed with `err`: seconds to wait before opening one again
+        (on the replica active then), or None when the caller gives up (`error`)."""
+        code, now, index = err.code(), monotonic(), self._index
+        if self.replicas.closed:
             return None
-        now = monotonic()
-        if was_live:
-            if self.reconnect_for <= 0:
+        if self._live_at is not None:
+            if self.reconnect_for <= 0 or code not in REOPEN:
                 return None
-            self._lost = True
-            self._since, self._tried, self._attempt = now, 1, 0
+            if now - self._live_at >= STREAM_STABLE_S:
+                self._since, self._attempt = now, 0
+            self._lost, self._tried = True, 1
             if self.on_lost is not None:
                 self.on_lost(self.replicas.targets[index], from_rpc_error(err))
+        elif code not in RETRYABLE:
+            return None
         if self.replicas._failed(index, code) and self._tried < len(self.replicas._stubs):
             self._tried += 1
             return 0.0
@@ -230,6 +270,17 @@ class StreamResume:
             return None
         self._tried, self._attempt = 1, self._attempt + 1
         return min(stream_backoff(self._attempt - 1), left)  # the last try at the end
+
+    def error(self, err: grpc.RpcError) -> KvbridgeError | None:
+        """The error to raise for `err`, or None when the stream just ends: the client was
+        closed under it, or it was cancelled and is not to be opened again (as before
+        `reconnect_for`). Its `stream_ended` says whether some stream had been live."""
+        if err.code() == grpc.StatusCode.CANCELLED and (
+                self.replicas.closed or self.reconnect_for <= 0):
+            return None
+        error = from_rpc_error(err)
+        error.stream_ended = self._ever_live  # type: ignore[attr-defined]
+        return error
 
 
 class SyncClient(_Replicas):
@@ -252,6 +303,7 @@ class SyncClient(_Replicas):
         self._active = 0
 
     def close(self) -> None:
+        self.closed = True
         for channel in self._channels:
             channel.close()
 
@@ -312,6 +364,7 @@ class AsyncClient(_Replicas):
         self._active = 0
 
     async def close(self) -> None:
+        self.closed = True
         for channel in self._channels:
             await channel.close()
 

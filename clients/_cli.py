@@ -331,14 +331,14 @@ def leases_watch(registry: str, holder: str, tenant: str, renewals: bool, count:
     lost_at = [0.0]
 
     def lost(target: str, err: KvbridgeError) -> None:
-        lost_at[0] = time.time()
+        lost_at[0] = time.monotonic()
         click.echo(f"watch: the stream from {target} ended ({err.reason}: {err.message}); "
                    f"reconnecting for up to {reconnect_for:g}s", err=True)
 
     def resumed(target: str) -> None:
-        click.echo(f"watch: watching {target} again after {time.time() - lost_at[0]:.1f}s; "
-                   "events in between are not shown (`kvbridge leases list` has the leases "
-                   "as they are now)", err=True)
+        click.echo(f"watch: now watching {target}, after "
+                   f"{time.monotonic() - lost_at[0]:.1f}s; events in between are not shown "
+                   "(`kvbridge leases list` has the leases as they are now)", err=True)
 
     with RegistryClient(registry, **client_security()) as client:
         try:
@@ -359,6 +359,13 @@ def leases_watch(registry: str, holder: str, tenant: str, renewals: bool, count:
                     return
         except KeyboardInterrupt:
             return
+        except KvbridgeError as err:
+            if not getattr(err, "stream_ended", False):
+                raise  # none could be opened: "cannot reach the registry ..."
+            click.echo(f"error: {err.reason}: the watch stream ended ({err.message})"
+                       + (f"; no registry answered within --reconnect-for {reconnect_for:g}s"
+                          if reconnect_for else ""), err=True)
+            sys.exit(1)
 
 
 @click.group("holders")

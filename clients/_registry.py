@@ -18,7 +18,6 @@ from typing import Any
 import grpc
 from google.protobuf import duration_pb2
 
-from kvbridge._grpc_status import from_rpc_error, stream_is_live
 from kvbridge.clients._base import AsyncClient, StreamResume, SyncClient
 from kvbridge.errors import KvbridgeError, Unavailable
 from kvbridge.registry.v1 import registry_pb2 as pb
@@ -215,10 +214,14 @@ class RegistryClient(SyncClient):
         """Stream lease events until the caller stops iterating or the stream fails.
 
         With several addresses the stream opens on the first that answers. With
-        `reconnect_for` > 0 a stream whose replica goes away (UNAVAILABLE) is opened again, on
-        the next address first, for up to that many seconds without one: `on_lost(target,
-        error)` is called when it ends and `on_resumed(target)` when another is live. Events
-        between the two are not replayed: a watcher that needs them re-lists.
+        `reconnect_for` > 0 a stream that ends because its replica went away or cut it
+        (UNAVAILABLE, CANCELLED, RESOURCE_EXHAUSTED) is opened again, on the next address
+        first, for up to that many seconds without one: `on_lost(target, error)` is called
+        when it ends and `on_resumed(target)` when another is live. Events between the two
+        are not replayed: a watcher that needs them re-lists. A raised error's
+        `stream_ended` says whether a stream had been live (else none could be opened).
+        Channels ping (`CHANNEL_OPTIONS`), so a replica that vanished without closing the
+        connection (a host crash, a partition) ends the stream within about 40 s.
         """
         req = pb.WatchLeasesRequest(holder_id=holder_id, tenant=tenant,
                                     include_renewals=include_renewals)
@@ -226,23 +229,19 @@ class RegistryClient(SyncClient):
         while True:
             index = self._active
             stream = self._stubs[index].WatchLeases(req, metadata=self.metadata)
-            live = False
             try:
-                if stream_is_live(stream.initial_metadata()):
-                    live = True
-                    resume.live(index)
+                resume.opened(index, stream.initial_metadata())
                 for resp in stream:
-                    if not live:  # a server that does not say so: its first event does
-                        live = True
-                        resume.live(index)
+                    resume.event()
                     yield resp.event
                 return
             except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.CANCELLED:
-                    return
-                wait = resume.failed(index, err, live)
+                wait = resume.failed(err)
                 if wait is None:
-                    raise from_rpc_error(err) from None
+                    error = resume.error(err)
+                    if error is None:
+                        return
+                    raise error from None
             finally:
                 stream.cancel()
             time.sleep(wait)
@@ -361,23 +360,19 @@ class AsyncRegistryClient(AsyncClient):
         while True:
             index = self._active
             call = self._stubs[index].WatchLeases(req, metadata=self.metadata)
-            live = False
             try:
-                if stream_is_live(await call.initial_metadata()):
-                    live = True
-                    resume.live(index)
+                resume.opened(index, await call.initial_metadata())
                 async for resp in call:
-                    if not live:
-                        live = True
-                        resume.live(index)
+                    resume.event()
                     yield resp.event
                 return
             except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.CANCELLED:
-                    return
-                wait = resume.failed(index, err, live)
+                wait = resume.failed(err)
                 if wait is None:
-                    raise from_rpc_error(err) from None
+                    error = resume.error(err)
+                    if error is None:
+                        return
+                    raise error from None
             finally:
                 call.cancel()
             await asyncio.sleep(wait)

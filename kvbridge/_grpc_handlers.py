@@ -34,6 +34,14 @@ log = structlog.get_logger("kvbridge.auth")
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
+# What kvbridge's servers allow of a client's keepalive pings (`kvbridge.clients._base`
+# pings every 30 s while a call, such as a watch stream, is open): gRPC's default refuses
+# pings more often than every 5 minutes on a connection that sends no data, and closes it.
+SERVER_KEEPALIVE_OPTIONS = [
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
 
 def _identity(raw: bytes) -> bytes:
     return raw

@@ -231,6 +231,14 @@ class ThreadedRegistry:
         store = self.server.store
         return self.call(lambda: store.listener_count() - 1)
 
+    def wait_for_watchers(self, count: int = 1, timeout: float = 10.0) -> None:
+        """Block until `count` WatchLeases streams are subscribed (from another thread)."""
+        deadline = time.monotonic() + timeout
+        while self.watcher_count() < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{count} watcher(s) did not subscribe within {timeout}s")
+            time.sleep(0.005)
+
     def stop(self) -> None:
         if self.server is not None:
             self.run(self.server.stop(0))

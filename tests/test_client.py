@@ -96,9 +96,7 @@ def test_sync_watch_streams_until_the_caller_stops(sync_client, kv, threaded_reg
     sync_client.register_holder(**kv.holder_args("h1"))
 
     def produce() -> None:
-        deadline = time.monotonic() + 5
-        while threaded_registry.watcher_count() < 1 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        threaded_registry.wait_for_watchers()
         with RegistryClient(threaded_registry.target) as other:
             for conv in ("a", "b"):
                 other.grant_lease(**kv.grant_args("h1", "t1", conv, kv.tokens(4)))

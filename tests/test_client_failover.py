@@ -15,6 +15,7 @@ from conftest import wait_for_watchers
 
 from kvbridge import errors
 from kvbridge.clients import AsyncRegistryClient, RegistryClient
+from kvbridge.clients._base import STREAM_STABLE_S as STABLE
 from kvbridge.clients._base import split_targets
 from kvbridge.services.registry import RegistryConfig, RegistryServer, create_server
 
@@ -127,9 +128,7 @@ def test_sync_watch_opens_on_the_address_that_answers(threaded_registry: Any, kv
         granted: list[str] = []
 
         def grant() -> None:
-            deadline = time.monotonic() + 10
-            while threaded_registry.watcher_count() < 1 and time.monotonic() < deadline:
-                time.sleep(0.005)
+            threaded_registry.wait_for_watchers()
             with RegistryClient(threaded_registry.target) as other:
                 granted.append(other.grant_lease(**kv.grant_args("h1", "t1", "c1",
                                                                  kv.tokens(4))).lease.lease_id)
@@ -201,6 +200,7 @@ async def test_watch_moves_to_the_next_redis_replica_when_its_own_stops(
             assert time.monotonic() - started < 5.0
             await wait_for_watchers(replicas[1], 1)
             assert lost == [(targets[0], "the registry is shutting down")]
+            await _until(lambda: resumed)  # (told once its initial metadata is in)
             assert resumed == [targets[1]]
             await writer.grant_lease(**kv.grant_args("h1", "t1", "after", kv.tokens(4)))
             await asyncio.wait_for(task, 10)
@@ -229,3 +229,87 @@ async def test_watch_without_reconnect_ends_with_its_replica(
     finally:
         for r in replicas:
             await r.stop(0)
+
+
+async def _until(check: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_watch_leaves_a_replica_that_vanished_without_a_word(
+        registry_factory: Any, kv: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbridge.clients import _base
+    from kvbridge.faultproxy import FaultProxy
+
+    # Pings every 0.3 s (gRPC waits at least 1 s), 0.5 s for the ack (30 s, 10 s by default).
+    short = {"grpc.keepalive_time_ms": 300, "grpc.keepalive_timeout_ms": 500,
+             "grpc.http2.ping_timeout_ms": 500}
+    assert set(short) <= {k for k, _ in _base.CHANNEL_OPTIONS}
+    quick = [(k, short.get(k, v)) for k, v in _base.CHANNEL_OPTIONS]
+    monkeypatch.setattr(_base, "CHANNEL_OPTIONS", quick)
+    a, b = await registry_factory(), await registry_factory()
+    proxy = FaultProxy("127.0.0.1", a.port)
+    await proxy.start()
+    lost: list[str] = []
+    resumed: list[str] = []
+    seen: list[str] = []
+    try:
+        async with AsyncRegistryClient([proxy.address, f"127.0.0.1:{b.port}"]) as watcher:
+            async def watch() -> None:
+                async for event in watcher.watch_leases(
+                        reconnect_for=10.0, on_lost=lambda t, e: lost.append(t),
+                        on_resumed=resumed.append):
+                    seen.append(event.conversation_id)
+                    return
+
+            task = asyncio.create_task(watch())
+            await wait_for_watchers(a, 1)
+            started = time.monotonic()
+            proxy.set(drop=True)  # a black hole: the connection stays open, nothing comes
+            await _until(lambda: resumed)
+            assert time.monotonic() - started < 5.0
+            assert lost == [proxy.address] and resumed == [f"127.0.0.1:{b.port}"]
+            async with AsyncRegistryClient(f"127.0.0.1:{b.port}") as writer:
+                await writer.register_holder(**kv.holder_args("h1"))
+                await writer.grant_lease(**kv.grant_args("h1", "t1", "on-b", kv.tokens(4)))
+            await asyncio.wait_for(task, 10)
+            assert seen == ["on-b"]
+    finally:
+        await proxy.stop()
+
+
+async def test_a_registry_shutting_down_refuses_new_watches(registry_server: Any) -> None:
+    registry_server.servicer.close_watches(errors.Unavailable("the registry is shutting down"))
+    async with AsyncRegistryClient(f"127.0.0.1:{registry_server.port}") as client:
+        with pytest.raises(errors.Unavailable, match="shutting down") as raised:
+            async for _ in client.watch_leases(reconnect_for=0.5):
+                pass
+        assert raised.value.stream_ended is False  # type: ignore[attr-defined]
+
+
+async def test_watch_reopens_after_its_replica_cut_it_and_gives_up_on_one_that_flaps(
+        registry_server: Any) -> None:
+    lost: list[str] = []
+    resumed: list[str] = []
+    async with AsyncRegistryClient(f"127.0.0.1:{registry_server.port}") as client:
+        stream = client.watch_leases(reconnect_for=1.5, on_lost=lambda t, e: lost.append(e.reason),
+                                     on_resumed=resumed.append)
+        task = asyncio.create_task(stream.__anext__())
+        # Cut for falling behind ("reconnect and re-list"): opened again on the same replica.
+        await wait_for_watchers(registry_server, 1)
+        await asyncio.sleep(STABLE)  # live long enough to count as a stream that worked
+        registry_server.servicer.end_watches(errors.CapacityExhausted("watcher fell behind"))
+        await _until(lambda: resumed)
+        assert lost == ["CAPACITY_EXHAUSTED"] and len(resumed) == 1
+        # Ended every time it opens: given up on after reconnect_for, not reopened forever.
+        started = time.monotonic()
+        while not task.done():
+            registry_server.servicer.end_watches(errors.Unavailable("flapping"))
+            await asyncio.sleep(0.02)
+        with pytest.raises(errors.Unavailable, match="flapping") as raised:
+            task.result()
+        assert 1.4 < time.monotonic() - started < 5.0
+        assert raised.value.stream_ended is True  # type: ignore[attr-defined]
+        assert len(lost) >= 3 and set(lost[1:]) == {"UNAVAILABLE"}

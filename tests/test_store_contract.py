@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from conftest import wait_for_watchers
 from structlog.testing import capture_logs
 
 from kvbridge import errors
@@ -1055,30 +1056,67 @@ async def test_replicas_agree_on_the_pin_secret_after_redis_loses_it(evicting: A
     assert await client.get(key) == c._pin_secret
 
 
-async def test_a_gap_in_the_event_stream_is_told_and_read_past(evicting: Any) -> None:
+async def test_a_gap_in_the_event_stream_is_told_and_never_replayed(evicting: Any,
+                                                                    kv: Any) -> None:
     store, client = await evicting()
     told: list[str] = []
     store.on_events_lost(told.append)
+    seen: list[str] = []
+    arrived = asyncio.Event()
+
+    def listener(event: Any) -> None:
+        seen.append(event.conversation_id)
+        arrived.set()
+
+    store.add_listener(listener)
+    await store.register_holder(holder(ttl=300.0))
+
+    async def grant(conversation: str) -> None:
+        # After a kill the tick meets the dead connection (script calls are never resent),
+        # so that the grant finds a new one.
+        await store.tick()
+        arrived.clear()
+        await store.grant(grant_spec(kv, kv.tokens(4), conversation=conversation))
+        while conversation not in seen:
+            await asyncio.wait_for(arrived.wait(), 5)
+            arrived.clear()
+
     key = store.prefix + "events"
-    await client.delete(key)
-    first = await client.xadd(key, {"x": 1})
-    second = await client.xadd(key, {"x": 2})
-    assert await store._check_events_kept(second) == second and told == []  # still there
-    assert await store._check_events_kept(b"0-0") == b"0-0" and told == []  # none delivered
-    # Trimmed past what was delivered, later entries kept: told, and read on from there.
-    third = await client.xadd(key, {"x": 3})
-    await client.xtrim(key, minid=third, approximate=False)
-    assert await store._check_events_kept(first) == first
+    await grant("c1")
+    await grant("c2")
+    assert told == []  # reads that find what they delivered tell nothing
+    # As Redis restarted from an older snapshot: the stream holds only entries before the last
+    # one delivered, and the replica's connections drop.
+    old = {"t": 1, "l": "l-old", "tn": "t1", "c": "from-the-snapshot", "h": "h1", "e": 1,
+           "w": "0", "lt": "0"}
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.delete(key)
+        pipe.xadd(key, old, id="1-0")
+        pipe.xadd(key, old, id="2-0")
+        pipe.client_kill_filter(_type="normal", skipme=True)
+        await pipe.execute()
+    await grant("c3")
     assert len(told) == 1 and "may have been lost" in told[0]
-    # The stream gone (Redis lost its data): told, and read from the new stream's start.
-    await client.delete(key)
-    assert await store._check_events_kept(third) == b"0-0" and len(told) == 2
+    assert "from-the-snapshot" not in seen  # not replayed as if new
+    # As Redis restarted without its data: told, and the new stream is read from its start.
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.delete(key)
+        pipe.client_kill_filter(_type="normal", skipme=True)
+        await pipe.execute()
+    await grant("c4")
+    assert len(told) == 2
+    # Connections dropped with the stream intact (a Redis restarted from its append-only
+    # file): nothing to tell.
+    await client.client_kill_filter(_type="normal", skipme=True)
+    await grant("c5")
+    assert len(told) == 2
+    assert [c for c in seen if c.startswith("c")] == ["c1", "c2", "c3", "c4", "c5"]
 
 
 @pytest.mark.parametrize("durable", [True, False], ids=["kept", "lost"])
 async def test_watch_ends_when_redis_comes_back_without_its_events(
         tmp_path: Path, kv: Any, durable: bool) -> None:
-    from conftest import RedisProcess, wait_for_watchers
+    from conftest import RedisProcess
 
     kept = (("--dir", str(tmp_path), "--appendonly", "yes", "--appendfsync", "always",
              "--save", "") if durable else ("--save", "", "--appendonly", "no"))
@@ -1160,13 +1198,6 @@ class _Watch:
             await self.task
 
 
-async def _wait_watchers(server: RegistryServer, count: int) -> None:
-    deadline = time.monotonic() + 5
-    while server.store.listener_count() - 1 < count:  # the metrics listener excluded
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.005)
-
-
 async def test_two_replicas_serve_one_fleet(redis_server: Any, redis_namespace: str,
                                             kv: Any) -> None:
     a = await _replica(redis_server.url, redis_namespace)
@@ -1175,8 +1206,8 @@ async def test_two_replicas_serve_one_fleet(redis_server: Any, redis_namespace: 
     cb = AsyncRegistryClient(f"127.0.0.1:{b.port}")
     watch_a, watch_b = _Watch(ca), _Watch(cb)
     try:
-        await _wait_watchers(a, 1)
-        await _wait_watchers(b, 1)
+        await wait_for_watchers(a, 1)
+        await wait_for_watchers(b, 1)
         await cb.register_holder(**kv.holder_args("h1", ttl=300.0))
         tokens = kv.tokens(10)
         granted = (await cb.grant_lease(**kv.grant_args("h1", "t1", "c1", tokens,
@@ -1856,7 +1887,6 @@ async def test_redis_outdated_replica_reports_not_serving_and_a_lost_layout_is_r
         await old.store.register_holder(holder(ttl=300.0))
         stream = watcher.watch_leases()
         first = asyncio.ensure_future(stream.__anext__())
-        from conftest import wait_for_watchers
         await wait_for_watchers(old, 1)  # the stream is open before the grant
         await old.store.grant(grant_spec(kv, kv.tokens(8)))
         assert (await asyncio.wait_for(first, 5)).type == pb.LEASE_EVENT_TYPE_GRANTED

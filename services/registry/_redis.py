@@ -688,22 +688,31 @@ class RedisStore:
                 log.warning("redis_unreachable", during="renew_watch", error=str(exc))
 
     async def _read_events(self, last_id: Any) -> None:
-        """Tail the fleet's event stream and hand each event to this replica's listeners."""
+        """Tail the fleet's event stream and hand each event to this replica's listeners.
+
+        Each read first checks, on the same connection, that the stream still holds the last
+        event delivered: a Redis that restarted without its data or from an older snapshot, a
+        failover to a replica that lagged (redis-py reconnects without a word), or a trim to
+        MAXLEN past a tail that fell behind all lose events, and `on_events_lost` hears of it.
+        """
         assert self._tail is not None
         announced = 0.0
-        broken = False  # the last read failed: the stream may have lost entries since
+        gone: Any = None  # a last id found missing and told of: read past, not checked again
         while not self._closing:
             try:
-                if broken:
-                    last_id = await self._check_events_kept(last_id)
-                    broken = False
-                reply: Any = await self._tail.xread({self._events_key: last_id},
-                                               count=_EVENT_BATCH, block=_EVENT_BLOCK_MS)
+                async with self._tail.pipeline(transaction=False) as pipe:
+                    if last_id not in (b"0-0", gone):  # (0-0: nothing delivered to check)
+                        pipe.xrange(self._events_key, min=last_id, max=last_id)
+                    pipe.xread({self._events_key: last_id}, count=_EVENT_BATCH,
+                               block=_EVENT_BLOCK_MS)
+                    *kept, reply = await pipe.execute()
+                if kept and not kept[0]:
+                    last_id = gone = await self._events_gap(last_id)
+                    continue
             except Exception as exc:  # the tail must outlive any one failure
                 if self._closing:
                     return
                 self._unreachable("events", exc)
-                broken = True
                 await asyncio.sleep(0.5)
                 continue
             streams = reply.items() if isinstance(reply, dict) else reply or []
@@ -720,25 +729,27 @@ class RedisStore:
                 announced = monotonic()
                 await self._announce_renewal_watch()
 
-    async def _check_events_kept(self, last_id: Any) -> Any:
-        """After a failed read: whether the stream still holds the last event delivered. If
-        not, entries after it may be gone (Redis restarted without its data, or trimmed the
-        stream to MAXLEN while this replica could not read) and `on_events_lost` hears of it.
-        Returns where to read on: `last_id`, or the start of a stream that holds nothing
-        after it (a new one, whose ids may be lower)."""
+    async def _events_gap(self, last_id: Any) -> Any:
+        """The stream no longer holds `last_id`, the last event delivered: tell
+        `on_events_lost`, and return where to read on. Entries after `last_id` came since (ids
+        follow the clock): from `last_id`. A stream whose entries all come before it (an older
+        snapshot's, or new ones under a clock behind ours: they cannot be told apart) is read
+        from after its newest entry, and an empty one from its start."""
         assert self._tail is not None
-        if last_id == b"0-0":
-            return last_id  # nothing delivered yet: whatever the stream holds is read next
-        first = await self._tail.xrange(self._events_key, min=last_id, count=1)
-        if first and first[0][0] == last_id:
-            return last_id
-        why = ("lease events may have been lost while Redis was unreachable (its event stream "
-               f"no longer holds event {_event_id(last_id)}, the last this replica delivered)")
         log.warning("redis_events_lost", after=_event_id(last_id),
                     hint="watch streams end: watchers re-list")
         if self._events_lost is not None:
-            self._events_lost(why)
-        return last_id if first else b"0-0"
+            try:
+                self._events_lost(
+                    "lease events may have been lost while Redis was unreachable (its event "
+                    f"stream no longer holds event {_event_id(last_id)}, the last this "
+                    "replica delivered)")
+            except Exception:  # the tail goes on whatever the callback does
+                log.exception("events_lost_callback_failed")
+        newest = await self._tail.xrevrange(self._events_key, count=1)
+        if not newest:
+            return b"0-0"
+        return last_id if _id_order(newest[0][0]) > _id_order(last_id) else newest[0][0]
 
     def _deliver(self, fields: dict[bytes, bytes]) -> None:
         kind = EventType(int(fields[b"t"]))
@@ -851,6 +862,12 @@ def _pool_checks() -> dict[str, Any]:
     except ImportError:  # no such notifications: the pool always checks
         return {}
     return {"maint_notifications_config": MaintNotificationsConfig(enabled=False)}
+
+
+def _id_order(event_id: Any) -> tuple[int, int]:
+    """A stream entry id `ms-seq` as a pair that sorts as Redis does."""
+    ms, _, seq = _event_id(event_id).partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _event_id(event_id: Any) -> str:

@@ -16,7 +16,11 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from kvbridge import aio, auth, logs
-from kvbridge._grpc_handlers import add_health_and_reflection, add_servicer
+from kvbridge._grpc_handlers import (
+    SERVER_KEEPALIVE_OPTIONS,
+    add_health_and_reflection,
+    add_servicer,
+)
 from kvbridge.clients._base import parse_hostport
 from kvbridge.clock import Clock, SystemClock
 from kvbridge.errors import Unavailable
@@ -116,7 +120,7 @@ class RegistryServer:
         await self.health.enter_graceful_shutdown()
         # Watch streams never end by themselves: ended now (UNAVAILABLE), their watchers move
         # to another replica at once instead of holding the shutdown for its whole grace.
-        ended = self.servicer.end_watches(Unavailable("the registry is shutting down"))
+        ended = self.servicer.close_watches(Unavailable("the registry is shutting down"))
         if ended:
             log.info("watches_ended", count=ended, why="shutdown")
         await self.server.stop(self.config.shutdown_grace_s if grace is None else grace)
@@ -173,6 +177,7 @@ def _bind(config: RegistryConfig, store: LeaseStore) -> RegistryServer:
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        *SERVER_KEEPALIVE_OPTIONS,
     ])
     # Requests are parsed by the handlers: bytes that are not the request message get
     # INVALID_ARGUMENT with a reason, not gRPC's UNKNOWN.

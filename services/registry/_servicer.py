@@ -109,6 +109,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         self.metrics = metrics
         self.clock = store.clock
         self._watch_enders: set[Callable[[KvbridgeError], None]] = set()
+        self._watches_closed: KvbridgeError | None = None  # set by `close_watches`
         # Events lost upstream (a Redis that lost its stream): the watches end, so that their
         # watchers know of the gap and re-list, instead of going on as if nothing was missed.
         store.on_events_lost(self._events_lost)
@@ -405,6 +406,8 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                     check.identifier(name, value, cfg.max_id_length)
             if self.store.not_serving:
                 raise Unavailable(self.store.not_serving)
+            if self._watches_closed is not None:  # shutting down: a watch would be cut short
+                raise self._watches_closed
             if len(self._watch_enders) >= cfg.max_watchers:
                 raise CapacityExhausted("too many watchers", limit=cfg.max_watchers)
         except KvbridgeError as err:
@@ -466,6 +469,12 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     def _events_lost(self, why: str) -> None:
         ended = self.end_watches(Unavailable(why))
         log.warning("watches_ended", count=ended, why="events lost")
+
+    def close_watches(self, err: KvbridgeError) -> int:
+        """End every open watch stream with `err` and refuse new ones with it from now on
+        (the server is shutting down). Returns how many were open."""
+        self._watches_closed = err
+        return self.end_watches(err)
 
     def end_watches(self, err: KvbridgeError) -> int:
         """End every open watch stream with `err` (a replica that stops serving: watchers

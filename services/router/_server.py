@@ -13,7 +13,11 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from kvbridge import aio, auth, logs
-from kvbridge._grpc_handlers import add_health_and_reflection, add_servicer
+from kvbridge._grpc_handlers import (
+    SERVER_KEEPALIVE_OPTIONS,
+    add_health_and_reflection,
+    add_servicer,
+)
 from kvbridge.clients._registry import AsyncRegistryClient
 from kvbridge.clock import Clock, SystemClock
 from kvbridge.router.v1 import router_pb2 as pb
@@ -88,7 +92,7 @@ async def create_server(config: RouterConfig, *, clock: Clock | None = None) -> 
     registry = (AsyncRegistryClient(config.registry, timeout=config.read_timeout_s, retries=1,
                                     token=config.token or None, tls=config.client_tls())
                 if config.registry else None)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *SERVER_KEEPALIVE_OPTIONS])
     add_servicer(server, RouterServicer(table, metrics, registry), pb, "RouterService",
                  authenticator=auth.Authenticator(config.token_table()), rules=RULES)
     health_servicer = health.aio.HealthServicer()
