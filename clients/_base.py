@@ -30,7 +30,6 @@ from kvbridge.clock import monotonic
 from kvbridge.errors import DeadlineExceeded, KvbridgeError, Unavailable
 
 DEFAULT_TIMEOUT = 2.0
-KEEPALIVE_TIME_MS = 30_000
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -44,7 +43,7 @@ CHANNEL_OPTIONS = [
     # unanswered: a watch stream whose replica vanished without a word (a host crash, a
     # partition) ends and moves on, instead of waiting for events forever. Servers allow it
     # (`kvbridge._grpc_handlers.SERVER_KEEPALIVE_OPTIONS`).
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.ping_timeout_ms", 10_000),  # what this gRPC waits for the ack (60 s by default)
     ("grpc.keepalive_permit_without_calls", 0),
@@ -250,14 +249,15 @@ class StreamResume:
         """The stream opened last failed with `err`: seconds to wait before opening one again
         (on the replica active then), or None when the caller gives up (`error`)."""
         code, now, index = err.code(), monotonic(), self._index
+        live_at, self._live_at = self._live_at, None  # this stream's; the next one is new
         if self.replicas.closed:
             return None
-        if self._live_at is not None:
+        if live_at is not None:
             if self.reconnect_for <= 0 or code not in REOPEN:
                 return None
-            if now - self._live_at >= STREAM_STABLE_S:
+            if now - live_at >= STREAM_STABLE_S:
                 self._since, self._attempt = now, 0
-            self._lost, self._tried = True, 1
+            self._lost = True  # (`_tried` is 1 since it went live)
             if self.on_lost is not None:
                 self.on_lost(self.replicas.targets[index], from_rpc_error(err))
         elif code not in RETRYABLE:

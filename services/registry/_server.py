@@ -36,6 +36,7 @@ log = structlog.get_logger("kvbridge.registry")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RegistryService"].full_name
 _MAX_TICK_SLEEP = 0.02  # bounds expiry lateness even if a deadline moves earlier
+_WATCH_END_WAIT_S = 0.5  # most a stop waits for the watch streams it ended to send why
 
 
 def split_hostport(value: str) -> tuple[str, int]:
@@ -123,6 +124,9 @@ class RegistryServer:
         ended = self.servicer.close_watches(Unavailable("the registry is shutting down"))
         if ended:
             log.info("watches_ended", count=ended, why="shutdown")
+            # Each sends its status before the server goes, even with no grace (a stop with
+            # grace 0 would cancel them mid-way: the watcher would not learn why).
+            await self.servicer.watches_gone(_WATCH_END_WAIT_S)
         await self.server.stop(self.config.shutdown_grace_s if grace is None else grace)
         if self._scheduler is not None:
             # A flag as well as a cancellation: a Redis call may swallow the cancellation

@@ -483,3 +483,14 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         for end in enders:
             end(err)
         return len(enders)
+
+    async def watches_gone(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the watch streams ended (`end_watches`) to finish:
+        their status is then on its way, not cut short by a server stopping under it."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._watch_enders:
+            if asyncio.get_running_loop().time() >= deadline:
+                return False
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0)  # the handler's last step: its status is sent
+        return True
