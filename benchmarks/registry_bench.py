@@ -240,13 +240,17 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         single = _registry_proc(leases)
         registries = _Registries([single], single.rss_bytes, single.cpu_seconds)
     registry = registries.procs[0]
+    # The echo runs on gRPC's own defaults (the reference), whatever this process and
+    # the registries run with (`kvbridge.grpc_env`).
     echo = _spawn([sys.executable, "-c",
                    "from kvbridge import aio; from kvbridge.benchmarks.registry_bench import"
-                   " _echo_main; aio.run(_echo_main())"])
+                   " _echo_main; aio.run(_echo_main())"], env={"GRPC_EXPERIMENTS": ""})
     # With `secured`, a second registry that authenticates every call (memory backend).
     auth_proc = _registry_proc(4096, secured=True) if secured else None
     out: dict[str, Any] = {"leases": leases, "blocks_per_lease": blocks,
-                           "offered_rate_rps": rate, "replicas": len(registries.procs)}
+                           "offered_rate_rps": rate, "replicas": len(registries.procs),
+                           # gRPC core settings of the driver and the registries (the echo's: "")
+                           "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", "")}
     try:
         client = AsyncRegistryClient(f"127.0.0.1:{registry.port}", timeout=30, retries=0)
         await client.register_holder("bench-decode", "127.0.0.1", 5600, block_size,

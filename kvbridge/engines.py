@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbridge import grpc_env
 from kvbridge.connector._settings import CONVERSATION_KEY
 
 POLLER_NICE = 19  # busy-polling helper threads of CPU engines (see demote_busy_pollers)
@@ -151,7 +152,7 @@ class EngineSpec:
                 env.pop("VLLM_CPU_KVCACHE_SPACE", None)
             else:
                 env["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")
-        return env
+        return grpc_env.engine_environment(env)
 
 
 @dataclass

@@ -458,6 +458,25 @@ def test_serve_subprocess_serves_and_stops_cleanly_on_sigterm(served, kv):
 
 
 @pytest.mark.slow
+def test_serve_subprocess_runs_grpc_with_kvbridge_defaults_unless_told(served, kv, monkeypatch):
+    # gRPC reads GRPC_EXPERIMENTS once, on import: `registry serve` sets kvbridge's default
+    # before that (kvbridge.grpc_env), and leaves an operator's value, even empty, alone.
+    from kvbridge.grpc_env import DEFAULT_SERVER_EXPERIMENTS
+
+    monkeypatch.delenv("GRPC_EXPERIMENTS", raising=False)
+    tuned = served("--listen", "127.0.0.1:0", "--metrics-listen", "")
+    stock = served("--listen", "127.0.0.1:0", "--metrics-listen", "",
+                   env={"GRPC_EXPERIMENTS": ""})
+    for proc, expected in ((tuned, DEFAULT_SERVER_EXPERIMENTS), (stock, "")):
+        started = proc.wait_event("registry_started")
+        assert started["grpc_experiments"] == expected
+        with RegistryClient(started["listen"]) as client:  # both serve
+            client.register_holder(**kv.holder_args("h1"))
+            client.grant_lease(**kv.grant_args("h1", "t1", "c1", kv.tokens(4)))
+            assert len(client.list_leases(tenant="t1").leases) == 1
+
+
+@pytest.mark.slow
 def test_serve_subprocess_reads_environment_and_flags_win(served, kv):
     env = {"KVBRIDGE_REGISTRY_LISTEN": "127.0.0.1:0",
            "KVBRIDGE_REGISTRY_METRICS_LISTEN": "",

@@ -32,6 +32,10 @@ def serve_command(**options: Any) -> None:
     Tenant: from "Authorization: Bearer API_KEY" (see --api-keys-file).
     Conversations: POST /v1/conversations/ID/keepalive keeps a paused conversation's KV;
     DELETE /v1/conversations/ID frees it.
+
+    gRPC core: unless GRPC_EXPERIMENTS is set, runs with -event_engine_listener,
+    -event_engine_client (gRPC's classic TCP endpoints: less CPU per call); set
+    GRPC_EXPERIMENTS yourself, even empty, to choose otherwise.
     """
     check_address_options(options, listen=("listen",), targets=("router", "registry"),
                           optional=("registry",))

@@ -30,6 +30,10 @@ def serve_command(**options: Any) -> None:
     --backend memory (the default) keeps leases in this process; --backend redis --redis-url
     URL keeps them in Redis, shared by every replica started with the same URL and namespace
     (each replica serves any RPC; start fails with exit status 1 if Redis is unreachable).
+
+    gRPC core: unless GRPC_EXPERIMENTS is set, runs with -event_engine_listener,
+    -event_engine_client (gRPC's classic TCP endpoints: less CPU per call); set
+    GRPC_EXPERIMENTS yourself, even empty, to choose otherwise.
     """
     check_address_options(options, listen=("listen", "metrics_listen"),
                           optional=("metrics_listen",))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -89,6 +90,7 @@ class RegistryServer:
                  backend=self.config.backend,
                  event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
                  recovery_grace_s=self.config.effective_recovery_grace_s,
+                 grpc_experiments=os.environ.get("GRPC_EXPERIMENTS"),
                  **auth.describe(self.config.token_table(), self.config.tls_files()))
 
     async def _run_expiry(self) -> None:

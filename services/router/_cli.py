@@ -45,6 +45,10 @@ def serve_command(**options: Any) -> None:
     metrics on --metrics-listen. Every flag can also be set with the environment variable
     named in its help (KVBRIDGE_ROUTER_*, or for shared ones KVBRIDGE_INSECURE,
     KVBRIDGE_AUTH_TOKENS_FILE, KVBRIDGE_TLS_*, KVBRIDGE_TOKEN).
+
+    gRPC core: unless GRPC_EXPERIMENTS is set, runs with -event_engine_listener,
+    -event_engine_client (gRPC's classic TCP endpoints: less CPU per call); set
+    GRPC_EXPERIMENTS yourself, even empty, to choose otherwise.
     """
     check_address_options(options, listen=("listen", "metrics_listen"), targets=("registry",),
                           optional=("metrics_listen", "registry"))

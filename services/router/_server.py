@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from dataclasses import dataclass, field
 
 import grpc
@@ -63,6 +64,7 @@ class RouterServer:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("router_started", listen=self.address, registry=self.config.registry or None,
                  metrics_port=self.metrics_port,
+                 grpc_experiments=os.environ.get("GRPC_EXPERIMENTS"),
                  **auth.describe(self.config.token_table(), self.config.tls_files()))
 
     async def _run_expiry(self) -> None:

@@ -1,0 +1,81 @@
+"""gRPC core settings of kvbridge's serving commands (`kvbridge.grpc_env`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvbridge import grpc_env
+from kvbridge.grpc_env import DEFAULT_SERVER_EXPERIMENTS, apply_server_defaults, serving_command
+
+
+@pytest.mark.parametrize("argv", [
+    ["registry", "serve"],
+    ["registry", "serve", "--listen", "127.0.0.1:0"],
+    ["--log-level", "error", "registry", "serve"],
+    ["--log-level=error", "router", "serve", "--registry", "127.0.0.1:1"],
+    ["gateway", "serve"],
+    ["up", "--cpu-engines"],
+    ["--log-level", "error", "bench", "registry", "--json"],
+])
+def test_serving_commands_are_recognised(argv: list[str]) -> None:
+    assert serving_command(argv)
+
+
+@pytest.mark.parametrize("argv", [
+    [],
+    ["--help"],
+    ["registry", "--help"],
+    ["registry", "demo"],
+    ["leases", "list", "--registry", "up"],  # an option value that names a command
+    ["leases", "show", "up"],
+    ["bench", "soak"],
+    ["--log-level", "up", "leases", "list"],  # --log-level takes the next word
+    ["engine", "run", "--role", "prefill"],  # vLLM's process: left alone
+])
+def test_other_commands_are_not(argv: list[str]) -> None:
+    assert not serving_command(argv)
+
+
+def test_the_default_is_set_only_when_unset_and_before_grpc_is_imported() -> None:
+    env: dict[str, str] = {}
+    assert apply_server_defaults(["registry", "serve"], env, modules=()) == \
+        DEFAULT_SERVER_EXPERIMENTS
+    assert env == {"GRPC_EXPERIMENTS": DEFAULT_SERVER_EXPERIMENTS}
+
+    chosen = {"GRPC_EXPERIMENTS": ""}  # the operator's choice (here gRPC's own defaults) wins
+    assert apply_server_defaults(["registry", "serve"], chosen, modules=()) is None
+    assert chosen == {"GRPC_EXPERIMENTS": ""}
+
+    late: dict[str, str] = {}  # gRPC already read its configuration: setting it would lie
+    assert apply_server_defaults(["registry", "serve"], late, modules={"grpc"}) is None
+    assert late == {}
+
+    other: dict[str, str] = {}
+    assert apply_server_defaults(["leases", "list"], other, modules=()) is None
+    assert other == {}
+
+
+def test_the_default_names_experiments_this_grpc_knows() -> None:
+    # An unknown name is only logged by gRPC ("Unknown experiment: NAME") and ignored: the
+    # setting would silently do nothing.
+    def import_grpc(experiments: str) -> str:
+        env = {**os.environ, "GRPC_EXPERIMENTS": experiments}
+        return subprocess.run([sys.executable, "-c", "import grpc"], env=env, text=True,
+                              capture_output=True, timeout=60, check=True).stderr
+
+    assert "Unknown experiment: no_such_experiment" in import_grpc("-no_such_experiment")
+    assert "Unknown experiment" not in import_grpc(DEFAULT_SERVER_EXPERIMENTS)
+
+
+def test_engines_started_by_a_serving_command_keep_grpcs_defaults(monkeypatch) -> None:
+    monkeypatch.setattr(grpc_env, "_applied", False)
+    chosen = {"GRPC_EXPERIMENTS": DEFAULT_SERVER_EXPERIMENTS, "PATH": "/bin"}
+    assert grpc_env.engine_environment(chosen) == chosen  # the operator's choice: passed on
+    monkeypatch.setattr(grpc_env, "_applied", True)
+    assert grpc_env.engine_environment(chosen) == {"PATH": "/bin"}  # kvbridge's default: not
+    other = {"GRPC_EXPERIMENTS": "", "PATH": "/bin"}
+    assert grpc_env.engine_environment(other) == other
