@@ -42,7 +42,7 @@ from typing import Any
 import click
 import grpc
 
-from kvbridge import aio
+from kvbridge import aio, grpc_env
 from kvbridge.clients._registry import AsyncRegistryClient, seconds
 from kvbridge.clients._registry import duration as duration_pb
 from kvbridge.errors import KvbridgeError
@@ -218,13 +218,21 @@ _READER_TOKEN = "bench-reader-" + uuid.uuid4().hex
 _TOKENS = f"{_ADMIN_TOKEN} admin; {_READER_TOKEN} reader tenants=bench name=bench-reader"
 
 
+def _grpc_env() -> dict[str, str]:
+    """The gRPC settings every process measured here runs with: this process's
+    GRPC_EXPERIMENTS when it has one (`kvbridge bench registry` sets kvbridge's default, unless
+    the operator chose), else kvbridge's default, as `kvbridge registry serve` would."""
+    return {"GRPC_EXPERIMENTS": os.environ.get("GRPC_EXPERIMENTS",
+                                               grpc_env.DEFAULT_SERVER_EXPERIMENTS)}
+
+
 def _registry_proc(leases: int, extra: Sequence[str] = (), secured: bool = False) -> _Proc:
     proc = _spawn([sys.executable, "-m", "kvbridge.cli", "registry", "serve",
                    *(() if secured else ("--insecure",)),
                    "--listen", "127.0.0.1:0", "--metrics-listen", "",
                    "--log-level", "info", "--log-format", "json",
                    "--max-leases", str(leases * 2 + 100000), *extra],
-                  env={"KVBRIDGE_AUTH_TOKENS": _TOKENS} if secured else None)
+                  env={**_grpc_env(), **({"KVBRIDGE_AUTH_TOKENS": _TOKENS} if secured else {})})
     # The registry logs nothing per RPC; drain its output so a burst of warnings cannot block.
     assert proc.popen.stdout is not None
     threading.Thread(target=proc.popen.stdout.read, daemon=True).start()
@@ -240,17 +248,17 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         single = _registry_proc(leases)
         registries = _Registries([single], single.rss_bytes, single.cpu_seconds)
     registry = registries.procs[0]
-    # The echo runs on gRPC's own defaults (the issue's reference), whatever this process and
-    # the registries run with (`kvbridge.grpc_env`).
+    # The echo runs with the registries' gRPC settings, so that it stays the gRPC floor they
+    # are compared with.
     echo = _spawn([sys.executable, "-c",
                    "from kvbridge import aio; from kvbridge.benchmarks.registry_bench import"
-                   " _echo_main; aio.run(_echo_main())"], env={"GRPC_EXPERIMENTS": ""})
+                   " _echo_main; aio.run(_echo_main())"], env=_grpc_env())
     # With `secured`, a second registry that authenticates every call (memory backend).
     auth_proc = _registry_proc(4096, secured=True) if secured else None
     out: dict[str, Any] = {"leases": leases, "blocks_per_lease": blocks,
                            "offered_rate_rps": rate, "replicas": len(registries.procs),
-                           # gRPC core settings of the driver and the registries (the echo's: "")
-                           "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS", "")}
+                           # gRPC core settings of the registries and the echo
+                           "grpc_experiments": _grpc_env()["GRPC_EXPERIMENTS"]}
     try:
         client = AsyncRegistryClient(f"127.0.0.1:{registry.port}", timeout=30, retries=0)
         await client.register_holder("bench-decode", "127.0.0.1", 5600, block_size,

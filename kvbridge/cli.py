@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import sys
 
-from kvbridge import grpc_env
+if __name__ == "__main__":  # `python -m kvbridge.cli`: as the console script (kvbridge._entry)
+    from kvbridge import grpc_env
 
-# First, before anything imports grpc (which reads GRPC_EXPERIMENTS once, on import).
-grpc_env.apply_server_defaults(sys.argv[1:])
+    grpc_env.apply_server_defaults(sys.argv[1:])  # before anything imports grpc
 
-import click  # noqa: E402
+import click
 
-from kvbridge import __version__, logs  # noqa: E402
-from kvbridge.clients._cli import holders_group, leases_group  # noqa: E402
-from kvbridge.services.gateway._cli import gateway_group  # noqa: E402
-from kvbridge.services.registry._cli import registry_group  # noqa: E402
-from kvbridge.services.router._cli import instances_group, router_group  # noqa: E402
-from kvbridge.tiny_model import model_group  # noqa: E402
+from kvbridge import __version__, logs
+from kvbridge.clients._cli import holders_group, leases_group
+from kvbridge.services.gateway._cli import gateway_group
+from kvbridge.services.registry._cli import registry_group
+from kvbridge.services.router._cli import instances_group, router_group
+from kvbridge.tiny_model import model_group
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

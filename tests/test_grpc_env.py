@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from kvbridge import grpc_env
+from kvbridge.engines import EngineSpec
 from kvbridge.grpc_env import DEFAULT_SERVER_EXPERIMENTS, apply_server_defaults, serving_command
 
 
@@ -35,6 +36,8 @@ def test_serving_commands_are_recognised(argv: list[str]) -> None:
     ["bench", "soak"],
     ["--log-level", "up", "leases", "list"],  # --log-level takes the next word
     ["engine", "run", "--role", "prefill"],  # vLLM's process: left alone
+    ["-h"],
+    ["--version"],
 ])
 def test_other_commands_are_not(argv: list[str]) -> None:
     assert not serving_command(argv)
@@ -63,7 +66,7 @@ def test_the_default_names_experiments_this_grpc_knows() -> None:
     # An unknown name is only logged by gRPC ("Unknown experiment: NAME") and ignored: the
     # setting would silently do nothing.
     def import_grpc(experiments: str) -> str:
-        env = {**os.environ, "GRPC_EXPERIMENTS": experiments}
+        env = {**os.environ, "GRPC_EXPERIMENTS": experiments, "GRPC_VERBOSITY": "ERROR"}
         return subprocess.run([sys.executable, "-c", "import grpc"], env=env, text=True,
                               capture_output=True, timeout=60, check=True).stderr
 
@@ -71,11 +74,18 @@ def test_the_default_names_experiments_this_grpc_knows() -> None:
     assert "Unknown experiment" not in import_grpc(DEFAULT_SERVER_EXPERIMENTS)
 
 
-def test_engines_started_by_a_serving_command_keep_grpcs_defaults(monkeypatch) -> None:
+def test_engines_started_by_a_serving_command_keep_grpcs_defaults(monkeypatch, tmp_path) -> None:
+    spec = EngineSpec("prefill", "/m", 1, 2, "p0")
     monkeypatch.setattr(grpc_env, "_applied", False)
-    chosen = {"GRPC_EXPERIMENTS": DEFAULT_SERVER_EXPERIMENTS, "PATH": "/bin"}
-    assert grpc_env.engine_environment(chosen) == chosen  # the operator's choice: passed on
-    monkeypatch.setattr(grpc_env, "_applied", True)
-    assert grpc_env.engine_environment(chosen) == {"PATH": "/bin"}  # kvbridge's default: not
-    other = {"GRPC_EXPERIMENTS": "", "PATH": "/bin"}
-    assert grpc_env.engine_environment(other) == other
+    monkeypatch.setenv("GRPC_EXPERIMENTS", "")  # records what to restore after the test
+    monkeypatch.delenv("GRPC_EXPERIMENTS")
+    # As `kvbridge up` does on start, on this process's own environment:
+    assert apply_server_defaults(["up", "--cpu-engines"], modules=()) == \
+        DEFAULT_SERVER_EXPERIMENTS
+    assert os.environ["GRPC_EXPERIMENTS"] == DEFAULT_SERVER_EXPERIMENTS
+    assert "GRPC_EXPERIMENTS" not in spec.environment(tmp_path)  # kvbridge's default: not
+
+    monkeypatch.setattr(grpc_env, "_applied", False)  # the operator's choice: passed on
+    assert spec.environment(tmp_path)["GRPC_EXPERIMENTS"] == DEFAULT_SERVER_EXPERIMENTS
+    monkeypatch.setenv("GRPC_EXPERIMENTS", "")
+    assert spec.environment(tmp_path)["GRPC_EXPERIMENTS"] == ""

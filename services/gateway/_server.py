@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
 
 import structlog
@@ -59,6 +60,7 @@ async def start_gateway(config: GatewayConfig) -> GatewayServer:
     result = GatewayServer(config, gateway, runner, int(bound))
     log.info("gateway_started", url=result.url, router=config.router,
              registry=config.registry or None,
+             grpc_experiments=os.environ.get("GRPC_EXPERIMENTS"),
              auth="open (any bearer token names its own tenant)" if tenants.open_mode
              else f"{len(tenants.keys or {})} API key(s)")
     return result
