@@ -470,6 +470,30 @@ async def test_a_pinned_lease_is_never_reclaimable(b: Backend, kv: Any) -> None:
     await b.wait_events(lease.lease_id, ["GRANTED", "SUPERSEDED", "RECLAIMABLE"])
 
 
+async def test_one_tick_ends_hundreds_of_pins_across_leases(b: Backend, kv: Any) -> None:
+    # More pins than the Redis tick removes in one call (200): each lease is unpinned once
+    # per pin, every pin's record goes, and a pin still live stays.
+    await b.store.register_holder(holder(ttl=300.0))
+    leases = [(await b.store.grant(grant_spec(kv, kv.tokens(8), conversation=f"c{i}",
+                                               request_id=f"g{i}"))).lease for i in range(3)]
+    prompt = kv.prompt_hashes(kv.tokens(8))
+    reads = [await b.store.acquire_read("t1", f"c{i % 3}", prompt, pin_ttl=5.0,
+                                        request_id=f"r{i}") for i in range(450)]
+    live = await b.store.acquire_read("t1", "c0", prompt, pin_ttl=30.0, request_id="live")
+    assert all(r.pin is not None for r in reads) and live.pin is not None
+    assert [(await b.store.get_lease(x.lease_id)).pin_count for x in leases] == [151, 150, 150]
+    for x in leases:
+        await b.store.revoke(x.lease_id)
+    await b.advance(10.0)
+    await b.store.tick()
+    assert [(await b.store.get_lease(x.lease_id)).pin_count for x in leases] == [1, 0, 0]
+    assert b.store.counts()["pins"] == 1
+    assert sorted((await b.store.heartbeat("h1"))[0]) == sorted(x.lease_id for x in leases[1:])
+    assert not await b.store.release_read(reads[0].pin.pin_id)  # type: ignore[union-attr]
+    assert await b.store.release_read(live.pin.pin_id)
+    assert sorted((await b.store.heartbeat("h1"))[0]) == sorted(x.lease_id for x in leases)
+
+
 async def test_release_makes_a_dead_lease_reclaimable(b: Backend, kv: Any) -> None:
     await b.store.register_holder(holder())
     lease = (await b.store.grant(grant_spec(kv, kv.tokens(8)))).lease

@@ -220,9 +220,10 @@ end
 
 local function unpin(lid)
   local L = P .. 'l:' .. lid
-  if redis.call('EXISTS', L) == 0 then return end
+  local state = redis.call('HGET', L, 's')  -- every lease has one: nil when it is gone
+  if not state then return end
   local k = redis.call('HINCRBY', L, 'k', -1)
-  if k == 0 and tonumber(redis.call('HGET', L, 's')) ~= ACTIVE then
+  if k == 0 and tonumber(state) ~= ACTIVE then
     emit_reclaimable(lid, redis.call('HMGET', L, 't', 'c', 'h', 'e'))
   end
 end
@@ -727,13 +728,21 @@ elseif cmd == 'tick' then
       redis.call('ZREM', P .. 'lost', hid)
     end
   end
-  for _, pin in ipairs(redis.call('ZRANGEBYSCORE', P .. 'pexp', '-inf', F(NOW),
-                                  'LIMIT', 0, batch)) do
-    local lid = redis.call('HGET', P .. 'p:' .. pin, 'l')
-    redis.call('DEL', P .. 'p:' .. pin)
-    redis.call('ZREM', P .. 'pexp', pin)
-    if lid then unpin(lid) end
+  -- Ended pins: each one's lease is unpinned; their records go in one removal per 200 (the
+  -- tick holds Redis, and every read waiting behind it, for as long as it runs).
+  local ended = redis.call('ZRANGEBYSCORE', P .. 'pexp', '-inf', F(NOW), 'LIMIT', 0, batch)
+  for i = 1, #ended, 200 do
+    local keys = {}
+    for j = i, math.min(i + 199, #ended) do
+      local key = P .. 'p:' .. ended[j]
+      keys[#keys + 1] = key
+      local lid = redis.call('HGET', key, 'l')
+      if lid then unpin(lid) end
+    end
+    redis.call('DEL', unpack(keys))
   end
+  -- The lowest-scored members are exactly those just read: nothing above touches pexp.
+  if #ended > 0 then redis.call('ZREMRANGEBYRANK', P .. 'pexp', 0, #ended - 1) end
   local expired = 0
   local due = redis.call('ZRANGEBYSCORE', P .. 'lexp', '-inf', F(NOW), 'WITHSCORES',
                          'LIMIT', 0, batch)
