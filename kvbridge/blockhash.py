@@ -111,12 +111,21 @@ def count_blocks(hashes: bytes) -> int:
     return len(hashes) // HASH_SIZE
 
 
-def matching_prefix(ours: bytes | memoryview, theirs: bytes | memoryview) -> int:
-    """How many leading blocks two hash concatenations share."""
+def matching_prefix(ours: bytes | memoryview, theirs: bytes | memoryview,
+                    limit: int | None = None) -> int:
+    """How many leading blocks two hash concatenations share (at most `limit` blocks, when
+    given: `ours` may then run on past its hashes, as a lease's packed payload does)."""
     n = min(len(ours), len(theirs)) // HASH_SIZE
-    # As bytes: comparing a memoryview goes item by item, bytes compare with memcmp (the
-    # registry's hit path compares 64 blocks here: about 6 us as memoryviews, 0.5 us as bytes).
-    a, b = bytes(ours[: n * HASH_SIZE]), bytes(theirs[: n * HASH_SIZE])
+    if limit is not None:
+        n = min(n, limit)
+    size = n * HASH_SIZE
+    # The common case, everything compared matches, in one memcmp without copying `ours` (the
+    # registry's hit path compares a lease's 64 blocks here). Memoryviews compare item by item
+    # (about 6 us for 64 blocks against 0.5 us as bytes), so they are copied to bytes first.
+    b = bytes(theirs[:size]) if len(theirs) != size or type(theirs) is not bytes else theirs
+    if type(ours) is bytes and ours.startswith(b):
+        return n
+    a = bytes(ours[:size])
     if a == b:
         return n
     lo, hi = 0, n  # invariant: blocks [0, lo) match, block hi-1 region contains a mismatch

@@ -6,6 +6,7 @@ holds one may release the pin, so it is keyed with a secret only the registry kn
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 
 def derived_id(prefix: str, scope: str, request_id: str) -> str:
@@ -14,13 +15,20 @@ def derived_id(prefix: str, scope: str, request_id: str) -> str:
     return f"{prefix}-{digest}"
 
 
-def read_pin_id(secret: bytes, tenant: str, reader_id: str, request_id: str) -> str:
-    """The id of the pin a read with `request_id` makes: the same for every retry of that
-    read, and unguessable without `secret` (the registry's; shared by Redis replicas) even to
-    someone who knows the reader and request ids. The tenant keeps two tenants' reads apart."""
-    digest = hashlib.blake2b(f"{tenant}\x00{reader_id}\x00{request_id}".encode(),
-                             digest_size=8, key=secret).hexdigest()
-    return f"p-{digest}"
+def pin_id_maker(secret: bytes) -> Callable[[str, str, str], str]:
+    """The pin ids of reads keyed with `secret` (the registry's; shared by Redis replicas):
+    `make(tenant, reader_id, request_id)` is the id of the pin a read with that request id
+    makes, the same for every retry of that read, and unguessable without `secret` even to
+    someone who knows the reader and request ids. The tenant keeps two tenants' reads apart.
+    The keyed hash's state after the key is computed once, and copied for each id."""
+    keyed = hashlib.blake2b(digest_size=8, key=secret)
+
+    def make(tenant: str, reader_id: str, request_id: str) -> str:
+        h = keyed.copy()
+        h.update(f"{tenant}\x00{reader_id}\x00{request_id}".encode())
+        return f"p-{h.hexdigest()}"
+
+    return make
 
 
 def grant_lease_id(holder_id: str, request_id: str) -> str:

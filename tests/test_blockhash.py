@@ -200,6 +200,25 @@ def test_matching_prefix_against_brute_force(a: list[bytes], b: list[bytes],
     assert got == blockhash.matching_prefix(y, x)
 
 
+@settings(max_examples=300, deadline=None)
+@given(a=hash_lists(), b=hash_lists(), common=hash_lists(), limit=st.integers(0, 14),
+       tail=st.binary(max_size=40))
+def test_matching_prefix_with_a_limit_and_a_tail(a: list[bytes], b: list[bytes],
+                                                 common: list[bytes], limit: int,
+                                                 tail: bytes) -> None:
+    """The registry passes a lease's packed payload (hashes, then block ids) and its block
+    count: bytes past the limit never count, whatever they are, and memoryviews compare as
+    bytes do."""
+    x, y = b"".join(common + a), b"".join(common + b)
+    want = min(brute_force_prefix(x, y), limit)
+    blocks = len(x) // HASH_SIZE
+    assert blockhash.matching_prefix(x + tail, y, min(limit, blocks)) == min(want, blocks)
+    assert blockhash.matching_prefix(x, y, limit) == want
+    assert blockhash.matching_prefix(memoryview(x), memoryview(y), limit) == want
+    assert blockhash.matching_prefix(x, memoryview(y)) == brute_force_prefix(x, y)
+    assert blockhash.matching_prefix(memoryview(x), y) == brute_force_prefix(x, y)
+
+
 @settings(max_examples=100, deadline=None)
 @given(tokens=st.lists(st.integers(0, 3), max_size=24),
        edits=st.lists(st.tuples(st.integers(0, 23), st.integers(0, 3)), max_size=3),

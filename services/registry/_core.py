@@ -37,7 +37,7 @@ from kvbridge.errors import (
     NotLeaseHolder,
     TenantQuotaExceeded,
 )
-from kvbridge.ids import grant_lease_id, read_pin_id
+from kvbridge.ids import grant_lease_id, pin_id_maker
 from kvbridge.services.registry import _validate as check
 from kvbridge.services.registry._config import RegistryConfig
 from kvbridge.services.registry._expiry import ExpiryWheel
@@ -69,6 +69,8 @@ _DEAD_EVENT = {
     LeaseState.SUPERSEDED: EventType.SUPERSEDED,
     LeaseState.HOLDER_LOST: EventType.HOLDER_LOST,
 }
+_NONE: dict[str, Lease] = {}  # a tenant with no conversations (never written)
+
 _MISS_FOR_STATE = {
     LeaseState.EXPIRED: MissReason.EXPIRED,
     LeaseState.REVOKED: MissReason.REVOKED,
@@ -236,6 +238,15 @@ def check_listing(cfg: RegistryConfig, tenant: str, conversation_id: str, holder
 
 def check_read(cfg: RegistryConfig, tenant: str, conversation_id: str, min_tokens: int,
                pin_ttl: float, reader_id: str, request_id: str) -> None:
+    # Every read passes through here: the common case in one test of all four ids at once
+    # (what `check.identifier` accepts: ASCII, printable, no space, within the length limit).
+    limit = cfg.max_id_length
+    joined = tenant + conversation_id + reader_id + request_id
+    if 0 < len(tenant) <= limit and 0 < len(conversation_id) <= limit \
+            and len(reader_id) <= limit and len(request_id) <= limit \
+            and joined.isascii() and joined.isprintable() and " " not in joined \
+            and 0 <= min_tokens <= 2**31 and pin_ttl >= 0:
+        return
     check.identifier("tenant", tenant, cfg.max_id_length)
     check.identifier("conversation_id", conversation_id, cfg.max_id_length)
     check.in_range("min_tokens", min_tokens, 0, 2**31)
@@ -264,7 +275,7 @@ class LeaseTable:
         self._leases: dict[str, Lease] = {}
         self._conversations: dict[str, dict[str, Lease]] = {}  # tenant -> conversation -> lease
         self._pins: dict[str, Pin] = {}
-        self._pin_secret = secrets.token_bytes(16)  # keys pin ids (see kvbridge.ids)
+        self._pin_id = pin_id_maker(secrets.token_bytes(16))  # keyed pin ids (kvbridge.ids)
         self._expiry: ExpiryWheel[Lease] = ExpiryWheel()  # lazily rescheduled on renewal
         self._durations: dict[float, float] = {}  # one float object per distinct TTL
         # Pins by deadline (a pin's deadline never moves; a released pin stays until then).
@@ -602,12 +613,17 @@ class LeaseTable:
                    request_id)
         check_prompt_hashes(self.config, hashes)
         now = self.clock.monotonic()
-        lease = self._readable(tenant, conversation_id, now)
-        if isinstance(lease, Read):
-            return lease
+        lease = self._conversations.get(tenant, _NONE).get(conversation_id)
+        # The common case inline: a live lease of a live holder, no deadline passed.
+        if lease is None or lease.state is not LeaseState.ACTIVE or lease.expire_at <= now \
+                or lease.holder.state is not HolderState.ACTIVE or lease.holder.expire_at <= now:
+            found = self._readable(tenant, conversation_id, now)
+            if isinstance(found, Read):
+                return found
+            lease = found
         block_size = lease.holder.block_size
         full = lease.token_count // block_size
-        k = blockhash.matching_prefix(lease.hash_view(full), hashes)
+        k = blockhash.matching_prefix(lease.payload, hashes, full)
         partial = k == full and lease.token_count % block_size != 0
         reusable = k * block_size + (lease.token_count - full * block_size if partial else 0)
         if reusable == 0:
@@ -639,8 +655,7 @@ class LeaseTable:
         cfg = self.config
         if reusable < min_tokens:
             return Read(MissReason.BELOW_MINIMUM, k, lease, k, partial)
-        pin_id = read_pin_id(self._pin_secret, lease.tenant, reader_id, request_id) \
-            if request_id else ""
+        pin_id = self._pin_id(lease.tenant, reader_id, request_id) if request_id else ""
         pin = self._pins.get(pin_id) if pin_id else None
         if pin is not None and pin.lease is not lease:
             raise IdempotencyConflict(f"request_id {request_id!r} was used for another read",

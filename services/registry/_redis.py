@@ -54,7 +54,7 @@ from kvbridge.errors import (
     TenantQuotaExceeded,
     Unavailable,
 )
-from kvbridge.ids import grant_lease_id, read_pin_id
+from kvbridge.ids import grant_lease_id, pin_id_maker
 from kvbridge.services.registry import _validate as check
 from kvbridge.services.registry._config import RegistryConfig
 from kvbridge.services.registry._core import (
@@ -159,6 +159,7 @@ class RedisStore:
         self._last_unreachable_log = 0.0
         self._closing = False
         self._pin_secret = b""  # from Redis at start
+        self._pin_id = pin_id_maker(b"")  # made again with every new secret
         # What this replica knows of the fleet clock: (lo, hi, at, gen) bounds of (that clock -
         # our monotonic clock) as of our monotonic `at`, learned under the fix of generation
         # `gen`; see `_clock_check` and the script.
@@ -189,6 +190,7 @@ class RedisStore:
         await self._check_eviction_policy()
         await self._check_layout()
         self._pin_secret = await self._shared_pin_secret()
+        self._pin_id = pin_id_maker(self._pin_secret)
         self._script = self._redis.register_script(LUA)
         if supported(url):
             self._pipe = ScriptPipe(url, LUA, self._script.sha, connect_timeout=2.0,
@@ -236,7 +238,7 @@ class RedisStore:
                 f"{self.layout}: upgrade kvbridge on it")
 
     async def _shared_pin_secret(self) -> bytes:
-        """The key of every replica's pin ids (`kvbridge.ids.read_pin_id`), made by the first
+        """The key of every replica's pin ids (`kvbridge.ids.pin_id_maker`), made by the first
         replica to start: a read retried on another replica finds the same pin. (A Redis that
         lost its data gets it back from the first replica's tick after; one started in
         between makes a new one, which the others take at their next tick.)"""
@@ -607,7 +609,7 @@ class RedisStore:
                     min_tokens: int, pin_ttl: float, reader_id: str, request_id: str) -> Read:
         cfg = self.config
         if request_id:
-            pin_id = read_pin_id(self._pin_secret, tenant, reader_id, request_id)
+            pin_id = self._pin_id(tenant, reader_id, request_id)
         else:
             pin_id = "p-" + secrets.token_hex(8)
         ttl = min(pin_ttl or cfg.default_pin_ttl_s, cfg.max_pin_ttl_s)
@@ -788,6 +790,7 @@ class RedisStore:
             # Redis lost its data and a replica started since made a new secret (or this one
             # had none to share): take it, so that a read retried on any replica finds its pin.
             self._pin_secret = secret
+            self._pin_id = pin_id_maker(secret)
             log.warning("redis_pin_secret_changed", namespace=self.config.redis_namespace,
                         hint="reads retried across the change make a second pin, which "
                              "expires")

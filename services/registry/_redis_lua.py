@@ -29,7 +29,7 @@ Keys (P = prefix):
   P pexp             zset: pin -> expire time
   P events           stream: lease events (t l tn c h e w lt), read by every replica
   P renew_watch      string with a TTL: set while some replica watches renewals
-  P pin_secret       the key of derived pin ids (kvbridge.ids.read_pin_id), set by the first
+  P pin_secret       the key of derived pin ids (kvbridge.ids.pin_id_maker), set by the first
                      replica to start, read by the others; written back by the next tick
                      when Redis lost it (every tick returns it)
   P clock            hash: fix (seconds added to TIME after a step), off and tstep (tests)
