@@ -160,6 +160,7 @@ class RedisStore:
         self._closing = False
         self._pin_secret = b""  # from Redis at start
         self._pin_id = pin_id_maker(b"")  # made again with every new secret
+        self._ticker = secrets.token_hex(8)  # this replica's token for the fleet's tick turn
         # What this replica knows of the fleet clock: (lo, hi, at, gen) bounds of (that clock -
         # our monotonic clock) as of our monotonic `at`, learned under the fix of generation
         # `gen`; see `_clock_check` and the script.
@@ -769,12 +770,16 @@ class RedisStore:
 
     # ---- expiry, introspection --------------------------------------------------------------
 
-    async def tick(self) -> int:
+    async def tick(self, *, scheduled: bool = False) -> int:
         cfg = self.config
+        # A scheduled tick takes the fleet's turn or leaves the work to the replica that has
+        # it (see the script): the turn holds for two of the scheduler's shortest sleeps.
+        turn = (self._ticker, 2 * cfg.expiry_tick_s) if scheduled else ("", 0)
         try:
             reply = await self._run("tick", cfg.expiry_batch,
                                     cfg.max_lifetime_cap_s + cfg.max_pin_ttl_s, self.layout,
-                                    self.layout_min, OWED_EVENTS_PER_TICK, self._pin_secret)
+                                    self.layout_min, OWED_EVENTS_PER_TICK, self._pin_secret,
+                                    *turn)
         except Unavailable as exc:
             self._unreachable("tick", exc)
             self._next_deadline = None

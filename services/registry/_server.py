@@ -99,7 +99,7 @@ class RegistryServer:
         longest = max(_MAX_TICK_SLEEP, shortest)
         while not self._stopping:
             try:
-                expired = await store.tick()
+                expired = await store.tick(scheduled=True)
             except Exception:  # the scheduler must outlive any single bad tick
                 log.exception("expiry_tick_failed")
                 expired = 0

@@ -143,9 +143,11 @@ class LeaseStore(Protocol):
         then ends its watch streams, so that watchers know to re-list."""
         ...
 
-    async def tick(self) -> int:
+    async def tick(self, *, scheduled: bool = False) -> int:
         """Process due deadlines (holders, pins, a batch of leases); return the leases
-        expired. Safe to run on every replica at once: each deadline is processed once."""
+        expired. Safe to run on every replica at once: each deadline is processed once.
+        `scheduled`: a tick of the background scheduler, which a shared store may leave to
+        another replica that is ticking (the next deadline then says when to try again)."""
         ...
 
     async def reclaim_hold(self) -> float:
@@ -255,7 +257,7 @@ class MemoryStore:
     def on_events_lost(self, callback: Callable[[str], None]) -> None:
         pass  # events go from the table to its listeners in this process: none is lost
 
-    async def tick(self) -> int:
+    async def tick(self, *, scheduled: bool = False) -> int:
         return self.table.tick()
 
     def next_deadline(self) -> float | None:
