@@ -19,10 +19,11 @@ class _AlwaysDue:
         self.config = config
         self.clock = SystemClock()
         self.ticks = 0
+        self.turns: set[float] = set()
         self.not_serving = ""
 
-    async def tick(self, *, scheduled: bool = False) -> int:
-        assert scheduled  # the scheduler's ticks say so (a shared store may leave them)
+    async def tick(self, *, turn: float = 0.0) -> int:
+        self.turns.add(turn)
         self.ticks += 1
         return 0
 
@@ -31,6 +32,10 @@ class _AlwaysDue:
 
 
 async def _ticks_in(seconds: float, **settings: Any) -> int:
+    return (await _run_scheduler(seconds, **settings)).ticks
+
+
+async def _run_scheduler(seconds: float, **settings: Any) -> _AlwaysDue:
     config = RegistryConfig(insecure=True, **settings)
     store = _AlwaysDue(config)
     server = RegistryServer(config, store, None, None, 0, None, None)  # type: ignore[arg-type]
@@ -39,7 +44,7 @@ async def _ticks_in(seconds: float, **settings: Any) -> int:
     server._stopping = True
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    return store.ticks
+    return store
 
 
 @pytest.mark.timeout(30)
@@ -53,6 +58,17 @@ async def test_due_deadlines_are_batched_into_ticks_expiry_tick_s_apart():
 async def test_expiry_tick_above_the_longest_pause_is_honoured():
     # The scheduler otherwise wakes at least every 20 ms; a longer tick floor wins.
     assert 1 <= await _ticks_in(0.5, expiry_tick_s=0.3) <= 2
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("tick_s, turn", [(0.01, 0.03), (0.3, 0.6)])
+async def test_the_turn_at_a_shared_stores_ticks_outlasts_the_longest_sleep(tick_s: float,
+                                                                            turn: float):
+    # A replica ticks again within its longest sleep (20 ms, or the tick floor when longer):
+    # its turn lasts one tick floor more, so that it keeps the turn as it ticks instead of
+    # handing it over on every quiet cycle.
+    store = await _run_scheduler(0.35, expiry_tick_s=tick_s)
+    assert len(store.turns) == 1 and store.turns.pop() == pytest.approx(turn)
 
 
 def test_expiry_tick_must_be_positive():

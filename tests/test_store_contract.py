@@ -896,10 +896,9 @@ async def test_redis_scheduled_ticks_take_turns_across_replicas(
         redis_server: Any, redis_namespace: str, kv: Any) -> None:
     """The background scheduler's ticks run on one replica at a time (the fleet's deadlines
     need one), so Redis's tick load does not grow with the replicas; another replica takes
-    over once the one ticking stops for longer than its hold (two of the scheduler's shortest
-    sleeps: 20 s here)."""
+    over once the one ticking stops for longer than its turn (20 s here)."""
     config = RegistryConfig(backend="redis", redis_url=redis_server.url,
-                            redis_namespace=redis_namespace, expiry_tick_s=10.0)
+                            redis_namespace=redis_namespace)
     a, b = RedisStore(config, SystemClock()), RedisStore(config, SystemClock())
     await a.start()
     await b.start()
@@ -913,21 +912,21 @@ async def test_redis_scheduled_ticks_take_turns_across_replicas(
 
     try:
         await a.register_holder(holder(ttl=300.0))
-        assert await a.tick(scheduled=True) == 0  # a takes the turn (nothing due yet)
+        assert await a.tick(turn=20.0) == 0  # a takes the turn (nothing due yet)
         await short_lease()
         await short_lease()
         await a.advance_clock(6.0)  # both are due; a's turn holds for 14 s more
-        assert await b.tick(scheduled=True) == 0  # left to a
+        assert await b.tick(turn=20.0) == 0  # left to a
         wake = b.next_deadline()  # b tries again when a's turn ends
         assert wake is not None and 13.0 < wake - b.clock.monotonic() <= 14.1
-        assert await a.tick(scheduled=True) == 2  # a, ticking, expires both
+        assert await a.tick(turn=20.0) == 2  # a, ticking, expires both
         # a stops ticking: once its hold is over, b's scheduled tick runs, and takes the turn.
         await short_lease()
         await a.advance_clock(21.0)
-        assert await b.tick(scheduled=True) == 1
+        assert await b.tick(turn=20.0) == 1
         await short_lease()
         await a.advance_clock(5.5)
-        assert await a.tick(scheduled=True) == 0  # b's turn now
+        assert await a.tick(turn=20.0) == 0  # b's turn now
         assert await a.tick() == 1  # an unscheduled tick (start-up, tests) always runs
         # A turn that ends further away than one hold (the fleet's clock went back since it
         # was taken) is over: a step of the clock cannot stall the ticks.
@@ -935,7 +934,12 @@ async def test_redis_scheduled_ticks_take_turns_across_replicas(
         await a._redis.hset(a.prefix + "ticker", mapping={"o": "gone", "x": "9e12"})
         await short_lease()
         await a.advance_clock(5.5)
-        assert await b.tick(scheduled=True) == 1
+        assert await b.tick(turn=20.0) == 1
+        # Nor can a turn that is not a number (a hand edit).
+        await a._redis.hset(a.prefix + "ticker", mapping={"o": "gone", "x": "soon"})
+        await short_lease()
+        await a.advance_clock(5.5)
+        assert await b.tick(turn=20.0) == 1
     finally:
         await a.close()
         await b.close()

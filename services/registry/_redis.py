@@ -770,16 +770,16 @@ class RedisStore:
 
     # ---- expiry, introspection --------------------------------------------------------------
 
-    async def tick(self, *, scheduled: bool = False) -> int:
+    async def tick(self, *, turn: float = 0.0) -> int:
         cfg = self.config
-        # A scheduled tick takes the fleet's turn or leaves the work to the replica that has
-        # it (see the script): the turn holds for two of the scheduler's shortest sleeps.
-        turn = (self._ticker, 2 * cfg.expiry_tick_s) if scheduled else ("", 0)
+        # A scheduler's tick takes the fleet's turn for `turn` seconds or leaves the work to
+        # the replica that has it (see the script).
+        args = (self._ticker, turn) if turn > 0 else ("", 0)
         try:
             reply = await self._run("tick", cfg.expiry_batch,
                                     cfg.max_lifetime_cap_s + cfg.max_pin_ttl_s, self.layout,
                                     self.layout_min, OWED_EVENTS_PER_TICK, self._pin_secret,
-                                    *turn)
+                                    *args)
         except Unavailable as exc:
             self._unreachable("tick", exc)
             self._next_deadline = None

@@ -691,7 +691,7 @@ elseif cmd == 'tick' then
   local held_until = nil
   if ARGS[9] and ARGS[9] ~= '' then
     local turn = redis.call('HMGET', P .. 'ticker', 'o', 'x')
-    local ends = tonumber(turn[2] or '0')
+    local ends = tonumber(turn[2]) or 0  -- not a number (a hand edit): the turn is over
     if turn[1] and turn[1] ~= ARGS[9] and ends > NOW and ends <= NOW + tonumber(ARGS[10]) then
       held_until = ends
     else

@@ -97,9 +97,12 @@ class RegistryServer:
         store, clock = self.store, self.store.clock
         shortest = self.config.expiry_tick_s
         longest = max(_MAX_TICK_SLEEP, shortest)
+        # This replica ticks again within `longest` (plus the event loop's lag): its turn at
+        # a shared store's ticks lasts one `shortest` longer, so that it keeps it as it ticks.
+        turn = longest + shortest
         while not self._stopping:
             try:
-                expired = await store.tick(scheduled=True)
+                expired = await store.tick(turn=turn)
             except Exception:  # the scheduler must outlive any single bad tick
                 log.exception("expiry_tick_failed")
                 expired = 0

@@ -143,11 +143,13 @@ class LeaseStore(Protocol):
         then ends its watch streams, so that watchers know to re-list."""
         ...
 
-    async def tick(self, *, scheduled: bool = False) -> int:
+    async def tick(self, *, turn: float = 0.0) -> int:
         """Process due deadlines (holders, pins, a batch of leases); return the leases
         expired. Safe to run on every replica at once: each deadline is processed once.
-        `scheduled`: a tick of the background scheduler, which a shared store may leave to
-        another replica that is ticking (the next deadline then says when to try again)."""
+        `turn` > 0: a tick of a scheduler that ticks again within `turn` seconds; a shared
+        store then processes the fleet's deadlines on one replica at a time, for `turn`
+        seconds from its tick, and leaves this tick to a replica whose turn it is (the next
+        deadline then says when to try again)."""
         ...
 
     async def reclaim_hold(self) -> float:
@@ -257,7 +259,7 @@ class MemoryStore:
     def on_events_lost(self, callback: Callable[[str], None]) -> None:
         pass  # events go from the table to its listeners in this process: none is lost
 
-    async def tick(self, *, scheduled: bool = False) -> int:
+    async def tick(self, *, turn: float = 0.0) -> int:
         return self.table.tick()
 
     def next_deadline(self) -> float | None:
