@@ -683,111 +683,112 @@ elseif cmd == 'release' then
 
 elseif cmd == 'tick' then
   local batch, retention = tonumber(ARGS[3]), tonumber(ARGS[4])
+  -- Every tick's reply: what it expired and lost, when to tick next, the counts, the layout
+  -- minimum and the pin secret (a replica takes them from any tick, its own turn or not).
+  local function tick_reply(expired, nxt, lost)
+    local next_in = ''
+    if nxt then next_in = F(nxt - NOW) end
+    return {'OK', STAMP(), expired, next_in, lost, redis.call('ZCARD', P .. 'lexp'),
+            redis.call('ZCARD', P .. 'leases'), redis.call('ZCARD', P .. 'holders'),
+            redis.call('ZCARD', P .. 'pexp'), redis.call('HGET', P .. 'layout', 'min') or '0',
+            redis.call('GET', P .. 'pin_secret') or ''}
+  end
   -- A scheduled tick (ARGS[9]: the replica's ticker token, ARGS[10]: how long its turn holds)
   -- is left to the replica that took the turn while its hold lasts: the fleet's deadlines are
-  -- processed by one replica at a time, so ticks do not grow with the number of replicas. An
-  -- unscheduled tick (no token) always runs. A turn that ends further away than one hold (the
-  -- clock went back since it was taken) has ended: a clock step cannot stall the ticks.
-  local held_until = nil
+  -- processed by one replica at a time, so ticks do not grow with the number of replicas. It
+  -- comes back when the turn ends (if the replica with it stopped ticking, this one takes
+  -- over then). An unscheduled tick (no token) always runs. A turn that ends further away
+  -- than one hold (the clock went back since it was taken) has ended: a clock step cannot
+  -- stall the ticks.
   if ARGS[9] and ARGS[9] ~= '' then
     local turn = redis.call('HMGET', P .. 'ticker', 'o', 'x')
     local ends = tonumber(turn[2]) or 0  -- not a number (a hand edit): the turn is over
     if turn[1] and turn[1] ~= ARGS[9] and ends > NOW and ends <= NOW + tonumber(ARGS[10]) then
-      held_until = ends
-    else
-      redis.call('HSET', P .. 'ticker', 'o', ARGS[9], 'x', F(NOW + tonumber(ARGS[10])))
+      return tick_reply(0, ends, {})
     end
+    redis.call('HSET', P .. 'ticker', 'o', ARGS[9], 'x', F(NOW + tonumber(ARGS[10])))
   end
-  local lost, expired = {}, 0
-  if not held_until then
-    -- The layout record, written again by the ticking replica when Redis lost it (ARGS[5..6]:
-    -- the caller's layout and minimum): an older replica started after a loss must still see it.
-    if ARGS[5] and redis.call('EXISTS', P .. 'layout') == 0 then
-      redis.call('HSET', P .. 'layout', 'version', ARGS[5], 'min', ARGS[6])
-    end
-    -- Likewise the pin secret (ARGS[8], the caller's): the replicas keep agreeing on pin ids.
-    if ARGS[8] then redis.call('SET', P .. 'pin_secret', ARGS[8], 'NX') end
-    -- The grace is over: the RECLAIMABLE events it held, first (what this tick kills is then
-    -- sent as it dies). Every dead lease is queued once (P paying, by Redis itself: no Lua per
-    -- lease), then ARGS[7] a tick are sent: one script over them all would stall Redis.
-    if NOW >= HOLD_UNTIL then
-      if redis.call('EXISTS', P .. 'owed') == 1 then
-        redis.call('DEL', P .. 'owed')
-        for _, z in ipairs({'holders', 'lost'}) do
-          local hids = redis.call('ZRANGE', P .. z, 0, -1)
-          for i = 1, #hids, 200 do  -- 200 sets a call: unpack has a stack limit
-            local keys = {P .. 'paying'}
-            for j = i, math.min(i + 199, #hids) do keys[#keys + 1] = P .. 'hd:' .. hids[j] end
-            redis.call('ZUNIONSTORE', P .. 'paying', #keys, unpack(keys))
-          end
+  -- The layout record, written again by the ticking replica when Redis lost it (ARGS[5..6]:
+  -- the caller's layout and minimum): an older replica started after a loss must still see it.
+  if ARGS[5] and redis.call('EXISTS', P .. 'layout') == 0 then
+    redis.call('HSET', P .. 'layout', 'version', ARGS[5], 'min', ARGS[6])
+  end
+  -- Likewise the pin secret (ARGS[8], the caller's): the replicas keep agreeing on pin ids.
+  if ARGS[8] then redis.call('SET', P .. 'pin_secret', ARGS[8], 'NX') end
+  -- The grace is over: the RECLAIMABLE events it held, first (what this tick kills is then
+  -- sent as it dies). Every dead lease is queued once (P paying, by Redis itself: no Lua per
+  -- lease), then ARGS[7] a tick are sent: one script over them all would stall Redis.
+  if NOW >= HOLD_UNTIL then
+    if redis.call('EXISTS', P .. 'owed') == 1 then
+      redis.call('DEL', P .. 'owed')
+      for _, z in ipairs({'holders', 'lost'}) do
+        local hids = redis.call('ZRANGE', P .. z, 0, -1)
+        for i = 1, #hids, 200 do  -- 200 sets a call: unpack has a stack limit
+          local keys = {P .. 'paying'}
+          for j = i, math.min(i + 199, #hids) do keys[#keys + 1] = P .. 'hd:' .. hids[j] end
+          redis.call('ZUNIONSTORE', P .. 'paying', #keys, unpack(keys))
         end
       end
-      for _, lid in ipairs(redis.call('ZRANGE', P .. 'paying', 0, tonumber(ARGS[7]) - 1)) do
-        redis.call('ZREM', P .. 'paying', lid)
-        local f = redis.call('HMGET', P .. 'l:' .. lid, 't', 'c', 'h', 'e', 'k')
-        -- forgotten since (its holder freed it): nothing to send; pinned: sent as it is unpinned
-        if f[1] and tonumber(f[5]) == 0 then emit(7, lid, f[1], f[2], f[3], f[4], 0) end
-      end
     end
-    local due_holders = redis.call('ZRANGEBYSCORE', P .. 'holders', '-inf', F(NOW),
-                                   'LIMIT', 0, batch)
-    for _, hid in ipairs(due_holders) do lost[#lost + 1] = {hid, lose_holder(hid)} end
-    -- Past a lost holder's own hard deadline it has freed everything it held.
-    for _, hid in ipairs(redis.call('ZRANGEBYSCORE', P .. 'lost', '-inf', F(NOW - retention),
-                                    'LIMIT', 0, 100)) do
-      local dead = redis.call('SMEMBERS', P .. 'hd:' .. hid)
-      local pinned = false
-      for _, lid in ipairs(dead) do
-        if pins_of(lid) > 0 then pinned = true end
-      end
-      if not pinned then
-        for _, lid in ipairs(dead) do forget(lid) end
-        redis.call('DEL', P .. 'h:' .. hid, P .. 'ha:' .. hid, P .. 'hd:' .. hid)
-        redis.call('ZREM', P .. 'lost', hid)
-      end
-    end
-    -- Ended pins: each one's lease is unpinned; their records go in one removal per 200 (the
-    -- tick holds Redis, and every read waiting behind it, for as long as it runs).
-    local ended = redis.call('ZRANGEBYSCORE', P .. 'pexp', '-inf', F(NOW), 'LIMIT', 0, batch)
-    for i = 1, #ended, 200 do
-      local keys = {}
-      for j = i, math.min(i + 199, #ended) do
-        local key = P .. 'p:' .. ended[j]
-        keys[#keys + 1] = key
-        local lid = redis.call('HGET', key, 'l')
-        if lid then unpin(lid) end
-      end
-      redis.call('DEL', unpack(keys))
-    end
-    -- The lowest-scored members are exactly those just read: nothing above touches pexp.
-    if #ended > 0 then redis.call('ZREMRANGEBYRANK', P .. 'pexp', 0, #ended - 1) end
-    local due = redis.call('ZRANGEBYSCORE', P .. 'lexp', '-inf', F(NOW), 'WITHSCORES',
-                           'LIMIT', 0, batch)
-    for i = 1, #due, 2 do
-      if kill(due[i], EXPIRED, NOW - tonumber(due[i + 1])) then expired = expired + 1 end
+    for _, lid in ipairs(redis.call('ZRANGE', P .. 'paying', 0, tonumber(ARGS[7]) - 1)) do
+      redis.call('ZREM', P .. 'paying', lid)
+      local f = redis.call('HMGET', P .. 'l:' .. lid, 't', 'c', 'h', 'e', 'k')
+      -- forgotten since (its holder freed it): nothing to send; pinned: sent as it is unpinned
+      if f[1] and tonumber(f[5]) == 0 then emit(7, lid, f[1], f[2], f[3], f[4], 0) end
     end
   end
-  -- When to tick next: at the first deadline, or, while another replica has the turn, when
-  -- its hold ends (if it stopped ticking, this replica takes over then).
-  local nxt = held_until
-  if not nxt then
-    if redis.call('EXISTS', P .. 'owed') == 1 or redis.call('EXISTS', P .. 'paying') == 1 then
-      nxt = HOLD_UNTIL
+  local lost = {}
+  local due_holders = redis.call('ZRANGEBYSCORE', P .. 'holders', '-inf', F(NOW),
+                                 'LIMIT', 0, batch)
+  for _, hid in ipairs(due_holders) do lost[#lost + 1] = {hid, lose_holder(hid)} end
+  -- Past a lost holder's own hard deadline it has freed everything it held.
+  for _, hid in ipairs(redis.call('ZRANGEBYSCORE', P .. 'lost', '-inf', F(NOW - retention),
+                                  'LIMIT', 0, 100)) do
+    local dead = redis.call('SMEMBERS', P .. 'hd:' .. hid)
+    local pinned = false
+    for _, lid in ipairs(dead) do
+      if pins_of(lid) > 0 then pinned = true end
     end
-    for _, z in ipairs({'holders', 'pexp', 'lexp'}) do
-      local first = redis.call('ZRANGE', P .. z, 0, 0, 'WITHSCORES')
-      if first[2] then
-        local v = tonumber(first[2])
-        if not nxt or v < nxt then nxt = v end
-      end
+    if not pinned then
+      for _, lid in ipairs(dead) do forget(lid) end
+      redis.call('DEL', P .. 'h:' .. hid, P .. 'ha:' .. hid, P .. 'hd:' .. hid)
+      redis.call('ZREM', P .. 'lost', hid)
     end
   end
-  local next_in = ''
-  if nxt then next_in = F(nxt - NOW) end
-  return {'OK', STAMP(), expired, next_in, lost, redis.call('ZCARD', P .. 'lexp'),
-          redis.call('ZCARD', P .. 'leases'), redis.call('ZCARD', P .. 'holders'),
-          redis.call('ZCARD', P .. 'pexp'), redis.call('HGET', P .. 'layout', 'min') or '0',
-          redis.call('GET', P .. 'pin_secret') or ''}
+  -- Ended pins: each one's lease is unpinned; their records go in one removal per 200 (the
+  -- tick holds Redis, and every read waiting behind it, for as long as it runs).
+  local ended = redis.call('ZRANGEBYSCORE', P .. 'pexp', '-inf', F(NOW), 'LIMIT', 0, batch)
+  for i = 1, #ended, 200 do
+    local keys = {}
+    for j = i, math.min(i + 199, #ended) do
+      local key = P .. 'p:' .. ended[j]
+      keys[#keys + 1] = key
+      local lid = redis.call('HGET', key, 'l')
+      if lid then unpin(lid) end
+    end
+    redis.call('DEL', unpack(keys))
+  end
+  -- The lowest-scored members are exactly those just read: nothing above touches pexp.
+  if #ended > 0 then redis.call('ZREMRANGEBYRANK', P .. 'pexp', 0, #ended - 1) end
+  local expired = 0
+  local due = redis.call('ZRANGEBYSCORE', P .. 'lexp', '-inf', F(NOW), 'WITHSCORES',
+                         'LIMIT', 0, batch)
+  for i = 1, #due, 2 do
+    if kill(due[i], EXPIRED, NOW - tonumber(due[i + 1])) then expired = expired + 1 end
+  end
+  -- When to tick next: at the first deadline.
+  local nxt = nil
+  if redis.call('EXISTS', P .. 'owed') == 1 or redis.call('EXISTS', P .. 'paying') == 1 then
+    nxt = HOLD_UNTIL
+  end
+  for _, z in ipairs({'holders', 'pexp', 'lexp'}) do
+    local first = redis.call('ZRANGE', P .. z, 0, 0, 'WITHSCORES')
+    if first[2] then
+      local v = tonumber(first[2])
+      if not nxt or v < nxt then nxt = v end
+    end
+  end
+  return tick_reply(expired, nxt, lost)
 
 elseif cmd == 'clockfix' then
   -- Store a fix a caller confirmed, moved by the step it saw: only over the generation it saw
