@@ -69,8 +69,6 @@ _DEAD_EVENT = {
     LeaseState.SUPERSEDED: EventType.SUPERSEDED,
     LeaseState.HOLDER_LOST: EventType.HOLDER_LOST,
 }
-_NONE: dict[str, Lease] = {}  # a tenant with no conversations (never written)
-
 _MISS_FOR_STATE = {
     LeaseState.EXPIRED: MissReason.EXPIRED,
     LeaseState.REVOKED: MissReason.REVOKED,
@@ -238,15 +236,6 @@ def check_listing(cfg: RegistryConfig, tenant: str, conversation_id: str, holder
 
 def check_read(cfg: RegistryConfig, tenant: str, conversation_id: str, min_tokens: int,
                pin_ttl: float, reader_id: str, request_id: str) -> None:
-    # Every read passes through here: the common case in one test of all four ids at once
-    # (what `check.identifier` accepts: ASCII, printable, no space, within the length limit).
-    limit = cfg.max_id_length
-    joined = tenant + conversation_id + reader_id + request_id
-    if 0 < len(tenant) <= limit and 0 < len(conversation_id) <= limit \
-            and len(reader_id) <= limit and len(request_id) <= limit \
-            and joined.isascii() and joined.isprintable() and " " not in joined \
-            and 0 <= min_tokens <= 2**31 and pin_ttl >= 0:
-        return
     check.identifier("tenant", tenant, cfg.max_id_length)
     check.identifier("conversation_id", conversation_id, cfg.max_id_length)
     check.in_range("min_tokens", min_tokens, 0, 2**31)
@@ -613,14 +602,9 @@ class LeaseTable:
                    request_id)
         check_prompt_hashes(self.config, hashes)
         now = self.clock.monotonic()
-        lease = self._conversations.get(tenant, _NONE).get(conversation_id)
-        # The common case inline: a live lease of a live holder, no deadline passed.
-        if lease is None or lease.state is not LeaseState.ACTIVE or lease.expire_at <= now \
-                or lease.holder.state is not HolderState.ACTIVE or lease.holder.expire_at <= now:
-            found = self._readable(tenant, conversation_id, now)
-            if isinstance(found, Read):
-                return found
-            lease = found
+        lease = self._readable(tenant, conversation_id, now)
+        if isinstance(lease, Read):
+            return lease
         block_size = lease.holder.block_size
         full = lease.token_count // block_size
         k = blockhash.matching_prefix(lease.payload, hashes, full)
