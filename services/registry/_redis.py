@@ -158,8 +158,7 @@ class RedisStore:
         self._chores: set[asyncio.Task[Any]] = set()
         self._last_unreachable_log = 0.0
         self._closing = False
-        self._pin_secret = b""  # from Redis at start
-        self._pin_id = pin_id_maker(b"")  # made again with every new secret
+        self._use_pin_secret(b"")  # the fleet's, from Redis at start
         self._ticker = secrets.token_hex(8)  # this replica's token for the fleet's tick turn
         # What this replica knows of the fleet clock: (lo, hi, at, gen) bounds of (that clock -
         # our monotonic clock) as of our monotonic `at`, learned under the fix of generation
@@ -190,8 +189,7 @@ class RedisStore:
             raise OSError(f"cannot reach Redis at {url}: {exc}") from exc
         await self._check_eviction_policy()
         await self._check_layout()
-        self._pin_secret = await self._shared_pin_secret()
-        self._pin_id = pin_id_maker(self._pin_secret)
+        self._use_pin_secret(await self._shared_pin_secret())
         self._script = self._redis.register_script(LUA)
         if supported(url):
             self._pipe = ScriptPipe(url, LUA, self._script.sha, connect_timeout=2.0,
@@ -237,6 +235,10 @@ class RedisStore:
         return (f"Redis namespace {self.config.redis_namespace!r} is shared by replicas whose "
                 f"state layout needs at least {minimum}; this replica speaks layout "
                 f"{self.layout}: upgrade kvbridge on it")
+
+    def _use_pin_secret(self, secret: bytes) -> None:
+        self._pin_secret = secret
+        self._pin_id = pin_id_maker(secret)
 
     async def _shared_pin_secret(self) -> bytes:
         """The key of every replica's pin ids (`kvbridge.ids.pin_id_maker`), made by the first
@@ -794,8 +796,7 @@ class RedisStore:
         if secret and secret != self._pin_secret:
             # Redis lost its data and a replica started since made a new secret (or this one
             # had none to share): take it, so that a read retried on any replica finds its pin.
-            self._pin_secret = secret
-            self._pin_id = pin_id_maker(secret)
+            self._use_pin_secret(secret)
             log.warning("redis_pin_secret_changed", namespace=self.config.redis_namespace,
                         hint="reads retried across the change make a second pin, which "
                              "expires")
