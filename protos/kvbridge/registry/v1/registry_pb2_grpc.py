@@ -5,7 +5,7 @@ import warnings
 
 from kvbridge.registry.v1 import registry_pb2 as kvbridge_dot_registry_dot_v1_dot_registry__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.78.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class RegistryServiceStub:
+class RegistryServiceStub(object):
     """RegistryService holds decode engines' KV block leases and grants pinned reads of them.
     """
 
@@ -107,7 +107,7 @@ class RegistryServiceStub:
                 _registered_method=True)
 
 
-class RegistryServiceServicer:
+class RegistryServiceServicer(object):
     """RegistryService holds decode engines' KV block leases and grants pinned reads of them.
     """
 
@@ -298,7 +298,7 @@ def add_RegistryServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class RegistryService:
+class RegistryService(object):
     """RegistryService holds decode engines' KV block leases and grants pinned reads of them.
     """
 

@@ -6,7 +6,7 @@ import warnings
 from kvbridge.registry.v1 import registry_pb2 as kvbridge_dot_registry_dot_v1_dot_registry__pb2
 from kvbridge.router.v1 import router_pb2 as kvbridge_dot_router_dot_v1_dot_router__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.78.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -26,7 +26,7 @@ if _version_not_supported:
     )
 
 
-class RouterServiceStub:
+class RouterServiceStub(object):
     """RouterService places conversation turns on prefill and decode instances.
     """
 
@@ -78,7 +78,7 @@ class RouterServiceStub:
                 _registered_method=True)
 
 
-class RouterServiceServicer:
+class RouterServiceServicer(object):
     """RouterService places conversation turns on prefill and decode instances.
     """
 
@@ -191,7 +191,7 @@ def add_RouterServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class RouterService:
+class RouterService(object):
     """RouterService places conversation turns on prefill and decode instances.
     """
 
