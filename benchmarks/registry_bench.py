@@ -257,7 +257,8 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
     auth_proc = _registry_proc(4096, secured=True) if secured else None
     out: dict[str, Any] = {"leases": leases, "blocks_per_lease": blocks,
                            "offered_rate_rps": rate, "replicas": len(registries.procs),
-                           # gRPC core settings of the registries and the echo
+                           # gRPC (every process here runs this one) and its core settings
+                           "grpc_version": grpc.__version__,
                            "grpc_experiments": _grpc_env()["GRPC_EXPERIMENTS"]}
     try:
         client = AsyncRegistryClient(f"127.0.0.1:{registry.port}", timeout=30, retries=0)

@@ -11,10 +11,11 @@ process has (the vLLM engines `kvbridge up` starts too: `engine_environment`).
 
 The default turns off the `event_engine_listener` and `event_engine_client` experiments, so that
 connections (accepted and made) are served by gRPC's classic TCP endpoints, which read and write
-on the thread that polls instead of handing each read and write to EventEngine threads. On this
-2-core machine that is about 9% less server CPU per AcquireRead (272 against 299 us) with a
-lower median and p99, 7-14% less for a trivial echo service, and about 20% more calls per
-second from a client process (README, "Registry"). Setting
+on the thread that polls instead of handing each read and write to EventEngine threads. On
+gRPC 1.85.3 that was about 9% less server CPU per AcquireRead (272 against 299 us), 7-14% less
+for a trivial echo service and about 20% more calls per second from a client process. On
+1.78.2, the version kvbridge installs (gRPC is held below 1.80, see README "Layout"), it
+measures the same either way; it stays for installations on a newer gRPC. Setting
 `GRPC_EXPERIMENTS` yourself, even to the empty string, keeps gRPC's own defaults or your choice:
 it is never overridden.
 """
@@ -24,8 +25,14 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Container, MutableMapping, Sequence
+from typing import Any
 
 DEFAULT_SERVER_EXPERIMENTS = "-event_engine_listener,-event_engine_client"
+
+# From gRPC 1.80 on, grpc.aio spends about half as much CPU again per unary call
+# (grpc/grpc#43092); kvbridge's requirements hold gRPC below it. A serving process that runs
+# such a release anyway (installed over the requirements) says so when it starts.
+SLOW_GRPC_FROM = (1, 80)
 
 # Commands (their words, in order) that serve or drive gRPC on kvbridge's hot path.
 SERVING_COMMANDS: tuple[tuple[str, ...], ...] = (
@@ -58,6 +65,30 @@ def apply_server_defaults(argv: Sequence[str],
         global _applied
         _applied = True
     return DEFAULT_SERVER_EXPERIMENTS
+
+
+def slow_grpc(version: str) -> bool:
+    """Whether gRPC `version` ("1.85.3", "1.80.0rc1") is one of the releases with the slower
+    grpc.aio (`SLOW_GRPC_FROM` on). A version that does not parse is not called slow."""
+    parts = version.split(".")
+    try:
+        major, minor = int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or "x")
+    except (IndexError, ValueError):
+        return False
+    return (major, minor) >= SLOW_GRPC_FROM
+
+
+def describe(log: Any) -> dict[str, str | None]:
+    """What a serving process's `*_started` log line says of gRPC (its version and
+    GRPC_EXPERIMENTS); on a slow release, `log` also gets a warning that says what to do."""
+    import grpc
+
+    version = grpc.__version__
+    if slow_grpc(version):
+        log.warning("grpc_version_slow", grpc_version=version,
+                    hint="grpc.aio costs about 45% more CPU per call from gRPC 1.80 on "
+                         "(grpc/grpc#43092): install kvbridge's requirement, grpcio<1.80")
+    return {"grpc_version": version, "grpc_experiments": os.environ.get("GRPC_EXPERIMENTS")}
 
 
 _applied = False  # whether this process's GRPC_EXPERIMENTS is kvbridge's default, not a choice

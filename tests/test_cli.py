@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import grpc
 import pytest
 from click.testing import CliRunner, Result
 
@@ -470,6 +471,7 @@ def test_serve_subprocess_runs_grpc_with_kvbridge_defaults_unless_told(served, k
     for proc, expected in ((tuned, DEFAULT_SERVER_EXPERIMENTS), (stock, "")):
         started = proc.wait_event("registry_started")
         assert started["grpc_experiments"] == expected
+        assert started["grpc_version"] == grpc.__version__
         with RegistryClient(started["listen"]) as client:  # both serve
             client.register_holder(**kv.holder_args("h1"))
             client.grant_lease(**kv.grant_args("h1", "t1", "c1", kv.tokens(4)))

@@ -6,7 +6,9 @@ import os
 import subprocess
 import sys
 
+import grpc
 import pytest
+from structlog.testing import capture_logs
 
 from kvbridge import grpc_env
 from kvbridge.engines import EngineSpec
@@ -89,3 +91,36 @@ def test_engines_started_by_a_serving_command_keep_grpcs_defaults(monkeypatch, t
     assert spec.environment(tmp_path)["GRPC_EXPERIMENTS"] == DEFAULT_SERVER_EXPERIMENTS
     monkeypatch.setenv("GRPC_EXPERIMENTS", "")
     assert spec.environment(tmp_path)["GRPC_EXPERIMENTS"] == ""
+
+
+@pytest.mark.parametrize(("version", "slow"), [
+    ("1.78.2", False), ("1.79.0", False), ("1.8.0", False), ("1.62.3", False),
+    ("1.80.0", True), ("1.85.3", True), ("1.80.0rc1", True), ("1.90.0.dev0", True),
+    ("2.0.0", True), ("", False), ("1", False), ("one.two", False),
+])
+def test_slow_grpc_releases_are_those_from_1_80(version: str, slow: bool) -> None:
+    assert grpc_env.slow_grpc(version) is slow
+
+
+def test_this_install_runs_a_grpc_below_the_slow_releases() -> None:
+    # pyproject holds grpcio below 1.80 (grpc/grpc#43092): a resolver that ignored it, or a
+    # requirement that drifted, shows here.
+    assert not grpc_env.slow_grpc(grpc.__version__), grpc.__version__
+
+
+def test_describe_names_the_version_and_warns_on_a_slow_release(monkeypatch) -> None:
+    import structlog
+
+    log = structlog.get_logger("test")
+    monkeypatch.setenv("GRPC_EXPERIMENTS", "-x")
+    with capture_logs() as logs:
+        said = grpc_env.describe(log)
+    assert said == {"grpc_version": grpc.__version__, "grpc_experiments": "-x"}
+    assert logs == []
+    monkeypatch.setattr(grpc, "__version__", "1.85.3")
+    with capture_logs() as logs:
+        said = grpc_env.describe(log)
+    assert said["grpc_version"] == "1.85.3"
+    [warning] = logs
+    assert warning["event"] == "grpc_version_slow" and warning["log_level"] == "warning"
+    assert "grpcio<1.80" in warning["hint"]

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import os
 from dataclasses import dataclass
 
 import structlog
 from aiohttp import web
 
-from kvbridge import aio, logs
+from kvbridge import aio, grpc_env, logs
 from kvbridge.clients._registry import AsyncRegistryClient
 from kvbridge.clients._router import AsyncRouterClient
 from kvbridge.services.gateway._app import Gateway, Tenants
@@ -60,7 +59,7 @@ async def start_gateway(config: GatewayConfig) -> GatewayServer:
     result = GatewayServer(config, gateway, runner, int(bound))
     log.info("gateway_started", url=result.url, router=config.router,
              registry=config.registry or None,
-             grpc_experiments=os.environ.get("GRPC_EXPERIMENTS"),
+             **grpc_env.describe(log),
              auth="open (any bearer token names its own tenant)" if tenants.open_mode
              else f"{len(tenants.keys or {})} API key(s)")
     return result

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -16,7 +15,7 @@ from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from kvbridge import aio, auth, logs
+from kvbridge import aio, auth, grpc_env, logs
 from kvbridge._grpc_handlers import (
     SERVER_KEEPALIVE_OPTIONS,
     add_health_and_reflection,
@@ -90,7 +89,7 @@ class RegistryServer:
                  backend=self.config.backend,
                  event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
                  recovery_grace_s=self.config.effective_recovery_grace_s,
-                 grpc_experiments=os.environ.get("GRPC_EXPERIMENTS"),
+                 **grpc_env.describe(log),
                  **auth.describe(self.config.token_table(), self.config.tls_files()))
 
     async def _run_expiry(self) -> None:

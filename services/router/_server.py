@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from dataclasses import dataclass, field
 
 import grpc
@@ -13,7 +12,7 @@ from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from kvbridge import aio, auth, logs
+from kvbridge import aio, auth, grpc_env, logs
 from kvbridge._grpc_handlers import (
     SERVER_KEEPALIVE_OPTIONS,
     add_health_and_reflection,
@@ -64,7 +63,7 @@ class RouterServer:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("router_started", listen=self.address, registry=self.config.registry or None,
                  metrics_port=self.metrics_port,
-                 grpc_experiments=os.environ.get("GRPC_EXPERIMENTS"),
+                 **grpc_env.describe(log),
                  **auth.describe(self.config.token_table(), self.config.tls_files()))
 
     async def _run_expiry(self) -> None:

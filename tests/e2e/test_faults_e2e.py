@@ -183,6 +183,17 @@ def test_registry_killed_mid_pin_loses_no_lease(stack: Stack) -> None:
         while not list(client.iter_leases(tenant=TENANT, conversation_id="restart")):
             assert time.monotonic() < deadline, "decode did not restore its lease in 30 s"
             time.sleep(0.2)
+    # Prefill's channel to the registry (through the proxy) may be waiting out its reconnect
+    # backoff (at most 2 s): until it is connected, a lookup is a registry_error and the turn
+    # recomputes, which is right but reads nothing. Turns of another conversation find out.
+    _, probe = _history(4, 64)
+    while True:
+        errors = stack.decisions().get("registry_error", 0.0)
+        stack.turn(probe, "restart-probe")
+        if stack.decisions().get("registry_error", 0.0) == errors:
+            break
+        assert time.monotonic() < deadline, "prefill did not reach the restarted registry"
+        time.sleep(0.5)
     history = held + _more(rng)
     reused = stack.reused()
     assert stack.turn(history, "restart")[0] == stack.turn(history, None)[0]
