@@ -23,6 +23,7 @@ it is never overridden.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Container, MutableMapping, Sequence
 from typing import Any
@@ -70,12 +71,8 @@ def apply_server_defaults(argv: Sequence[str],
 def slow_grpc(version: str) -> bool:
     """Whether gRPC `version` ("1.85.3", "1.80.0rc1") is one of the releases with the slower
     grpc.aio (`SLOW_GRPC_FROM` on). A version that does not parse is not called slow."""
-    parts = version.split(".")
-    try:
-        major, minor = int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or "x")
-    except (IndexError, ValueError):
-        return False
-    return (major, minor) >= SLOW_GRPC_FROM
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return found is not None and (int(found[1]), int(found[2])) >= SLOW_GRPC_FROM
 
 
 def describe(log: Any) -> dict[str, str | None]:
