@@ -7,7 +7,8 @@ stack in the same run (ratios, not absolute numbers, are what transfer between m
 - acquire-read latency (p50/p99) at a fixed offered rate (open loop), against 64-block leases,
   and the echo service's at the same rate: each offered alone in 0.25 s windows taken in turn
   (so that each sees the offered rate, and a stall of the machine falls on both), requests
-  built ahead of time for both; the same through the client library beside them;
+  built ahead of time for both and replies left as bytes while timed (every registry reply is
+  checked after its round); the same through the client library beside them;
 - the highest sustained AcquireRead rate (closed loop, many calls in flight), and the echo's;
 - with `--auth`, the same two figures (keys ending `_auth`) for a second registry that
   authenticates every call by bearer token (as deployed; the first runs in insecure local
@@ -363,16 +364,24 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             for k in range(min(leases, 4096))]
         run = uuid.uuid4().hex[:16]
 
-        async def acquire_raw(i: int, calls: Sequence[Callable[..., Awaitable[bytes]]]
-                              = raw_calls, metadata: Any = None) -> None:
+        def check_hit(reply: bytes) -> None:
+            resp = pb.AcquireReadResponse.FromString(reply)
+            if resp.miss_reason != pb.MISS_REASON_UNSPECIFIED or not resp.pin.pin_id:
+                raise RuntimeError(f"unexpected miss {resp.miss_reason}")
+
+        async def acquire_bytes(i: int, calls: Sequence[Callable[..., Awaitable[bytes]]]
+                                = raw_calls, metadata: Any = None) -> bytes:
             request_id = f"{run}{i:016x}".encode()  # field 7 (request_id), 32 bytes
-            reply = await calls[i % len(calls)](
+            reply: bytes = await calls[i % len(calls)](
                 templates[i % len(templates)] + b"\x3a\x20" + request_id, timeout=30,
                 metadata=metadata)
+            return reply
+
+        async def acquire_raw(i: int, calls: Sequence[Callable[..., Awaitable[bytes]]]
+                              = raw_calls, metadata: Any = None) -> None:
+            reply = await acquire_bytes(i, calls, metadata)
             if i % 16 == 0:
-                resp = pb.AcquireReadResponse.FromString(reply)
-                if resp.miss_reason != pb.MISS_REASON_UNSPECIFIED or not resp.pin.pin_id:
-                    raise RuntimeError(f"unexpected miss {resp.miss_reason}")
+                check_hit(reply)
 
         if auth_proc is not None:
             # The secured registry holds the leases the raw calls read (conv-0 .. conv-4095).
@@ -397,6 +406,10 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             async def acquire_auth(i: int) -> None:
                 await acquire_raw(i, auth_calls, reader_metadata)
 
+            async def acquire_auth_probe(i: int) -> None:
+                probe_replies.append(
+                    await acquire_bytes(probe_base + i, auth_calls, reader_metadata))
+
         # The same measurements against the trivial echo service, interleaved round by round
         # with the registry's so that the machine's noise falls on both alike.
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{echo.port}")
@@ -408,12 +421,14 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             await echo_call(payload, timeout=30)
 
         # Latency probes, registry and echo alike: requests built ahead of time, replies left
-        # as bytes, so that this process's own cost (it shares the machine's two cores) is the
-        # same for both. The client library's latency is reported beside them.
+        # as bytes while timed, so that this process's own cost (it shares the machine's two
+        # cores) is the same for both; every registry reply is then checked (a hit with a pin)
+        # after its round, untimed. The client library's latency is reported beside them.
         probe_base = 1 << 40  # request ids of their own: no probe is a retry of another call
+        probe_replies: list[bytes] = []
 
         async def acquire_probe(i: int) -> None:
-            await acquire_raw(probe_base + i)
+            probe_replies.append(await acquire_bytes(probe_base + i))
 
         # name: (call for throughput, process)
         targets: dict[str, tuple[Callable[[int], Awaitable[Any]], Callable[[], float]]] = {
@@ -422,10 +437,6 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             "acquire": acquire_probe, "echo": ping, "client": acquire}
         if auth_proc is not None:
             targets["acquire_auth"] = (acquire_auth, auth_proc.cpu_seconds)
-
-            async def acquire_auth_probe(i: int) -> None:
-                await acquire_auth(probe_base + i)
-
             latency_calls["acquire_auth"] = acquire_auth_probe
         latencies: dict[str, list[float]] = {name: [] for name in latency_calls}
         rates: dict[str, list[float]] = {name: [] for name in latency_calls}
@@ -440,6 +451,9 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             # sees the offered rate alone and a stall of this shared machine hits all alike.
             windows = await _open_loop_alternating(tuple(latency_calls.values()), rate, per_round)
             probe_base += 10_000_000
+            for reply in probe_replies:
+                check_hit(reply)
+            probe_replies.clear()
             for name, values in zip(latency_calls, windows, strict=True):
                 latencies[name] += values
             for name, (call, cpu_seconds) in targets.items():
