@@ -406,10 +406,6 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             async def acquire_auth(i: int) -> None:
                 await acquire_raw(i, auth_calls, reader_metadata)
 
-            async def acquire_auth_probe(i: int) -> None:
-                probe_replies.append(
-                    await acquire_bytes(probe_base + i, auth_calls, reader_metadata))
-
         # The same measurements against the trivial echo service, interleaved round by round
         # with the registry's so that the machine's noise falls on both alike.
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{echo.port}")
@@ -437,6 +433,11 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             "acquire": acquire_probe, "echo": ping, "client": acquire}
         if auth_proc is not None:
             targets["acquire_auth"] = (acquire_auth, auth_proc.cpu_seconds)
+
+            async def acquire_auth_probe(i: int) -> None:
+                probe_replies.append(
+                    await acquire_bytes(probe_base + i, auth_calls, reader_metadata))
+
             latency_calls["acquire_auth"] = acquire_auth_probe
         latencies: dict[str, list[float]] = {name: [] for name in latency_calls}
         rates: dict[str, list[float]] = {name: [] for name in latency_calls}
