@@ -13,6 +13,9 @@ stack in the same run (ratios, not absolute numbers, are what transfer between m
 - with `--auth`, the same two figures (keys ending `_auth`) for a second registry that
   authenticates every call by bearer token (as deployed; the first runs in insecure local
   mode), a reader token limited to the bench's tenant, interleaved with the others;
+- with `--python-reads`, the same for a registry that answers every read in Python
+  (`--compiled-reads off`; keys ending `_python`), beside the first, which uses the compiled
+  read path when this install has it (`compiled_reads` in the output says which);
 - lease renewals per second through the batched RenewLeases;
 - resident memory per lease, from the registry's RSS before and after granting N leases;
 - how late expiry fires (p99), from the registry's own lateness figure on EXPIRED events,
@@ -48,6 +51,7 @@ from kvbridge.clients._registry import AsyncRegistryClient, seconds
 from kvbridge.clients._registry import duration as duration_pb
 from kvbridge.errors import KvbridgeError
 from kvbridge.registry.v1 import registry_pb2 as pb
+from kvbridge.services.registry._core import FAST_READER_MISSING
 
 ECHO_METHOD = "/kvbridge.bench.Echo/Echo"
 ACQUIRE_METHOD = "/kvbridge.registry.v1.RegistryService/AcquireRead"
@@ -206,6 +210,7 @@ class _Registries:
     procs: list[_Proc]
     memory_bytes: Callable[[], int]
     cpu_seconds: Callable[[], float]
+    redis: bool = False
 
     @property
     def ports(self) -> list[int]:
@@ -219,6 +224,11 @@ _READER_TOKEN = "bench-reader-" + uuid.uuid4().hex
 _TOKENS = f"{_ADMIN_TOKEN} admin; {_READER_TOKEN} reader tenants=bench name=bench-reader"
 
 
+# Whether this install has the registry's compiled read path (the registries started here run
+# from the same install: with it they must use it, `--compiled-reads on`, else they run off).
+COMPILED_READS = not FAST_READER_MISSING
+
+
 def _grpc_env() -> dict[str, str]:
     """The gRPC settings every process measured here runs with: this process's
     GRPC_EXPERIMENTS when it has one (`kvbridge bench registry` sets kvbridge's default, unless
@@ -227,11 +237,13 @@ def _grpc_env() -> dict[str, str]:
                                                grpc_env.DEFAULT_SERVER_EXPERIMENTS)}
 
 
-def _registry_proc(leases: int, extra: Sequence[str] = (), secured: bool = False) -> _Proc:
+def _registry_proc(leases: int, extra: Sequence[str] = (), secured: bool = False,
+                   compiled_reads: bool = COMPILED_READS) -> _Proc:
     proc = _spawn([sys.executable, "-m", "kvbridge.cli", "registry", "serve",
                    *(() if secured else ("--insecure",)),
                    "--listen", "127.0.0.1:0", "--metrics-listen", "",
                    "--log-level", "info", "--log-format", "json",
+                   "--compiled-reads", "on" if compiled_reads else "off",
                    "--max-leases", str(leases * 2 + 100000), *extra],
                   env={**_grpc_env(), **({"KVBRIDGE_AUTH_TOKENS": _TOKENS} if secured else {})})
     # The registry logs nothing per RPC; drain its output so a burst of warnings cannot block.
@@ -242,8 +254,8 @@ def _registry_proc(leases: int, extra: Sequence[str] = (), secured: bool = False
 
 async def _run(leases: int, blocks: int, rate: float, duration: float, concurrency: int,
                rounds: int, log: Callable[[str], None],
-               registries: _Registries | None = None, secured: bool = False
-               ) -> dict[str, Any]:
+               registries: _Registries | None = None, secured: bool = False,
+               python_reads: bool = False) -> dict[str, Any]:
     block_size = 16
     if registries is None:
         single = _registry_proc(leases)
@@ -254,13 +266,20 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
     echo = _spawn([sys.executable, "-c",
                    "from kvbridge import aio; from kvbridge.benchmarks.registry_bench import"
                    " _echo_main; aio.run(_echo_main())"], env=_grpc_env())
-    # With `secured`, a second registry that authenticates every call (memory backend).
-    auth_proc = _registry_proc(4096, secured=True) if secured else None
+    # Side registries (memory backend, 4,096 leases each), measured beside the first, their
+    # keys ending in _SUFFIX: `secured`, one that authenticates every call (_auth);
+    # `python_reads`, one that answers every read in Python (_python).
+    sides: dict[str, _Proc] = {}
+    if secured:
+        sides["auth"] = _registry_proc(4096, secured=True)
+    if python_reads:
+        sides["python"] = _registry_proc(4096, compiled_reads=False)
     out: dict[str, Any] = {"leases": leases, "blocks_per_lease": blocks,
                            "offered_rate_rps": rate, "replicas": len(registries.procs),
                            # gRPC (every process here runs this one) and its core settings
                            "grpc_version": grpc.__version__,
-                           "grpc_experiments": _grpc_env()["GRPC_EXPERIMENTS"]}
+                           "grpc_experiments": _grpc_env()["GRPC_EXPERIMENTS"],
+                           "compiled_reads": COMPILED_READS and not registries.redis}
     try:
         client = AsyncRegistryClient(f"127.0.0.1:{registry.port}", timeout=30, retries=0)
         await client.register_holder("bench-decode", "127.0.0.1", 5600, block_size,
@@ -383,28 +402,29 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             if i % 16 == 0:
                 check_hit(reply)
 
-        if auth_proc is not None:
-            # The secured registry holds the leases the raw calls read (conv-0 .. conv-4095).
-            admin = AsyncRegistryClient(f"127.0.0.1:{auth_proc.port}", timeout=30, retries=0,
-                                        token=_ADMIN_TOKEN)
+        # Each side registry holds the leases the raw calls read (conv-0 .. conv-4095); the
+        # secured one is set up by an admin and read by a reader limited to the tenant.
+        side_calls: dict[str, tuple[Sequence[Callable[..., Awaitable[bytes]]], Any]] = {}
+        for name, proc in sides.items():
+            admin = AsyncRegistryClient(f"127.0.0.1:{proc.port}", timeout=30, retries=0,
+                                        token=_ADMIN_TOKEN if name == "auth" else None)
             await admin.register_holder("bench-decode", "127.0.0.1", 5600, block_size,
                                         "bench-fingerprint", ttl=300)
 
-            async def grant_secured(i: int) -> None:
+            async def grant_side(i: int, admin: AsyncRegistryClient = admin) -> None:
                 await admin.grant_lease(
                     "bench-decode", "bench", f"conv-{i}", f"req-{i}", block_ids, tokens,
                     hashes[i % 256], idle_ttl=3600.0, max_lifetime=3600.0,
                     request_id=f"bench-{i}")
 
-            await _bounded(grant_secured, len(templates), concurrency)
+            await _bounded(grant_side, len(templates), concurrency)
             await admin.close()
-            auth_channel = grpc.aio.insecure_channel(f"127.0.0.1:{auth_proc.port}")
-            auth_calls = [auth_channel.unary_unary(ACQUIRE_METHOD, request_serializer=_identity,
-                                                   response_deserializer=_identity)]
-            reader_metadata = (("authorization", f"Bearer {_READER_TOKEN}"),)
-
-            async def acquire_auth(i: int) -> None:
-                await acquire_raw(i, auth_calls, reader_metadata)
+            side_channel = grpc.aio.insecure_channel(f"127.0.0.1:{proc.port}")
+            raw_channels.append(side_channel)  # closed with the others
+            side_calls[name] = (
+                [side_channel.unary_unary(ACQUIRE_METHOD, request_serializer=_identity,
+                                          response_deserializer=_identity)],
+                (("authorization", f"Bearer {_READER_TOKEN}"),) if name == "auth" else None)
 
         # The same measurements against the trivial echo service, interleaved round by round
         # with the registry's so that the machine's noise falls on both alike.
@@ -431,14 +451,17 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             "acquire": (acquire_raw, registries.cpu_seconds), "echo": (ping, echo.cpu_seconds)}
         latency_calls: dict[str, Callable[[int], Awaitable[Any]]] = {
             "acquire": acquire_probe, "echo": ping, "client": acquire}
-        if auth_proc is not None:
-            targets["acquire_auth"] = (acquire_auth, auth_proc.cpu_seconds)
+        for name, (rpc, metadata) in side_calls.items():
 
-            async def acquire_auth_probe(i: int) -> None:
-                probe_replies.append(
-                    await acquire_bytes(probe_base + i, auth_calls, reader_metadata))
+            async def acquire_side(i: int, rpc: Any = rpc, metadata: Any = metadata) -> None:
+                await acquire_raw(i, rpc, metadata)
 
-            latency_calls["acquire_auth"] = acquire_auth_probe
+            async def acquire_side_probe(i: int, rpc: Any = rpc,
+                                         metadata: Any = metadata) -> None:
+                probe_replies.append(await acquire_bytes(probe_base + i, rpc, metadata))
+
+            targets[f"acquire_{name}"] = (acquire_side, sides[name].cpu_seconds)
+            latency_calls[f"acquire_{name}"] = acquire_side_probe
         latencies: dict[str, list[float]] = {name: [] for name in latency_calls}
         rates: dict[str, list[float]] = {name: [] for name in latency_calls}
         cpu: dict[str, list[float]] = {name: [] for name in targets}
@@ -469,14 +492,12 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
                 f"echo {rates['echo'][-1]:.0f} RPC/s; p99 so far: acquire "
                 f"{_pct(latencies['acquire'], 0.99):.2f} ms, echo "
                 f"{_pct(latencies['echo'], 0.99):.2f} ms"
-                + (f"; with tokens {rates['acquire_auth'][-1]:.0f} RPC/s, p99 "
-                   f"{_pct(latencies['acquire_auth'], 0.99):.2f} ms" if auth_proc else ""))
+                + "".join(f"; {name} {rates['acquire_' + name][-1]:.0f} RPC/s, p99 "
+                          f"{_pct(latencies['acquire_' + name], 0.99):.2f} ms" for name in sides))
         await client.close()
         await channel.close()
         for ch in raw_channels:
             await ch.close()
-        if auth_proc is not None:
-            await auth_channel.close()
         out["acquire_read_p50_ms"] = round(_pct(latencies["acquire"], 0.5), 3)
         out["acquire_read_p99_ms"] = round(_pct(latencies["acquire"], 0.99), 3)
         out["client_acquire_read_p50_ms"] = round(_pct(latencies["client"], 0.5), 3)
@@ -493,24 +514,28 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             f"{out['echo_p99_ms']} ms, max {out['echo_max_rps']} RPC/s")
         out["acquire_p99_vs_echo"] = round(out["acquire_read_p99_ms"] / out["echo_p99_ms"], 2)
         out["max_rps_vs_echo"] = round(out["max_rps"] / out["echo_max_rps"], 2)
-        if auth_proc is not None:
-            out["acquire_read_p50_ms_auth"] = round(_pct(latencies["acquire_auth"], 0.5), 3)
-            out["acquire_read_p99_ms_auth"] = round(_pct(latencies["acquire_auth"], 0.99), 3)
-            out["max_rps_auth"] = round(statistics.median(rates["acquire_auth"]))
-            out["server_cpu_us_per_rpc_auth"] = round(statistics.median(cpu["acquire_auth"]))
-            out["acquire_p99_vs_echo_auth"] = round(
-                out["acquire_read_p99_ms_auth"] / out["echo_p99_ms"], 2)
-            out["max_rps_vs_echo_auth"] = round(out["max_rps_auth"] / out["echo_max_rps"], 2)
-            log(f"  with bearer tokens: acquire-read p50 {out['acquire_read_p50_ms_auth']} ms "
-                f"p99 {out['acquire_read_p99_ms_auth']} ms, max {out['max_rps_auth']} RPC/s, "
-                f"{out['server_cpu_us_per_rpc_auth']} us CPU per call")
+        for name in sides:
+            key = "acquire_" + name
+            out[f"acquire_read_p50_ms_{name}"] = round(_pct(latencies[key], 0.5), 3)
+            out[f"acquire_read_p99_ms_{name}"] = round(_pct(latencies[key], 0.99), 3)
+            out[f"max_rps_{name}"] = round(statistics.median(rates[key]))
+            out[f"server_cpu_us_per_rpc_{name}"] = round(statistics.median(cpu[key]))
+            out[f"acquire_p99_vs_echo_{name}"] = round(
+                out[f"acquire_read_p99_ms_{name}"] / out["echo_p99_ms"], 2)
+            out[f"max_rps_vs_echo_{name}"] = round(out[f"max_rps_{name}"] / out["echo_max_rps"],
+                                                   2)
+            log(f"  {_SIDE_NAMES[name]}: acquire-read p50 {out[f'acquire_read_p50_ms_{name}']} "
+                f"ms p99 {out[f'acquire_read_p99_ms_{name}']} ms, max "
+                f"{out[f'max_rps_{name}']} RPC/s, {out[f'server_cpu_us_per_rpc_{name}']} us CPU "
+                f"per call")
     finally:
-        for proc in registries.procs:
+        for proc in [*registries.procs, *sides.values()]:
             proc.stop()
         echo.stop()
-        if auth_proc is not None:
-            auth_proc.stop()
     return out
+
+
+_SIDE_NAMES = {"auth": "with bearer tokens", "python": "every read in Python"}
 
 
 TARGETS = [
@@ -520,6 +545,13 @@ TARGETS = [
     ("renewals_per_s", ">=", 20000, "batched renewals/s"),
     ("bytes_per_lease", "<=", 2048, "resident bytes per 64-block lease"),
     ("expiry_late_p99_ms", "<=", 50, "expiry lateness p99 (ms)"),
+]
+PYTHON_TARGETS = [
+    ("acquire_read_p99_ms_python", "<=", 1.0,
+     "acquire-read p99 at the offered rate, every read in Python (ms)"),
+    ("acquire_p99_vs_echo_python", "<=", 1.25,
+     "acquire-read p99 / echo p99, every read in Python"),
+    ("max_rps_python", ">=", 4000, "sustained AcquireRead RPC/s, every read in Python"),
 ]
 AUTH_TARGETS = [
     ("acquire_read_p99_ms_auth", "<=", 1.0,
@@ -585,13 +617,13 @@ class _RedisServer:
 def _run_redis(leases: int, replicas: int, redis: _RedisServer, namespace: str,
                run: Callable[[_Registries], dict[str, Any]]) -> dict[str, Any]:
     procs = [_registry_proc(leases, ["--backend", "redis", "--redis-url", redis.url,
-                                     "--redis-namespace", namespace])
+                                     "--redis-namespace", namespace], compiled_reads=False)
              for _ in range(replicas)]
 
     def cpu() -> float:  # the replicas and Redis together serve each call
         return sum(p.cpu_seconds() for p in procs) + redis.cpu_seconds()
 
-    return run(_Registries(procs, redis.used_memory, cpu))
+    return run(_Registries(procs, redis.used_memory, cpu, redis=True))
 
 
 def _report(result: dict[str, Any], targets: list[tuple[str, str, float, str]]) -> None:
@@ -600,6 +632,8 @@ def _report(result: dict[str, Any], targets: list[tuple[str, str, float, str]]) 
     click.echo("targets:")
     if "max_rps_auth" in result:
         targets = targets + AUTH_TARGETS
+    if "max_rps_python" in result:
+        targets = targets + PYTHON_TARGETS
     for key, op, bound, what in targets:
         value = result[key]
         ok = value <= bound if op == "<=" else value >= bound
@@ -634,10 +668,13 @@ def _report(result: dict[str, Any], targets: list[tuple[str, str, float, str]]) 
 @click.option("--auth", "secured", is_flag=True,
               help="also measure a registry that authenticates every call by bearer token "
                    "(memory backend), interleaved with the others; its figures end in _auth")
+@click.option("--python-reads", is_flag=True,
+              help="also measure a registry that answers every read in Python (--compiled-"
+                   "reads off), interleaved with the others; its figures end in _python")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def registry_bench(leases: int, blocks: int, rate: float, duration: float, concurrency: int,
                    rounds: int, backend: str, replicas: int, redis_url: str,
-                   redis_leases: int, secured: bool, as_json: bool) -> None:
+                   redis_leases: int, secured: bool, python_reads: bool, as_json: bool) -> None:
     """Measure the registry beside a trivial gRPC echo service (about a minute; with
     --backend redis, a few more). Memory backend: one JSON object. Redis: one object per
     configuration, keyed memory, redis_1, ..., redis_N."""
@@ -647,7 +684,7 @@ def registry_bench(leases: int, blocks: int, rate: float, duration: float, concu
 
     if backend == "memory":
         result = aio.run(_run(leases, blocks, rate, duration, concurrency, rounds, log,
-                              secured=secured))
+                              secured=secured, python_reads=python_reads))
         if as_json:
             click.echo(json.dumps(result, sort_keys=True))
         else:
@@ -657,7 +694,7 @@ def registry_bench(leases: int, blocks: int, rate: float, duration: float, concu
     results: dict[str, dict[str, Any]] = {}
     log("== memory backend")
     results["memory"] = aio.run(_run(leases, blocks, rate, duration, concurrency, rounds, log,
-                                     secured=secured))
+                                     secured=secured, python_reads=python_reads))
     redis = _RedisServer(redis_url)
     try:
         for n in range(1, replicas + 1):

@@ -47,6 +47,17 @@ def _identity(raw: bytes) -> bytes:
     return raw
 
 
+def _serializer(cls: Any) -> Callable[[Any], bytes]:
+    """The response serializer: a servicer method may also return its reply already
+    serialized (bytes), which is sent as is (the registry's compiled read path does)."""
+    serialize = cls.SerializeToString
+
+    def serialize_reply(reply: Any) -> bytes:
+        return reply if type(reply) is bytes else serialize(reply)
+
+    return serialize_reply
+
+
 async def _parse(raw: bytes, cls: Any, context: Ctx) -> Any:
     try:
         return cls.FromString(raw)
@@ -166,17 +177,17 @@ def add_servicer(server: grpc.aio.Server, servicer: Any, messages: ModuleType,
             if method.server_streaming:
                 handlers[method.name] = grpc.unary_stream_rpc_method_handler(
                     _guarded_streaming(fn, request_cls, guard), _identity,
-                    response_cls.SerializeToString)
+                    _serializer(response_cls))
             else:
                 handlers[method.name] = grpc.unary_unary_rpc_method_handler(
                     _guarded_unary(fn, request_cls, guard), _identity,
-                    response_cls.SerializeToString)
+                    _serializer(response_cls))
         elif method.server_streaming:
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                _streaming(fn, request_cls), _identity, response_cls.SerializeToString)
+                _streaming(fn, request_cls), _identity, _serializer(response_cls))
         else:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _unary(fn, request_cls), _identity, response_cls.SerializeToString)
+                _unary(fn, request_cls), _identity, _serializer(response_cls))
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),))
 

@@ -44,6 +44,7 @@ from kvbridge.services.registry._model import (
     Lease,
     LeaseEvent,
     LeaseState,
+    MissReason,
 )
 from kvbridge.services.registry._store import LeaseStore
 
@@ -53,6 +54,7 @@ Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Ctx = grpc.aio.ServicerContext[Any, Any]
 Handler = Callable[[Any, Req, Ctx], Awaitable[Resp]]
+FastRead = Callable[[str, str, bytes, int, float, str, str], bytes | None]
 
 _HOLDER_STATE = {HolderState.ACTIVE: pb.HOLDER_STATE_ACTIVE,
                  HolderState.DRAINING: pb.HOLDER_STATE_DRAINING}
@@ -104,8 +106,12 @@ def _rpc(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
 
 
 class RegistryServicer(pb_grpc.RegistryServiceServicer):
-    def __init__(self, store: LeaseStore, metrics: RegistryMetrics) -> None:
+    def __init__(self, store: LeaseStore, metrics: RegistryMetrics, *,
+                 fast_read: FastRead | None = None) -> None:
+        """`fast_read`: a compiled hit path over the same store (`FastReader.hit` of its
+        table): the serialized reply of a hit, or None for `store.acquire_read` to answer."""
         self.store = store
+        self._fast_read = fast_read
         self.metrics = metrics
         self.clock = store.clock
         self._watch_enders: set[Callable[[KvbridgeError], None]] = set()
@@ -118,6 +124,11 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             name: metrics.rpc_duration.labels(name)
             for name in pb.DESCRIPTOR.services_by_name["RegistryService"].methods_by_name
         }
+
+    @property
+    def compiled_reads(self) -> bool:
+        """Whether read hits take the compiled path."""
+        return self._fast_read is not None
 
     # ---- conversions ------------------------------------------------------------------------
 
@@ -304,11 +315,21 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     # ---- reads ------------------------------------------------------------------------------
 
     @_rpc
-    async def AcquireRead(self, request: pb.AcquireReadRequest,
-                          context: Ctx) -> pb.AcquireReadResponse:
+    async def AcquireRead(  # type: ignore[override]  # bytes: a reply already serialized
+            self, request: pb.AcquireReadRequest, context: Ctx) -> pb.AcquireReadResponse | bytes:
+        pin_ttl = _seconds(request.pin_ttl, "pin_ttl")
+        if self._fast_read is not None:
+            # A hit, already serialized (the handler sends bytes as they are); None: anything
+            # else, nothing changed, and the store answers as below.
+            reply = self._fast_read(request.tenant, request.conversation_id,
+                                    request.block_hashes, request.min_tokens, pin_ttl,
+                                    request.reader_id, request.request_id)
+            if reply is not None:
+                self.metrics.read(MissReason.HIT)
+                return reply
         read = await self.store.acquire_read(
             request.tenant, request.conversation_id, request.block_hashes, request.min_tokens,
-            _seconds(request.pin_ttl, "pin_ttl"), request.reader_id, request.request_id)
+            pin_ttl, request.reader_id, request.request_id)
         self.metrics.read(read.miss)
         return self._read_response(read, pb.AcquireReadResponse())
 

@@ -1,0 +1,6 @@
+from kvbridge.services.registry._core import LeaseTable
+
+class FastReader:
+    def __init__(self, table: LeaseTable, hash_size: int) -> None: ...
+    def hit(self, tenant: str, conversation_id: str, hashes: bytes, min_tokens: int,
+            pin_ttl: float, reader_id: str, request_id: str) -> bytes | None: ...

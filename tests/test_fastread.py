@@ -1,0 +1,302 @@
+"""The compiled AcquireRead hit path (`_fastread.FastReader`) against the Python path it
+speeds up (`LeaseTable.acquire_read` + `RegistryServicer._read_response`).
+
+Two tables go through the same random operations on one fake clock: every read is answered
+on table A by the compiled path first (the Python path only where it returns None) and on
+table B by the Python path alone. The replies must be the same bytes, errors the same error,
+and the two tables the same state after every step. Then the wiring: a real server uses the
+path per `compiled_reads`, and counts its hits.
+
+The compiled module is built by the dev install (`pip install -e .[dev]`, a C compiler is
+needed); without it these tests fail on the import, on purpose: CI must test what it ships.
+"""
+
+from __future__ import annotations
+
+import itertools
+from contextlib import ExitStack
+from typing import Any
+from unittest import mock
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from kvbridge import blockhash
+from kvbridge.clients import AsyncRegistryClient
+from kvbridge.clock import FakeClock
+from kvbridge.errors import KvbridgeError
+from kvbridge.registry.v1 import registry_pb2 as pb
+from kvbridge.services.registry import (
+    GrantSpec,
+    HolderSpec,
+    LeaseTable,
+    MemoryStore,
+    RegistryConfig,
+)
+from kvbridge.services.registry import _core, _fastread, _server
+from kvbridge.services.registry._metrics import RegistryMetrics
+from kvbridge.services.registry._servicer import RegistryServicer
+
+FP = "fp-fast"
+HOLDERS = {"h4": 4, "h16": 16}  # holder id -> block size
+CONVS = (("t0", "c0"), ("t0", "c1"), ("t1", "c0"))
+CONFIG = RegistryConfig(
+    default_idle_ttl_s=6.0, min_idle_ttl_s=1.0, max_idle_ttl_s=20.0,
+    default_max_lifetime_s=10.0, max_lifetime_cap_s=1000.0,
+    default_pin_ttl_s=2.0, max_pin_ttl_s=4.0,
+    default_holder_ttl_s=5.0, min_holder_ttl_s=1.0, max_holder_ttl_s=30.0,
+    max_blocks_per_lease=8, max_id_length=12,
+)
+TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=36)
+IDS = st.sampled_from(["", "", "", "r1", "r2", "r3"])
+# At most one thing wrong with a read, mostly nothing: each refused by the checks.
+BAD = st.sampled_from([None] * 18 + ["reader", "request", "tenant", "ttl", "odd", "many"])
+
+
+def hashes(tokens: list[int], block_size: int, partial: bool = False) -> bytes:
+    return blockhash.block_hashes(tokens, block_size, FP, include_partial=partial)
+
+
+class Pair:
+    """Table A (compiled path first) and table B (Python path), in step."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.a = LeaseTable(CONFIG, clock, recovering=False)
+        self.b = LeaseTable(CONFIG, clock, recovering=False)
+        self.b._pin_id = self.a._pin_id  # the same keyed pin ids (a secret per table)
+        fast = self.a.fast_reader()
+        assert fast is not None
+        self.fast = fast
+        self.servicers = [RegistryServicer(MemoryStore(t), RegistryMetrics(MemoryStore(t)))
+                          for t in (self.a, self.b)]
+        self.fast_hits = 0
+        # Random ids (leases without a request id, pins without one) count up instead, one
+        # count per table, so that the two tables make the same ids.
+        self.side = 0
+        self._counts = [itertools.count(), itertools.count()]
+
+    def token_hex(self, n: int) -> str:
+        return f"{next(self._counts[self.side]):0{2 * n}x}"
+
+    def deterministic_ids(self) -> ExitStack:
+        stack = ExitStack()
+        stack.enter_context(mock.patch.object(_core.secrets, "token_hex", self.token_hex))
+        stack.enter_context(mock.patch.object(_fastread, "token_hex", self.token_hex))
+        return stack
+
+    def both(self, op: str, *args: Any) -> Any:
+        """Run one table operation on both; the same result or the same error."""
+        out = []
+        for self.side, table in enumerate((self.a, self.b)):
+            try:
+                out.append(("ok", getattr(table, op)(*args)))
+            except KvbridgeError as err:
+                out.append(("error", (type(err), err.reason, err.message)))
+        if out[0][0] == "error" or out[1][0] == "error":
+            assert out[0] == out[1], op
+        return out[1][1]
+
+    def read(self, *args: Any) -> None:
+        replies = []
+        self.side = 0
+        reply = self.fast.hit(*args)
+        if reply is not None:
+            self.fast_hits += 1
+            replies.append(("ok", reply))
+        else:
+            replies.append(self._python_read(0, args))
+        replies.append(self._python_read(1, args))
+        assert replies[0] == replies[1], (args, [
+            pb.AcquireReadResponse.FromString(r) if kind == "ok" else r for kind, r in replies])
+
+    def _python_read(self, side: int, args: tuple[Any, ...]) -> tuple[str, Any]:
+        table = (self.a, self.b)[side]
+        self.side = side
+        try:
+            read = table.acquire_read(*args)
+        except KvbridgeError as err:
+            return "error", (type(err), err.reason, err.message)
+        out = self.servicers[side]._read_response(read, pb.AcquireReadResponse())
+        return "ok", out.SerializeToString()
+
+    def check_same_state(self) -> None:
+        assert state(self.a) == state(self.b)
+
+
+def state(table: LeaseTable) -> dict[str, Any]:
+    return {
+        "leases": {i: (x.state, x.expire_at, x.pin_count, x.epoch, x.payload)
+                   for i, x in table._leases.items()},
+        "pins": {i: (p.lease.lease_id, p.expire_at) for i, p in table._pins.items()},
+        "pin_expiry": len(table._pin_expiry),
+        "holders": {i: (h.state, h.expire_at) for i, h in table._holders.items()},
+        "counts": table.counts(),
+    }
+
+
+GRANT = st.tuples(st.just("grant"), st.sampled_from(sorted(HOLDERS)), st.sampled_from(CONVS),
+                  TOKENS, st.sampled_from([0.0, 1.0, 3.0]), st.sampled_from([0.0, 8.0, 30.0]))
+READ = st.tuples(st.just("read"), st.sampled_from(CONVS), TOKENS, st.booleans(),
+                 st.sampled_from([0, 0, 1, 5, 12, 48]), st.sampled_from([0.0, 0.0, 0.5, 3.0, 9.0]),
+                 IDS, IDS, st.sampled_from(["none", "none", "none", "cut", "flip"]), BAD)
+OPS = st.one_of(
+    READ,
+    st.tuples(st.just("advance"), st.sampled_from([0.25, 1.0, 2.5, 6.0])),
+    st.tuples(st.just("register"), st.sampled_from(sorted(HOLDERS))),
+    st.tuples(st.just("release"), st.integers(0, 1000)),
+    st.tuples(st.just("heartbeat"), st.sampled_from(sorted(HOLDERS))),
+    st.tuples(st.just("revoke"), st.sampled_from(CONVS)),
+    st.tuples(st.just("deregister"), st.sampled_from(sorted(HOLDERS))),
+    st.tuples(st.just("tick")),
+)
+
+
+def holder_spec(holder_id: str) -> HolderSpec:
+    return HolderSpec(holder_id, "10.0.0.9", 5600, 2, HOLDERS[holder_id], FP, 0.0, "v1")
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(st.tuples(GRANT | st.just(("skip",)), OPS, READ), min_size=2, max_size=30))
+def test_compiled_and_python_reads_give_the_same_replies_and_state(
+        steps: list[tuple[tuple, ...]]) -> None:
+    """Each step: a grant (or not), an operation (a read, time passing, a holder's heartbeat,
+    drain or return, a release, a revoke, an expiry tick), then a read."""
+    clock = FakeClock()
+    pair = Pair(clock)
+    with pair.deterministic_ids():
+        for holder_id in HOLDERS:
+            pair.both("register_holder", holder_spec(holder_id))
+        prompts: dict[tuple[str, str], tuple[list[int], int]] = {}
+        for op in itertools.chain.from_iterable(steps):
+            kind = op[0]
+            if kind == "grant":
+                _, holder_id, conv, tokens, idle, lifetime = op
+                bs = HOLDERS[holder_id]
+                n = -(-len(tokens) // bs)
+                spec = GrantSpec(holder_id, conv[0], conv[1], f"req-{len(tokens)}",
+                                 [7 + 300 * i for i in range(n)], len(tokens),
+                                 hashes(tokens, bs, partial=True), idle, lifetime)
+                if pair.both("grant", spec) is not None:
+                    prompts[conv] = (tokens, bs)
+            elif kind == "read":
+                _, conv, tokens, extend, min_tokens, pin_ttl, reader, request, damage, bad = op
+                if conv in prompts and extend:  # the next turn: the lease's prompt and more
+                    tokens = prompts[conv][0] + tokens
+                bs = prompts[conv][1] if conv in prompts else 4
+                h = hashes(tokens, bs)
+                if damage == "cut":  # a shorter prompt
+                    h = h[: len(h) // 32 * 16]
+                elif damage == "flip" and h:  # its last block differs
+                    h = h[:-1] + bytes([h[-1] ^ 1])
+                tenant = conv[0]
+                if bad == "reader":
+                    reader = "bad id"
+                elif bad == "request":
+                    request = "x" * 13  # longer than max_id_length
+                elif bad == "tenant":
+                    tenant = "é"
+                elif bad == "ttl":
+                    pin_ttl = -1.0
+                elif bad == "odd":
+                    h += b"\x00"
+                elif bad == "many":
+                    h = bytes(16 * (CONFIG.max_blocks_per_lease * 4 + 1))
+                pair.read(tenant, conv[1], h, min_tokens, pin_ttl, reader, request)
+            elif kind == "advance":
+                clock.advance(op[1])
+            elif kind == "release":
+                pins = sorted(pair.b._pins)
+                pin_id = pins[op[1] % len(pins)] if pins else "p-none"
+                pair.both("release_read", pin_id)
+            elif kind == "register":  # back after a loss or a drain, or again
+                pair.both("register_holder", holder_spec(op[1]))
+            elif kind == "heartbeat":
+                pair.both("heartbeat", op[1], ())
+            elif kind == "revoke":
+                lease = pair.b._conversations.get(op[1][0], {}).get(op[1][1])
+                pair.both("revoke", lease.lease_id if lease else "l-none", "", "test")
+            elif kind == "deregister":
+                pair.both("deregister_holder", op[1])
+            elif kind == "tick":
+                assert pair.a.tick() == pair.b.tick()
+            pair.check_same_state()
+        event(f"compiled hits: {min(pair.fast_hits, 3)}+")
+
+
+def test_a_plain_hit_takes_the_compiled_path() -> None:
+    """The equivalence above means nothing if the compiled path never answers: a hit of
+    every shape (whole blocks, a partial block, a request id) comes back as bytes."""
+    clock = FakeClock()
+    pair = Pair(clock)
+    pair.both("register_holder", HolderSpec("h4", "10.0.0.9", 5600, 2, 4, FP))
+    tokens = list(range(10))  # 2 full blocks and a partial one of 2 tokens
+    pair.both("grant", GrantSpec("h4", "t0", "c0", "req", [5, 0, 70000], 10,
+                                 hashes(tokens, 4, partial=True)))
+    cases = [(hashes(tokens, 4), "", ""),            # every full block: the partial is listed
+             (hashes(tokens[:4], 4), "prefill-0", ""),  # a prefix: no partial
+             (hashes(tokens + [1, 2], 4), "", "req-1")]  # more than the lease holds
+    for h, reader, request in cases:
+        reply = pair.fast.hit("t0", "c0", h, 0, 0.0, reader, request)
+        assert reply is not None
+        out = pb.AcquireReadResponse.FromString(reply)
+        assert out.miss_reason == pb.MISS_REASON_UNSPECIFIED and out.pin.pin_id
+        assert out.holder.block_size == 4 and out.lease.state == pb.LEASE_STATE_ACTIVE
+        pair.b.acquire_read("t0", "c0", h, 0, 0.0, reader, request)  # keep B in step
+    full = pb.AcquireReadResponse.FromString(pair.fast.hit("t0", "c0", hashes(tokens, 4), 0,
+                                                           0.0, "", ""))
+    assert (list(full.remote_block_ids), full.partial_block_id, full.partial_block_tokens) \
+        == ([5, 0], 70000, 2)
+    assert full.partial_block_hash == hashes(tokens, 4, partial=True)[32:]
+    # A retry of a request id, a miss and bad input are left to the Python path, untouched.
+    before = state(pair.a)
+    assert pair.fast.hit("t0", "c0", hashes(tokens + [1, 2], 4), 0, 0.0, "", "req-1") is None
+    assert pair.fast.hit("t0", "c0", b"\x01" * 16, 0, 0.0, "", "") is None
+    assert pair.fast.hit("t0", "nope", hashes(tokens, 4), 0, 0.0, "", "") is None
+    assert pair.fast.hit("t0", "c0", hashes(tokens, 4), 11, 0.0, "", "") is None
+    assert pair.fast.hit("t 0", "c0", hashes(tokens, 4), 0, 0.0, "", "") is None
+    assert state(pair.a) == before
+
+
+# ---- the server's wiring --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+async def test_server_answers_hits_by_its_compiled_reads_setting(registry_factory, kv,
+                                                                 mode: str) -> None:
+    clock = FakeClock()
+    server = await registry_factory(clock, compiled_reads=mode)
+    assert server.servicer.compiled_reads is (mode == "auto")
+    async with AsyncRegistryClient(f"127.0.0.1:{server.port}") as client:
+        await client.register_holder(**kv.holder_args("h1"))
+        tokens = list(range(kv.block_size * 2 + 1))
+        await client.grant_lease(**kv.grant_args("h1", "t1", "c1", tokens))
+        calls = mock.Mock(wraps=server.store.acquire_read)
+        with mock.patch.object(server.store, "acquire_read", calls):
+            hit = await client.acquire_read(tenant="t1", conversation_id="c1",
+                                            block_hashes=kv.prompt_hashes(tokens),
+                                            pin_ttl=3.0, reader_id="p0")
+            miss = await client.acquire_read(tenant="t1", conversation_id="c2",
+                                             block_hashes=kv.prompt_hashes(tokens))
+        # The compiled path answered the hit without the store; the miss went to the store.
+        assert calls.call_count == (1 if mode == "auto" else 2)
+    assert hit.miss_reason == pb.MISS_REASON_UNSPECIFIED and hit.matched_blocks == 2
+    assert hit.pin.expires_in.seconds == 3 and hit.partial_block_tokens == 1
+    assert miss.miss_reason == pb.MISS_REASON_NO_LEASE
+    assert server.table.counts()["pins"] == 1
+    assert server.metrics.reads.counts == {**server.metrics.reads.counts, "hit": 1, "no_lease": 1}
+
+
+async def test_compiled_reads_on_refuses_to_start_without_the_module(registry_factory) -> None:
+    with mock.patch.object(_core, "FastReader", None), \
+            mock.patch.object(_server, "FAST_READER_MISSING", "not built (test)"), \
+            pytest.raises(ValueError, match="compiled_reads on, but .* not built"):
+        await registry_factory(FakeClock(), compiled_reads="on")
+
+
+def test_compiled_reads_setting_is_checked() -> None:
+    with pytest.raises(ValueError, match="compiled_reads must be auto, on or off"):
+        RegistryConfig(compiled_reads="yes")
+    with pytest.raises(ValueError, match="memory backend only"):
+        RegistryConfig(compiled_reads="on", backend="redis", redis_url="redis://127.0.0.1:1")
