@@ -266,14 +266,14 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
     echo = _spawn([sys.executable, "-c",
                    "from kvbridge import aio; from kvbridge.benchmarks.registry_bench import"
                    " _echo_main; aio.run(_echo_main())"], env=_grpc_env())
-    # Side registries (memory backend, 4,096 leases each), measured beside the first, their
+    # Side registries (memory backend), measured beside the first, their
     # keys ending in _SUFFIX: `secured`, one that authenticates every call (_auth);
     # `python_reads`, one that answers every read in Python (_python).
     sides: dict[str, _Proc] = {}
     if secured:
         sides["auth"] = _registry_proc(4096, secured=True)
     if python_reads:
-        sides["python"] = _registry_proc(4096, compiled_reads=False)
+        sides["python"] = _registry_proc(leases, compiled_reads=False)
     out: dict[str, Any] = {"leases": leases, "blocks_per_lease": blocks,
                            "offered_rate_rps": rate, "replicas": len(registries.procs),
                            # gRPC (every process here runs this one) and its core settings
@@ -402,7 +402,8 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             if i % 16 == 0:
                 check_hit(reply)
 
-        # Each side registry holds the leases the raw calls read (conv-0 .. conv-4095); the
+        # Each side registry holds the leases the raw calls read (conv-0 .. conv-4095), the
+        # Python one as many as the first (the same table size, for a like-for-like A/B); the
         # secured one is set up by an admin and read by a reader limited to the tenant.
         side_calls: dict[str, tuple[Sequence[Callable[..., Awaitable[bytes]]], Any]] = {}
         for name, proc in sides.items():
@@ -417,7 +418,8 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
                     hashes[i % 256], idle_ttl=3600.0, max_lifetime=3600.0,
                     request_id=f"bench-{i}")
 
-            await _bounded(grant_side, len(templates), concurrency)
+            await _bounded(grant_side, leases if name == "python" else len(templates),
+                           concurrency)
             await admin.close()
             side_channel = grpc.aio.insecure_channel(f"127.0.0.1:{proc.port}")
             raw_channels.append(side_channel)  # closed with the others

@@ -33,8 +33,10 @@ from kvbridge.services.registry import (
     LeaseTable,
     MemoryStore,
     RegistryConfig,
+    _core,
+    _fastread,
+    _server,
 )
-from kvbridge.services.registry import _core, _fastread, _server
 from kvbridge.services.registry._metrics import RegistryMetrics
 from kvbridge.services.registry._servicer import RegistryServicer
 
@@ -89,7 +91,8 @@ class Pair:
     def both(self, op: str, *args: Any) -> Any:
         """Run one table operation on both; the same result or the same error."""
         out = []
-        for self.side, table in enumerate((self.a, self.b)):
+        for side, table in enumerate((self.a, self.b)):
+            self.side = side
             try:
                 out.append(("ok", getattr(table, op)(*args)))
             except KvbridgeError as err:
@@ -291,7 +294,7 @@ async def test_server_answers_hits_by_its_compiled_reads_setting(registry_factor
 async def test_compiled_reads_on_refuses_to_start_without_the_module(registry_factory) -> None:
     with mock.patch.object(_core, "FastReader", None), \
             mock.patch.object(_server, "FAST_READER_MISSING", "not built (test)"), \
-            pytest.raises(ValueError, match="compiled_reads on, but .* not built"):
+            pytest.raises(ValueError, match=r"compiled_reads on, but .* not built"):
         await registry_factory(FakeClock(), compiled_reads="on")
 
 

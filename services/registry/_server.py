@@ -214,7 +214,8 @@ def _bind(config: RegistryConfig, store: LeaseStore) -> RegistryServer:
     fast = compiled_reads(config, store)
     servicer = RegistryServicer(store, metrics, fast_read=None if fast is None else fast.hit)
     add_servicer(server, servicer, pb, "RegistryService",
-                 authenticator=auth.Authenticator(config.token_table()), rules=RULES)
+                 authenticator=auth.Authenticator(config.token_table()), rules=RULES,
+                 fast_paths=servicer.fast_paths())
     health_servicer = health.aio.HealthServicer()
     add_health_and_reflection(
         server, health_servicer,

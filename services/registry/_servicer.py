@@ -17,6 +17,7 @@ import structlog
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from kvbridge import __version__, blockhash
+from kvbridge._grpc_handlers import FastPath
 from kvbridge._grpc_status import STREAM_LIVE, to_status
 from kvbridge.errors import (
     CapacityExhausted,
@@ -109,7 +110,8 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     def __init__(self, store: LeaseStore, metrics: RegistryMetrics, *,
                  fast_read: FastRead | None = None) -> None:
         """`fast_read`: a compiled hit path over the same store (`FastReader.hit` of its
-        table): the serialized reply of a hit, or None for `store.acquire_read` to answer."""
+        table): the serialized reply of a hit, or None for `store.acquire_read` to answer. It
+        is served through `fast_paths`, which the server hands to `add_servicer`."""
         self.store = store
         self._fast_read = fast_read
         self.metrics = metrics
@@ -124,6 +126,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             name: metrics.rpc_duration.labels(name)
             for name in pb.DESCRIPTOR.services_by_name["RegistryService"].methods_by_name
         }
+        self._read_duration = self._durations["AcquireRead"]
 
     @property
     def compiled_reads(self) -> bool:
@@ -315,23 +318,33 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     # ---- reads ------------------------------------------------------------------------------
 
     @_rpc
-    async def AcquireRead(  # type: ignore[override]  # bytes: a reply already serialized
-            self, request: pb.AcquireReadRequest, context: Ctx) -> pb.AcquireReadResponse | bytes:
-        pin_ttl = _seconds(request.pin_ttl, "pin_ttl")
-        if self._fast_read is not None:
-            # A hit, already serialized (the handler sends bytes as they are); None: anything
-            # else, nothing changed, and the store answers as below.
-            reply = self._fast_read(request.tenant, request.conversation_id,
-                                    request.block_hashes, request.min_tokens, pin_ttl,
-                                    request.reader_id, request.request_id)
-            if reply is not None:
-                self.metrics.read(MissReason.HIT)
-                return reply
+    async def AcquireRead(self, request: pb.AcquireReadRequest,
+                          context: Ctx) -> pb.AcquireReadResponse:
         read = await self.store.acquire_read(
             request.tenant, request.conversation_id, request.block_hashes, request.min_tokens,
-            pin_ttl, request.reader_id, request.request_id)
+            _seconds(request.pin_ttl, "pin_ttl"), request.reader_id, request.request_id)
         self.metrics.read(read.miss)
         return self._read_response(read, pb.AcquireReadResponse())
+
+    def fast_paths(self) -> dict[str, FastPath]:
+        """The handlers' fast paths (`add_servicer`): AcquireRead hits, when compiled."""
+        return {} if self._fast_read is None else {"AcquireRead": self._acquire_read_hit}
+
+    def _acquire_read_hit(self, request: pb.AcquireReadRequest) -> bytes | None:
+        """AcquireRead's reply, serialized, when it is a hit the compiled path answers (counted
+        and timed as AcquireRead's); None, nothing changed, for `AcquireRead` to answer."""
+        start = time.perf_counter()
+        ttl = request.pin_ttl
+        if ttl.seconds < 0 or ttl.nanos < 0:  # refused by AcquireRead
+            return None
+        reply = self._fast_read(request.tenant, request.conversation_id,  # type: ignore[misc]
+                                request.block_hashes, request.min_tokens,
+                                ttl.seconds + ttl.nanos * 1e-9,  # as _seconds() reads it
+                                request.reader_id, request.request_id)
+        if reply is not None:
+            self.metrics.read(MissReason.HIT)
+            self._read_duration.observe(time.perf_counter() - start)
+        return reply
 
     @_rpc
     async def PinLease(self, request: pb.PinLeaseRequest, context: Ctx) -> pb.PinLeaseResponse:
