@@ -11,8 +11,10 @@ pin may exist), a lease stored in another form. The caller then takes the Python
 answers those (errors included) as it always did. `tests/test_fastread.py` runs both on random
 tables and requires the same replies and the same state.
 
-Where it helps: the registry's p99 under load is the Python it runs per call (README,
-"Registry"); this path does the same work in about a fifth of the interpreter time.
+Where it helps: the registry's p99 under load was the Python it ran per call (README,
+"Registry"). A hit here takes about 4 us in a tight loop (the Python handler: 16 us); under the
+registry bench, 181-202 us of server CPU per call against 214-238 for the Python path in the
+same runs, and p99 1.15-1.35x the echo's against 1.27-1.54x.
 """
 
 from libc.stdint cimport int64_t, uint32_t, uint64_t
@@ -155,7 +157,7 @@ cdef class FastReader:
         self._max_pin_ttl = cfg.max_pin_ttl_s
 
     def hit(self, str tenant not None, str conversation_id not None, bytes hashes not None,
-            uint64_t min_tokens, double pin_ttl, str reader_id not None,
+            long long min_tokens, double pin_ttl, str reader_id not None,
             str request_id not None):
         """The serialized AcquireReadResponse of a hit, the read pinned; None (nothing
         changed) for anything else. The arguments are `LeaseTable.acquire_read`'s."""
@@ -167,7 +169,7 @@ cdef class FastReader:
             return None
         if PyUnicode_GET_LENGTH(request_id) and not _id_ok(request_id, max_id):
             return None
-        if min_tokens > 2**31 or not pin_ttl >= 0:
+        if not 0 <= min_tokens <= 2**31 or not pin_ttl >= 0:
             return None
         cdef Py_ssize_t hash_len = PyBytes_GET_SIZE(hashes)
         if hash_len % HASH_SIZE or hash_len > self._max_hashes:
