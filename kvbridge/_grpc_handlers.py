@@ -89,20 +89,13 @@ def _unary(fn: Callable[[Any, Ctx], Awaitable[Any]], cls: Any, fast: FastPath | 
         except DecodeError as err:
             await _refuse(cls, err, context)
             raise  # unreachable: _refuse raises
+        if fast is not None:
+            reply = fast(request)
+            if reply is not None:
+                return reply
         return await fn(request, context)
 
-    async def handle_fast(raw: bytes, context: Ctx) -> Any:
-        try:
-            request = parse(raw)
-        except DecodeError as err:
-            await _refuse(cls, err, context)
-            raise  # unreachable: _refuse raises
-        reply = fast(request)  # type: ignore[misc]  # not None here
-        if reply is not None:
-            return reply
-        return await fn(request, context)
-
-    return handle if fast is None else handle_fast
+    return handle
 
 
 def _streaming(fn: Callable[[Any, Ctx], AsyncIterator[Any]], cls: Any
