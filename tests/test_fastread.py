@@ -13,6 +13,7 @@ needed); without it these tests fail on the import, on purpose: CI must test wha
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from contextlib import ExitStack
 from typing import Any
@@ -63,10 +64,11 @@ def hashes(tokens: list[int], block_size: int, partial: bool = False) -> bytes:
 class Pair:
     """Table A (compiled path first) and table B (Python path), in step."""
 
-    def __init__(self, clock: FakeClock) -> None:
+    def __init__(self, clock: FakeClock, config: RegistryConfig = CONFIG,
+                 clock_b: FakeClock | None = None) -> None:
         self.clock = clock
-        self.a = LeaseTable(CONFIG, clock, recovering=False)
-        self.b = LeaseTable(CONFIG, clock, recovering=False)
+        self.a = LeaseTable(config, clock, recovering=False)
+        self.b = LeaseTable(config, clock_b or clock, recovering=False)
         self.b._pin_id = self.a._pin_id  # the same keyed pin ids (a secret per table)
         fast = self.a.fast_reader()
         assert fast is not None
@@ -101,18 +103,22 @@ class Pair:
             assert out[0] == out[1], op
         return out[1][1]
 
-    def read(self, *args: Any) -> None:
+    def read(self, *args: Any) -> Any:
+        """The same read on both; B's reply (bytes) or error."""
         replies = []
         self.side = 0
+        clock_before = self.clock._now  # a miss read the clock: A's Python path reads it anew
         reply = self.fast.hit(*args)
         if reply is not None:
             self.fast_hits += 1
             replies.append(("ok", reply))
         else:
+            self.clock._now = clock_before
             replies.append(self._python_read(0, args))
         replies.append(self._python_read(1, args))
         assert replies[0] == replies[1], (args, [
             pb.AcquireReadResponse.FromString(r) if kind == "ok" else r for kind, r in replies])
+        return replies[1][1]
 
     def _python_read(self, side: int, args: tuple[Any, ...]) -> tuple[str, Any]:
         table = (self.a, self.b)[side]
@@ -260,6 +266,74 @@ def test_a_plain_hit_takes_the_compiled_path() -> None:
     assert pair.fast.hit("t0", "c0", hashes(tokens, 4), 11, 0.0, "", "") is None
     assert pair.fast.hit("t 0", "c0", hashes(tokens, 4), 0, 0.0, "", "") is None
     assert state(pair.a) == before
+
+
+class SteppingClock(FakeClock):
+    """A clock that moves `step` seconds at every reading: time passes within a call."""
+
+    def __init__(self, step: float) -> None:
+        super().__init__()
+        self.step = step
+
+    def monotonic(self) -> float:
+        now = self._now
+        self._now += self.step
+        return now
+
+
+WIDE = dataclasses.replace(CONFIG, max_id_length=200, max_blocks_per_lease=64)
+
+
+@pytest.mark.parametrize("step", [0.0, 0.001, 0.75])
+def test_edge_shapes_give_the_same_replies(step: float) -> None:
+    """The encoder's edges, each checked against the Python path: block ids of 1-5 varint bytes
+    (up to 2**32-1), ids long enough for 2-byte length prefixes, clock readings that move within
+    a call (a pin's time left is then below zero when the reply is made, and shown as 0), and
+    reads the checks refuse (control characters, DEL, non-ASCII of every width, over-long ids,
+    min_tokens past its bounds), which must come back None, changing nothing."""
+    pair = Pair(SteppingClock(step), WIDE, SteppingClock(step))  # one clock per table
+    long_holder = "h" * 150
+    with pair.deterministic_ids():
+        pair.both("register_holder", HolderSpec(long_holder, "n" * 120, 65535, 8, 4,
+                                                "f" * 180, 30.0, "v1"))
+        ids = [0, 127, 128, 16383, 16384, 2**21, 2**28 - 1, 2**28, 2**31, 2**32 - 2,
+               2**32 - 1, 5]
+        tokens = list(range(4 * len(ids) - 1))  # the last block holds 3 tokens
+        tenant, conv = "T" * 199, "c" * 200
+        pair.both("grant", GrantSpec(long_holder, tenant, conv, "r" * 200, ids, len(tokens),
+                                     hashes(tokens, 4, partial=True), 20.0, 900.0))
+        replies = []
+        for prompt, min_tokens, ttl, reader, request in [
+                (tokens, 0, 0.0, "", ""),
+                (tokens, 2**31, 0.0, "", ""),  # the bound itself: a below-minimum miss
+                (tokens + [9] * 40, len(tokens), 3.5, "p" * 200, ""),
+                (tokens[:20], 20, 1e-9, "", "q" * 200),  # time left < 0 once the clock moves
+                (tokens[:20], 21, 0.0, "x", "y"),  # below the minimum
+                (tokens[:8] + [1] * 12, 0, 4.0, "", "")]:  # a mismatch at block 2
+            replies.append(pb.AcquireReadResponse.FromString(
+                pair.read(tenant, conv, hashes(prompt, 4), min_tokens, ttl, reader, request)))
+            pair.check_same_state()
+        assert pair.fast_hits == 4
+        whole, _, _, short, _, _ = replies
+        assert list(whole.remote_block_ids) == ids[:-1] and whole.partial_block_id == 5
+        assert whole.lease.holder_id == long_holder
+        assert whole.holder.engine_fingerprint == "f" * 180 and whole.holder.nixl_port == 65535
+        if step:  # 1 ns of pin left at the first reading, less than none at the next
+            assert (short.pin.expires_in.seconds, short.pin.expires_in.nanos) == (0, 0)
+            assert short.pin.expire_time.ToNanoseconds() > 0
+        good = hashes(tokens, 4)
+        for bad in [("t\x00", conv, 0, ""), ("t\x1f", conv, 0, ""), ("t\x7f", conv, 0, ""),
+                    ("t é", conv, 0, ""), ("té", conv, 0, ""), ("t\u20ac", conv, 0, ""),
+                    ("t\U0001f600", conv, 0, ""), ("T" * 201, conv, 0, ""),
+                    (tenant, conv + "c", 0, ""), (tenant, "", 0, ""),
+                    (tenant, conv, -1, ""), (tenant, conv, 2**31 + 1, ""),
+                    (tenant, conv, 0, "r\u20ac"), (tenant, conv, 0, "r" * 201)]:
+            before = state(pair.a)
+            assert pair.fast.hit(bad[0], bad[1], good, bad[2], 0.0, bad[3], "") is None, bad
+            assert state(pair.a) == before
+            pair.read(bad[0], bad[1], good, bad[2], 0.0, bad[3], "")  # Python answers, alike
+        with pytest.raises(OverflowError):  # past int64: the proto field cannot hold it
+            pair.fast.hit(tenant, conv, good, 2**63, 0.0, "", "")
 
 
 # ---- the server's wiring --------------------------------------------------------------------

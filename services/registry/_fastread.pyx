@@ -192,8 +192,8 @@ cdef class FastReader:
         payload = lease.payload
         if type(payload) is not bytes:
             return None
-        cdef long block_size = holder.block_size
-        cdef long token_count = lease.token_count
+        cdef int64_t block_size = holder.block_size
+        cdef int64_t token_count = lease.token_count
         if block_size <= 0 or token_count <= 0:
             return None
         cdef Py_ssize_t blocks = PyBytes_GET_SIZE(payload) // (HASH_SIZE + ID_SIZE)
@@ -210,33 +210,30 @@ cdef class FastReader:
             while memcmp(ours + k * HASH_SIZE, theirs + k * HASH_SIZE, HASH_SIZE) == 0:
                 k += 1
         cdef bint partial = k == full and token_count % block_size != 0
-        cdef long reusable = k * block_size + (token_count - full * block_size if partial else 0)
-        if reusable == 0 or reusable < <long>min_tokens:
+        cdef int64_t reusable = k * block_size + (token_count - full * block_size if partial else 0)
+        if reusable == 0 or reusable < min_tokens:
             return None
         cdef Py_ssize_t listed = k + 1 if partial else k
         if listed > blocks:
             return None
 
-        # `LeaseTable._pin`: a new pin (a retry's existing one is left to the Python path).
-        if PyUnicode_GET_LENGTH(request_id):
-            pin_id = self._pin_id(lease.tenant, reader_id, request_id)
-            if pin_id in self._pins:
-                return None
-        else:
-            pin_id = "p-" + token_hex(8)
+        # `LeaseTable._pin`'s deadline; a retry's existing pin is left to the Python path.
         cdef double max_pin_ttl = self._max_pin_ttl
         cdef double ttl = pin_ttl if pin_ttl != 0 else self._default_pin_ttl
         cdef double max_expire_at = lease.max_expire_at
         cdef double deadline = min(now + min(ttl, max_pin_ttl), max_expire_at + max_pin_ttl)
         if deadline <= now:
             return None
-        pin = Pin(pin_id, lease, deadline)
-        self._pins[pin_id] = pin
-        lease.pin_count += 1
-        self._add_expiry(pin, deadline)
-        lease.expire_at = min(now + <double>lease.idle_ttl, max_expire_at)
+        if PyUnicode_GET_LENGTH(request_id):
+            pin_id = self._pin_id(lease.tenant, reader_id, request_id)
+            if pin_id in self._pins:
+                return None
+        else:
+            pin_id = "p-" + token_hex(8)
+        cdef double idle_ttl = lease.idle_ttl
 
-        # The reply, as `RegistryServicer._read_response` builds it for a hit.
+        # The reply, as `RegistryServicer._read_response` builds it for a hit, made before
+        # anything changes (everything that can raise is here): the pin counted in it.
         cdef double left = deadline - <double>self._monotonic()
         cdef double wall = <double>self._wall() + left
         if left < 0:
@@ -244,13 +241,23 @@ cdef class FastReader:
         cdef int64_t left_s = <int64_t>left, wall_s = <int64_t>wall
         cdef int64_t left_ns = <int64_t>((left - left_s) * 1e9)
         cdef int64_t wall_ns = <int64_t>((wall - wall_s) * 1e9)
-        return _encode(lease, holder, k, partial, token_count, block_size, blocks, ours,
-                       pin_id, left_s, left_ns, wall_s, wall_ns)
+        cdef uint64_t pin_count = lease.pin_count
+        reply = _encode(lease, holder, k, partial, token_count, block_size, blocks, ours,
+                        pin_id, pin_count + 1, left_s, left_ns, wall_s, wall_ns)
+
+        # `LeaseTable._pin`, in its order.
+        pin = Pin(pin_id, lease, deadline)
+        self._pins[pin_id] = pin
+        lease.pin_count += 1
+        self._add_expiry(pin, deadline)
+        lease.expire_at = min(now + idle_ttl, max_expire_at)
+        return reply
 
 
-cdef bytes _encode(lease, holder, Py_ssize_t k, bint partial, long token_count,
-                   long block_size, Py_ssize_t blocks, const char* payload, str pin_id,
-                   int64_t left_s, int64_t left_ns, int64_t wall_s, int64_t wall_ns):
+cdef bytes _encode(lease, holder, Py_ssize_t k, bint partial, int64_t token_count,
+                   int64_t block_size, Py_ssize_t blocks, const char* payload, str pin_id,
+                   uint64_t pin_count, int64_t left_s, int64_t left_ns, int64_t wall_s,
+                   int64_t wall_ns):
     """AcquireReadResponse (registry.proto) of a hit: fields in number order, zero scalars
     left out, present sub-messages always written (as upb does)."""
     cdef Py_ssize_t n_lease_id = 0, n_tenant = 0, n_conv = 0, n_holder_id = 0, n_remote = 0
@@ -263,7 +270,7 @@ cdef bytes _encode(lease, holder, Py_ssize_t k, bint partial, long token_count,
     cdef const char* host = PyUnicode_AsUTF8AndSize(holder.nixl_host, &n_host)
     cdef const char* fp = PyUnicode_AsUTF8AndSize(holder.fingerprint, &n_fp)
     cdef const char* pin = PyUnicode_AsUTF8AndSize(pin_id, &n_pin)
-    cdef uint64_t epoch = lease.epoch, pin_count = lease.pin_count
+    cdef uint64_t epoch = lease.epoch
     cdef uint64_t port = holder.nixl_port, tp_size = holder.tp_size
     cdef const char* ids = payload + blocks * HASH_SIZE
     cdef Py_ssize_t i, ids_len = 0, lease_len, holder_len, pin_len, total
