@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -47,10 +48,19 @@ def _identity(raw: bytes) -> bytes:
     return raw
 
 
-# A method's fast path: given the parsed request, its reply already serialized, or None (having
-# changed nothing) for the servicer's method to answer. It runs after authentication and the
-# method's access rule, in place of the servicer; it must count and time what it answers.
-FastPath = Callable[[Any], bytes | None]
+@dataclass(frozen=True)
+class FastPath:
+    """A unary method's fast path: its reply already serialized, or None (having changed
+    nothing) for the servicer's method to answer. It must count and time what it answers.
+
+    `parsed` takes the parsed request; it runs after authentication and the method's access
+    rule, in place of the servicer. `raw`, where given, takes the request's bytes before they
+    are parsed, and is used instead where no call is authenticated (there is then nothing to
+    check first): it may leave any request it does not read itself to `parsed`'s fallback,
+    the servicer, by returning None."""
+
+    parsed: Callable[[Any], bytes | None]
+    raw: Callable[[bytes], bytes | None] | None = None
 
 
 def _serializer(cls: Any, fast: FastPath | None) -> Callable[[Any], bytes]:
@@ -81,16 +91,23 @@ async def _refuse(cls: Any, err: DecodeError, context: Ctx) -> None:
 def _unary(fn: Callable[[Any, Ctx], Awaitable[Any]], cls: Any, fast: FastPath | None = None
            ) -> Callable[[bytes, Ctx], Awaitable[Any]]:
     parse = cls.FromString
+    # The raw fast path where there is one (it reads what the parsed one would), else that.
+    raw_fast = fast.raw if fast is not None else None
+    parsed_fast = fast.parsed if fast is not None and raw_fast is None else None
 
     async def handle(raw: bytes, context: Ctx) -> Any:
+        if raw_fast is not None:
+            reply = raw_fast(raw)
+            if reply is not None:
+                return reply
         # Parsed here rather than in `_parse`: one coroutine less on every unary call.
         try:
             request = parse(raw)
         except DecodeError as err:
             await _refuse(cls, err, context)
             raise  # unreachable: _refuse raises
-        if fast is not None:
-            reply = fast(request)
+        if parsed_fast is not None:
+            reply = parsed_fast(request)
             if reply is not None:
                 return reply
         return await fn(request, context)
@@ -141,7 +158,7 @@ def _guarded_unary(fn: Callable[[Any, Ctx], Awaitable[Any]], cls: Any, guard: _G
         request = await _parse(raw, cls, context)
         await guard.authorize(principal, request, context)
         if fast is not None:
-            reply = fast(request)
+            reply = fast.parsed(request)
             if reply is not None:
                 return reply
         token = auth.set_current(principal)

@@ -6,7 +6,6 @@ holds one may release the pin, so it is keyed with a secret only the registry kn
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 
 
 def derived_id(prefix: str, scope: str, request_id: str) -> str:
@@ -15,20 +14,30 @@ def derived_id(prefix: str, scope: str, request_id: str) -> str:
     return f"{prefix}-{digest}"
 
 
-def pin_id_maker(secret: bytes) -> Callable[[str, str, str], str]:
-    """The pin ids of reads keyed with `secret` (the registry's; shared by Redis replicas):
+class PinIds:
+    """The pin ids of reads keyed with a secret (the registry's; shared by Redis replicas):
     `make(tenant, reader_id, request_id)` is the id of the pin a read with that request id
-    makes, the same for every retry of that read, and unguessable without `secret` even to
+    makes, the same for every retry of that read, and unguessable without the secret even to
     someone who knows the reader and request ids. The tenant keeps two tenants' reads apart.
-    The keyed hash's state after the key is computed once, and copied for each id."""
-    keyed = hashlib.blake2b(digest_size=8, key=secret)
 
-    def make(tenant: str, reader_id: str, request_id: str) -> str:
-        h = keyed.copy()
+    The id is "p-" and the hex of the 8-byte BLAKE2b of "tenant NUL reader NUL request", keyed
+    with the secret; `keyed` is the hash's state after the key, copied for each id (the
+    registry's compiled read path makes the same ids from it)."""
+
+    __slots__ = ("keyed",)
+
+    def __init__(self, secret: bytes) -> None:
+        self.keyed = hashlib.blake2b(digest_size=8, key=secret)
+
+    def __call__(self, tenant: str, reader_id: str, request_id: str) -> str:
+        h = self.keyed.copy()
         h.update(f"{tenant}\x00{reader_id}\x00{request_id}".encode())
         return f"p-{h.hexdigest()}"
 
-    return make
+
+def pin_id_maker(secret: bytes) -> PinIds:
+    """The pin ids of reads keyed with `secret` (see `PinIds`)."""
+    return PinIds(secret)
 
 
 def grant_lease_id(holder_id: str, request_id: str) -> str:

@@ -21,6 +21,8 @@ from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.message import DecodeError
 from hypothesis import strategies as st
 
 from kvbridge import blockhash
@@ -105,10 +107,30 @@ class Pair:
 
     def read(self, *args: Any) -> Any:
         """The same read on both; B's reply (bytes) or error."""
+        return self._read(lambda: self.fast.hit(*args), args)
+
+    def read_raw(self, raw: bytes) -> Any:
+        """A serialized request: A's compiled path reads it (`hit_raw`), else the Python path
+        takes what protobuf parses (bytes it cannot parse must not be answered here)."""
+        try:
+            request = pb.AcquireReadRequest.FromString(raw)
+        except DecodeError:
+            before = state(self.a)
+            assert self.fast.hit_raw(raw) is None, raw
+            assert state(self.a) == before
+            return None
+        ttl = request.pin_ttl
+        # As the servicer reads it: a negative part is refused (the table refuses < 0 alike).
+        pin_ttl = -1.0 if ttl.seconds < 0 or ttl.nanos < 0 else ttl.seconds + ttl.nanos * 1e-9
+        args = (request.tenant, request.conversation_id, request.block_hashes,
+                request.min_tokens, pin_ttl, request.reader_id, request.request_id)
+        return self._read(lambda: self.fast.hit_raw(raw), args)
+
+    def _read(self, fast: Any, args: tuple[Any, ...]) -> Any:
         replies = []
         self.side = 0
         clock_before = self.clock._now  # a miss read the clock: A's Python path reads it anew
-        reply = self.fast.hit(*args)
+        reply = fast()
         if reply is not None:
             self.fast_hits += 1
             replies.append(("ok", reply))
@@ -139,7 +161,8 @@ def state(table: LeaseTable) -> dict[str, Any]:
         "leases": {i: (x.state, x.expire_at, x.pin_count, x.epoch, x.payload)
                    for i, x in table._leases.items()},
         "pins": {i: (p.lease.lease_id, p.expire_at) for i, p in table._pins.items()},
-        "pin_expiry": len(table._pin_expiry),
+        "pin_expiry": (len(table._pin_expiry), sorted(table._pin_expiry._order),
+                       {k: [p.pin_id for p in b] for k, b in table._pin_expiry._buckets.items()}),
         "holders": {i: (h.state, h.expire_at) for i, h in table._holders.items()},
         "counts": table.counts(),
     }
@@ -149,7 +172,8 @@ GRANT = st.tuples(st.just("grant"), st.sampled_from(sorted(HOLDERS)), st.sampled
                   TOKENS, st.sampled_from([0.0, 1.0, 3.0]), st.sampled_from([0.0, 8.0, 30.0]))
 READ = st.tuples(st.just("read"), st.sampled_from(CONVS), TOKENS, st.booleans(),
                  st.sampled_from([0, 0, 1, 5, 12, 48]), st.sampled_from([0.0, 0.0, 0.5, 3.0, 9.0]),
-                 IDS, IDS, st.sampled_from(["none", "none", "none", "cut", "flip"]), BAD)
+                 IDS, IDS, st.sampled_from(["none", "none", "none", "cut", "flip"]), BAD,
+                 st.booleans())
 OPS = st.one_of(
     READ,
     st.tuples(st.just("advance"), st.sampled_from([0.25, 1.0, 2.5, 6.0])),
@@ -160,6 +184,16 @@ OPS = st.one_of(
     st.tuples(st.just("deregister"), st.sampled_from(sorted(HOLDERS))),
     st.tuples(st.just("tick")),
 )
+
+
+def request_bytes(tenant: str, conversation_id: str, hashes: bytes, min_tokens: int,
+                  pin_ttl: float, reader_id: str, request_id: str) -> bytes:
+    whole = int(pin_ttl)
+    return pb.AcquireReadRequest(
+        tenant=tenant, conversation_id=conversation_id, block_hashes=hashes,
+        min_tokens=min_tokens, pin_ttl=Duration(seconds=whole,
+                                                nanos=round((pin_ttl - whole) * 1e9)),
+        reader_id=reader_id, request_id=request_id).SerializeToString()
 
 
 def holder_spec(holder_id: str) -> HolderSpec:
@@ -190,7 +224,8 @@ def test_compiled_and_python_reads_give_the_same_replies_and_state(
                 if pair.both("grant", spec) is not None:
                     prompts[conv] = (tokens, bs)
             elif kind == "read":
-                _, conv, tokens, extend, min_tokens, pin_ttl, reader, request, damage, bad = op
+                (_, conv, tokens, extend, min_tokens, pin_ttl, reader, request, damage, bad,
+                 raw) = op
                 if conv in prompts and extend:  # the next turn: the lease's prompt and more
                     tokens = prompts[conv][0] + tokens
                 bs = prompts[conv][1] if conv in prompts else 4
@@ -212,7 +247,11 @@ def test_compiled_and_python_reads_give_the_same_replies_and_state(
                     h += b"\x00"
                 elif bad == "many":
                     h = bytes(16 * (CONFIG.max_blocks_per_lease * 4 + 1))
-                pair.read(tenant, conv[1], h, min_tokens, pin_ttl, reader, request)
+                if raw:  # as the server gets it: the compiled path reads the bytes
+                    pair.read_raw(request_bytes(tenant, conv[1], h, min_tokens, pin_ttl,
+                                                reader, request))
+                else:
+                    pair.read(tenant, conv[1], h, min_tokens, pin_ttl, reader, request)
             elif kind == "advance":
                 clock.advance(op[1])
             elif kind == "release":
@@ -334,6 +373,121 @@ def test_edge_shapes_give_the_same_replies(step: float) -> None:
             pair.read(bad[0], bad[1], good, bad[2], 0.0, bad[3], "")  # Python answers, alike
         with pytest.raises(OverflowError):  # past int64: the proto field cannot hold it
             pair.fast.hit(tenant, conv, good, 2**63, 0.0, "", "")
+
+
+def varint(v: int, extra: int = 0) -> bytes:
+    """`v` as a varint (a negative one as protobuf writes int64s: 10 bytes), `extra` bytes
+    longer than it needs (a form protobuf reads alike)."""
+    v &= (1 << 64) - 1
+    out = bytearray()
+    while v >= 0x80 or extra:
+        if v < 0x80:
+            extra -= 1
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def field(number: int, wire: int, value: bytes | int, extra: int = 0) -> bytes:
+    if wire == 0:
+        assert isinstance(value, int)
+        return varint(number << 3) + varint(value, extra)
+    assert isinstance(value, bytes)
+    return varint(number << 3 | 2) + varint(len(value), extra) + value
+
+
+# Ways to write (or damage) a request, each applied to a read that is a hit when written plainly.
+MUTATION = st.one_of(
+    st.tuples(st.just("drop"), st.integers(0, 6)),
+    st.tuples(st.just("again"), st.integers(0, 6), st.booleans()),  # same or other value
+    st.tuples(st.just("unknown"), st.sampled_from([8, 9, 15, 16, 2047, 2048, 536870911]),
+              st.sampled_from([0, 1, 2, 5])),
+    st.tuples(st.just("wire"), st.integers(0, 6)),  # a field with another wire type
+    st.tuples(st.just("overlong"), st.integers(0, 6), st.integers(1, 5)),
+    st.tuples(st.just("cut"), st.integers(1, 8)),
+    st.tuples(st.just("ttl"), st.sampled_from(
+        ["empty", "negative_s", "negative_ns", "big_ns", "twice", "unknown", "huge_s",
+         "only_ns", "overlong"])),
+    st.tuples(st.just("min_tokens"), st.sampled_from(
+        [2**31, 2**31 + 1, 2**32 - 1, 2**32, 2**35, -1])),
+    st.tuples(st.just("text"), st.sampled_from(
+        [b"t\xc3\xa9", b"t\xff", b"", b"t\x00", b"t" * 13, b"\xed\xa0\x80"])),
+)
+
+
+def encode(parts: list[tuple[int, int, Any, int]]) -> bytes:
+    return b"".join(field(n, w, v, x) for n, w, v, x in parts)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(order=st.permutations(range(7)), mutations=st.lists(MUTATION, max_size=3),
+       min_tokens=st.sampled_from([0, 1, 12]), ttl=st.sampled_from([0.0, 0.5, 3.0]))
+def test_requests_read_from_bytes_are_read_as_protobuf_reads_them(
+        order: list[int], mutations: list[tuple[Any, ...]], min_tokens: int,
+        ttl: float) -> None:
+    """`hit_raw` reads the request's bytes itself. Written any way protobuf accepts (fields in
+    any order, repeated, unknown, with longer varints, ...) or damaged, it must answer exactly
+    as the Python path answers what protobuf parses, or leave it to that path; bytes protobuf
+    refuses must never be answered. Plain requests, fields in any order, must be answered."""
+    clock = FakeClock()
+    pair = Pair(clock)
+    tokens = list(range(14))
+    with pair.deterministic_ids():
+        pair.both("register_holder", holder_spec("h4"))
+        pair.both("grant", GrantSpec("h4", "t0", "c0", "req", [3, 200, 70000, 9], len(tokens),
+                                     hashes(tokens, 4, partial=True)))
+        whole = int(ttl)
+        duration = field(1, 0, whole) + field(2, 0, int((ttl - whole) * 1e9))
+        plain = [(1, 2, b"t0", 0), (2, 2, b"c0", 0), (3, 2, hashes(tokens, 4), 0),
+                 (4, 0, min_tokens, 0), (5, 2, duration, 0), (6, 2, b"prefill-0", 0),
+                 (7, 2, b"req-1", 0)]
+        parts = [p for p in (plain[i] for i in order) if p[2] not in (0, b"")]
+        before = pair.fast_hits
+        pair.read_raw(encode(parts))
+        assert pair.fast_hits == before + 1  # a plain hit, in any field order
+        for i, m in enumerate(mutations):
+            parts = [p for p in (plain[i] for i in order) if p[2] not in (0, b"")]
+            parts = [(7, 2, f"req-m{i}".encode(), 0) if n == 7 else (n, w, v, x)
+                     for n, w, v, x in parts]
+            raw = mutate(parts, m)
+            pair.read_raw(raw)
+            pair.check_same_state()
+
+
+def mutate(parts: list[tuple[int, int, Any, int]], m: tuple[Any, ...]) -> bytes:
+    kind = m[0]
+    if kind == "drop":
+        del parts[m[1] % len(parts)]
+    elif kind == "again":
+        n, w, v, x = parts[m[1] % len(parts)]
+        other = (v + 1 if w == 0 else v + b"x") if m[2] else v
+        parts.append((n, w, other, x))
+    elif kind == "unknown":
+        body: Any = 7 if m[2] == 0 else b"junk"
+        if m[2] in (1, 5):  # fixed64, fixed32
+            return encode(parts) + varint(m[1] << 3 | m[2]) + bytes(8 if m[2] == 1 else 4)
+        return encode(parts) + field(m[1], m[2], body)
+    elif kind == "wire":
+        n, w, v, x = parts[m[1] % len(parts)]
+        parts[m[1] % len(parts)] = (n, 2, b"\x01", x) if w == 0 else (n, 0, len(v), x)
+    elif kind == "overlong":
+        n, w, v, _ = parts[m[1] % len(parts)]
+        parts[m[1] % len(parts)] = (n, w, v, m[2])
+    elif kind == "cut":
+        return encode(parts)[:-m[1]]
+    elif kind == "ttl":
+        ttl = {"empty": b"", "negative_s": field(1, 0, -1), "negative_ns": field(2, 0, -5),
+               "big_ns": field(2, 0, 1_500_000_000), "twice": field(1, 0, 1) + field(1, 0, 2),
+               "unknown": field(1, 0, 1) + field(3, 0, 1), "huge_s": field(1, 0, 2**62),
+               "only_ns": field(2, 0, 250_000_000),
+               "overlong": field(1, 0, 2, 3)}[m[1]]
+        parts = [(n, w, v, x) for n, w, v, x in parts if n != 5] + [(5, 2, ttl, 0)]
+    elif kind == "min_tokens":
+        parts = [(n, w, v, x) for n, w, v, x in parts if n != 4] + [(4, 0, m[1], 0)]
+    elif kind == "text":
+        parts = [(n, w, m[1] if n == 1 else v, x) for n, w, v, x in parts]
+    return encode(parts)
 
 
 # ---- the server's wiring --------------------------------------------------------------------

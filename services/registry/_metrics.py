@@ -56,6 +56,11 @@ class _HistogramSeries:
         self.counts = [0] * len(bounds)  # per bucket, not cumulative; the last is +Inf
         self.sum = 0.0
 
+    @property
+    def bounds(self) -> tuple[float, ...]:
+        """Each bucket's upper bound (`counts` per bucket), the last +Inf."""
+        return self._bounds
+
     def observe(self, value: float) -> None:
         # bisect_left: the first bound >= value, i.e. the bucket `le` that takes it.
         self.counts[bisect_left(self._bounds, value)] += 1
@@ -144,3 +149,7 @@ class RegistryMetrics:
 
     def read(self, outcome: MissReason) -> None:
         self.reads.counts[self._outcomes[outcome]] += 1
+
+    def outcome_label(self, outcome: MissReason) -> str:
+        """The `outcome` label of a read's count in `reads.counts`."""
+        return self._outcomes[outcome]

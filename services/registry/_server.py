@@ -212,7 +212,7 @@ def _bind(config: RegistryConfig, store: LeaseStore) -> RegistryServer:
     # Requests are parsed by the handlers: bytes that are not the request message get
     # INVALID_ARGUMENT with a reason, not gRPC's UNKNOWN.
     fast = compiled_reads(config, store)
-    servicer = RegistryServicer(store, metrics, fast_read=None if fast is None else fast.hit)
+    servicer = RegistryServicer(store, metrics, fast_reader=fast)
     add_servicer(server, servicer, pb, "RegistryService",
                  authenticator=auth.Authenticator(config.token_table()), rules=RULES,
                  fast_paths=servicer.fast_paths())

@@ -10,7 +10,7 @@ import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
 import structlog
@@ -49,13 +49,15 @@ from kvbridge.services.registry._model import (
 )
 from kvbridge.services.registry._store import LeaseStore
 
+if TYPE_CHECKING:
+    from kvbridge.services.registry._fastread import FastReader
+
 log = structlog.get_logger("kvbridge.registry")
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Ctx = grpc.aio.ServicerContext[Any, Any]
 Handler = Callable[[Any, Req, Ctx], Awaitable[Resp]]
-FastRead = Callable[[str, str, bytes, int, float, str, str], bytes | None]
 
 _HOLDER_STATE = {HolderState.ACTIVE: pb.HOLDER_STATE_ACTIVE,
                  HolderState.DRAINING: pb.HOLDER_STATE_DRAINING}
@@ -108,12 +110,13 @@ def _rpc(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
 
 class RegistryServicer(pb_grpc.RegistryServiceServicer):
     def __init__(self, store: LeaseStore, metrics: RegistryMetrics, *,
-                 fast_read: FastRead | None = None) -> None:
-        """`fast_read`: a compiled hit path over the same store (`FastReader.hit` of its
-        table): the serialized reply of a hit, or None for `store.acquire_read` to answer. It
-        is served through `fast_paths`, which the server hands to `add_servicer`."""
+                 fast_reader: FastReader | None = None) -> None:
+        """`fast_reader`: the compiled hit path over the same store's table: the serialized
+        reply of a hit, or None for `store.acquire_read` to answer. It is served through
+        `fast_paths`, which the server hands to `add_servicer`, and counts and times its hits
+        in `metrics` itself."""
         self.store = store
-        self._fast_read = fast_read
+        self._fast = fast_reader
         self.metrics = metrics
         self.clock = store.clock
         self._watch_enders: set[Callable[[KvbridgeError], None]] = set()
@@ -126,12 +129,15 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             name: metrics.rpc_duration.labels(name)
             for name in pb.DESCRIPTOR.services_by_name["RegistryService"].methods_by_name
         }
-        self._read_duration = self._durations["AcquireRead"]
+        if fast_reader is not None:
+            fast_reader.attach_metrics(metrics.reads.counts,
+                                       metrics.outcome_label(MissReason.HIT),
+                                       self._durations["AcquireRead"])
 
     @property
     def compiled_reads(self) -> bool:
         """Whether read hits take the compiled path."""
-        return self._fast_read is not None
+        return self._fast is not None
 
     # ---- conversions ------------------------------------------------------------------------
 
@@ -328,23 +334,19 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
 
     def fast_paths(self) -> dict[str, FastPath]:
         """The handlers' fast paths (`add_servicer`): AcquireRead hits, when compiled."""
-        return {} if self._fast_read is None else {"AcquireRead": self._acquire_read_hit}
+        if self._fast is None:
+            return {}
+        return {"AcquireRead": FastPath(self._acquire_read_hit, self._fast.hit_raw)}
 
     def _acquire_read_hit(self, request: pb.AcquireReadRequest) -> bytes | None:
-        """AcquireRead's reply, serialized, when it is a hit the compiled path answers (counted
-        and timed as AcquireRead's); None, nothing changed, for `AcquireRead` to answer."""
-        start = time.perf_counter()
+        """AcquireRead's reply, serialized, when it is a hit the compiled path answers (which
+        counts and times it); None, nothing changed, for `AcquireRead` to answer."""
         ttl = request.pin_ttl
-        if ttl.seconds < 0 or ttl.nanos < 0:  # refused by AcquireRead
+        if self._fast is None or ttl.seconds < 0 or ttl.nanos < 0:  # refused by AcquireRead
             return None
-        reply = self._fast_read(request.tenant, request.conversation_id,  # type: ignore[misc]
-                                request.block_hashes, request.min_tokens,
-                                ttl.seconds + ttl.nanos * 1e-9,  # as _seconds() reads it
-                                request.reader_id, request.request_id)
-        if reply is not None:
-            self.metrics.read(MissReason.HIT)
-            self._read_duration.observe(time.perf_counter() - start)
-        return reply
+        return self._fast.hit(request.tenant, request.conversation_id, request.block_hashes,
+                              request.min_tokens, ttl.seconds + ttl.nanos * 1e-9,  # _seconds()
+                              request.reader_id, request.request_id)
 
     @_rpc
     async def PinLease(self, request: pb.PinLeaseRequest, context: Ctx) -> pb.PinLeaseResponse:
