@@ -20,12 +20,12 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.message import DecodeError
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvbridge import blockhash
+from kvbridge import _grpc_handlers, blockhash
 from kvbridge.clients import AsyncRegistryClient
 from kvbridge.clock import FakeClock
 from kvbridge.errors import KvbridgeError
@@ -493,16 +493,27 @@ def mutate(parts: list[tuple[int, int, Any, int]], m: tuple[Any, ...]) -> bytes:
 # ---- the server's wiring --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["auto", "off"])
+ADMIN_TOKEN, READER_TOKEN = "admin-token-0123456789", "reader-token-0123456789"
+TOKENS = f"{ADMIN_TOKEN} admin\n{READER_TOKEN} reader tenants=t1 name=prefill"
+
+
+@pytest.mark.parametrize(("mode", "secured"), [("auto", False), ("off", False),
+                                               ("auto", True)])
 async def test_server_answers_hits_by_its_compiled_reads_setting(registry_factory, kv,
-                                                                 mode: str) -> None:
+                                                                 mode: str,
+                                                                 secured: bool) -> None:
+    """Unsecured, the compiled path reads the request's bytes (`hit_raw`); secured, it runs
+    after the caller is checked, on the parsed request (`hit`); off, the store answers."""
     clock = FakeClock()
-    server = await registry_factory(clock, compiled_reads=mode)
+    server = await registry_factory(clock, compiled_reads=mode,
+                                    **({"auth_tokens": TOKENS} if secured else {}))
     assert server.servicer.compiled_reads is (mode == "auto")
-    async with AsyncRegistryClient(f"127.0.0.1:{server.port}") as client:
-        await client.register_holder(**kv.holder_args("h1"))
+    target = f"127.0.0.1:{server.port}"
+    async with AsyncRegistryClient(target, token=ADMIN_TOKEN if secured else None) as admin:
+        await admin.register_holder(**kv.holder_args("h1"))
         tokens = list(range(kv.block_size * 2 + 1))
-        await client.grant_lease(**kv.grant_args("h1", "t1", "c1", tokens))
+        await admin.grant_lease(**kv.grant_args("h1", "t1", "c1", tokens))
+    async with AsyncRegistryClient(target, token=READER_TOKEN if secured else None) as client:
         calls = mock.Mock(wraps=server.store.acquire_read)
         with mock.patch.object(server.store, "acquire_read", calls):
             hit = await client.acquire_read(tenant="t1", conversation_id="c1",
@@ -510,6 +521,10 @@ async def test_server_answers_hits_by_its_compiled_reads_setting(registry_factor
                                             pin_ttl=3.0, reader_id="p0")
             miss = await client.acquire_read(tenant="t1", conversation_id="c2",
                                              block_hashes=kv.prompt_hashes(tokens))
+            if secured:  # a tenant this reader may not read: refused before any path
+                with pytest.raises(KvbridgeError, match="tenant"):
+                    await client.acquire_read(tenant="t2", conversation_id="c1",
+                                              block_hashes=kv.prompt_hashes(tokens))
         # The compiled path answered the hit without the store; the miss went to the store.
         assert calls.call_count == (1 if mode == "auto" else 2)
     assert hit.miss_reason == pb.MISS_REASON_UNSPECIFIED and hit.matched_blocks == 2
@@ -517,6 +532,46 @@ async def test_server_answers_hits_by_its_compiled_reads_setting(registry_factor
     assert miss.miss_reason == pb.MISS_REASON_NO_LEASE
     assert server.table.counts()["pins"] == 1
     assert server.metrics.reads.counts == {**server.metrics.reads.counts, "hit": 1, "no_lease": 1}
+    # Both reads timed as AcquireRead's (the hit by the compiled path, in its own clock).
+    timed = server.servicer._durations["AcquireRead"]
+    assert sum(timed.counts) == 2 and 0 < timed.sum < 5.0  # the refused one is not served
+    paths = server.servicer.fast_paths()  # as the handlers were given them
+    assert ("AcquireRead" in paths) is (mode == "auto")
+
+
+async def test_handlers_try_the_raw_fast_path_and_leave_what_it_declines_to_the_servicer(
+        ) -> None:
+    """With a raw fast path the handler offers it the bytes; what it declines is parsed and
+    served by the servicer (the parsed fast path would only repeat the same reading). Without
+    one, the parsed fast path is tried."""
+    seen: list[str] = []
+
+    def parsed(request: Any) -> bytes | None:
+        seen.append(f"parsed {request.tenant}")
+        return b"P" if request.tenant == "p" else None
+
+    def raw(data: bytes) -> bytes | None:
+        seen.append("raw")
+        return b"R" if b"raw" in data else None
+
+    async def servicer(request: Any, context: Any) -> Any:
+        seen.append(f"servicer {request.tenant}")
+        return pb.AcquireReadResponse(mismatch_block=7)
+
+    def request(tenant: str) -> bytes:
+        return pb.AcquireReadRequest(tenant=tenant).SerializeToString()
+
+    both = _grpc_handlers._unary(servicer, pb.AcquireReadRequest,
+                                 _grpc_handlers.FastPath(parsed, raw))
+    assert await both(request("raw"), None) == b"R"
+    assert (await both(request("p"), None)).mismatch_block == 7
+    assert seen == ["raw", "raw", "servicer p"]
+    seen.clear()
+    parsed_only = _grpc_handlers._unary(servicer, pb.AcquireReadRequest,
+                                        _grpc_handlers.FastPath(parsed))
+    assert await parsed_only(request("p"), None) == b"P"
+    assert (await parsed_only(request("x"), None)).mismatch_block == 7
+    assert seen == ["parsed p", "parsed x", "servicer x"]
 
 
 async def test_compiled_reads_on_refuses_to_start_without_the_module(registry_factory) -> None:
