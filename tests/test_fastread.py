@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import time
 from contextlib import ExitStack
 from typing import Any
 from unittest import mock
@@ -27,7 +28,7 @@ from hypothesis import strategies as st
 
 from kvbridge import _grpc_handlers, blockhash
 from kvbridge.clients import AsyncRegistryClient
-from kvbridge.clock import FakeClock
+from kvbridge.clock import FakeClock, SystemClock, monotonic
 from kvbridge.errors import KvbridgeError
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.services.registry import (
@@ -537,6 +538,29 @@ async def test_server_answers_hits_by_its_compiled_reads_setting(registry_factor
     assert sum(timed.counts) == 2 and 0 < timed.sum < 5.0  # the refused one is not served
     paths = server.servicer.fast_paths()  # as the handlers were given them
     assert ("AcquireRead" in paths) is (mode == "auto")
+
+
+def test_system_clock_is_read_in_c_as_python_reads_it() -> None:
+    """On the process's own clock the compiled path reads it in C (the clock deadlines use,
+    `kvbridge.clock.monotonic`, and the wall clock): the pin's deadline and the reply's times
+    agree with what Python reads around the call."""
+    table = LeaseTable(CONFIG, SystemClock(), recovering=False)
+    table.register_holder(HolderSpec("h4", "10.0.0.9", 5600, 2, 4, FP, 30.0))
+    tokens = list(range(8))
+    table.grant(GrantSpec("h4", "t0", "c0", "req", [1, 2], 8, hashes(tokens, 4), 10.0, 20.0))
+    fast = table.fast_reader()
+    assert fast is not None
+    mono0, wall0 = monotonic(), time.time()
+    reply = fast.hit_raw(request_bytes("t0", "c0", hashes(tokens, 4), 0, 3.0, "", "r1"))
+    mono1, wall1 = monotonic(), time.time()
+    assert reply is not None
+    out = pb.AcquireReadResponse.FromString(reply)
+    (pin,) = table._pins.values()
+    assert mono0 + 3.0 <= pin.expire_at <= mono1 + 3.0
+    assert 2.99 < out.pin.expires_in.ToTimedelta().total_seconds() <= 3.0
+    assert wall0 + 2.99 < out.pin.expire_time.ToNanoseconds() / 1e9 < wall1 + 3.01
+    lease = table._conversations["t0"]["c0"]
+    assert mono0 + 10.0 <= lease.expire_at <= mono1 + 10.0  # the read kept the lease
 
 
 async def test_handlers_try_the_raw_fast_path_and_leave_what_it_declines_to_the_servicer(
