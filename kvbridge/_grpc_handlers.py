@@ -54,13 +54,15 @@ class FastPath:
     nothing) for the servicer's method to answer. It must count and time what it answers.
 
     `parsed` takes the parsed request; it runs after authentication and the method's access
-    rule, in place of the servicer. `raw`, where given, takes the request's bytes before they
-    are parsed, and is used instead where no call is authenticated (there is then nothing to
-    check first): it may leave any request it does not read itself to `parsed`'s fallback,
-    the servicer, by returning None."""
+    rule, in place of the servicer. `raw`, where given, is used instead: it takes the request's
+    bytes before they are parsed, and a `TenantGate` on a server that authenticates calls (the
+    caller's access rule, where it depends on nothing but the request's `tenant`: `raw` must
+    answer only for a tenant the gate admits), else None. What it does not answer is parsed,
+    checked and served by the servicer (`parsed` would only repeat the same reading); `parsed`
+    is still used where a caller's rule needs more than the tenant."""
 
     parsed: Callable[[Any], bytes | None]
-    raw: Callable[[bytes], bytes | None] | None = None
+    raw: Callable[[bytes, auth.TenantGate | None], bytes | None] | None = None
 
 
 def _serializer(cls: Any, fast: FastPath | None) -> Callable[[Any], bytes]:
@@ -97,7 +99,7 @@ def _unary(fn: Callable[[Any, Ctx], Awaitable[Any]], cls: Any, fast: FastPath | 
 
     async def handle(raw: bytes, context: Ctx) -> Any:
         if raw_fast is not None:
-            reply = raw_fast(raw)
+            reply = raw_fast(raw, None)
             if reply is not None:
                 return reply
         # Parsed here rather than in `_parse`: one coroutine less on every unary call.
@@ -153,11 +155,20 @@ class _Guard:
 
 def _guarded_unary(fn: Callable[[Any, Ctx], Awaitable[Any]], cls: Any, guard: _Guard,
                    fast: FastPath | None = None) -> Callable[[bytes, Ctx], Awaitable[Any]]:
+    raw_fast = fast.raw if fast is not None else None
+    tenant_gate = guard.rule.tenant_gate
+
     async def handle(raw: bytes, context: Ctx) -> Any:
         principal = await guard.authenticate(context)
+        gate = tenant_gate(principal) if raw_fast is not None else None
+        if gate is not None:
+            assert raw_fast is not None
+            reply = raw_fast(raw, gate)
+            if reply is not None:
+                return reply
         request = await _parse(raw, cls, context)
         await guard.authorize(principal, request, context)
-        if fast is not None:
+        if fast is not None and gate is None:
             reply = fast.parsed(request)
             if reply is not None:
                 return reply

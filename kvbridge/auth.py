@@ -249,28 +249,55 @@ def reset_current(token: contextvars.Token[Principal]) -> None:
 # ---- per-method rules ---------------------------------------------------------------------------
 
 Check = Callable[[Principal, Any], None]
+TenantGate = Callable[[str], bool]
+
+
+def _any_tenant(tenant: str) -> bool:
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """Which roles may call a method, and a check of the request's fields against the caller."""
+    """Which roles may call a method, and a check of the request's fields against the caller:
+    `check`, or with `tenant_field`, that the caller may touch the tenant that field names."""
 
     roles: frozenset[str]
     check: Check | None = None
+    tenant_field: str | None = None
 
     def apply(self, method: str, principal: Principal, request: Any) -> None:
         if not principal.is_admin and principal.role not in self.roles:
             raise PermissionDenied(f"role {principal.role} may not call {method}",
                                    method=method, role=principal.role)
-        if self.check is not None and not principal.is_admin:
+        if principal.is_admin:
+            return
+        if self.tenant_field is not None:
+            deny_tenant(principal, getattr(request, self.tenant_field), self.tenant_field)
+        if self.check is not None:
             self.check(principal, request)
 
+    def tenant_gate(self, principal: Principal) -> TenantGate | None:
+        """For a request read without being parsed (a fast path): whether `principal` may make
+        this call for a tenant, exactly as `apply` would decide once the request's tenant
+        field is known; None where `apply` needs more than that field (a `check`, another
+        field), or refuses the caller's role outright: the request must then be parsed and
+        `apply`'d."""
+        if principal.is_admin:
+            return _any_tenant
+        if principal.role not in self.roles or self.check is not None:
+            return None
+        if self.tenant_field is None:
+            return _any_tenant
+        if self.tenant_field != "tenant":
+            return None
+        return principal.may_tenant
 
-def rule(*roles: str, check: Check | None = None) -> Rule:
+
+def rule(*roles: str, check: Check | None = None, tenant_field: str | None = None) -> Rule:
     unknown = set(roles) - set(ROLES)
     if unknown:
         raise ValueError(f"unknown roles {unknown}")
-    return Rule(frozenset(roles), check)
+    return Rule(frozenset(roles), check, tenant_field)
 
 
 def deny_tenant(principal: Principal, tenant: str, field: str = "tenant") -> None:

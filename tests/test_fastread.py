@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvbridge import _grpc_handlers, blockhash
+from kvbridge.auth import Authenticator, TokenTable
 from kvbridge.clients import AsyncRegistryClient
 from kvbridge.clock import FakeClock, SystemClock, monotonic
 from kvbridge.errors import KvbridgeError
@@ -37,6 +38,7 @@ from kvbridge.services.registry import (
     LeaseTable,
     MemoryStore,
     RegistryConfig,
+    _access,
     _core,
     _fastread,
     _server,
@@ -574,7 +576,8 @@ async def test_handlers_try_the_raw_fast_path_and_leave_what_it_declines_to_the_
         seen.append(f"parsed {request.tenant}")
         return b"P" if request.tenant == "p" else None
 
-    def raw(data: bytes) -> bytes | None:
+    def raw(data: bytes, gate: Any) -> bytes | None:
+        assert gate is None  # no caller to check
         seen.append("raw")
         return b"R" if b"raw" in data else None
 
@@ -596,6 +599,56 @@ async def test_handlers_try_the_raw_fast_path_and_leave_what_it_declines_to_the_
     assert await parsed_only(request("p"), None) == b"P"
     assert (await parsed_only(request("x"), None)).mismatch_block == 7
     assert seen == ["parsed p", "parsed x", "servicer x"]
+
+
+class FakeContext:
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),)
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+    async def abort_with_status(self, status: Any) -> None:
+        raise PermissionError(status.details)
+
+
+async def test_secured_handlers_offer_the_bytes_only_with_the_callers_tenant_gate() -> None:
+    """On a server that authenticates calls, the raw fast path gets the caller's tenant gate
+    (it must not answer for a tenant the gate refuses); a caller whose rule needs more than
+    the tenant (here: a role that may not read) never reaches it, and is refused."""
+    seen: list[Any] = []
+    table = TokenTable.load("", "tok-admin-0123456789 admin\n"
+                                "tok-t1-0123456789abcd reader tenants=t1 name=p\n"
+                                "tok-holder-0123456789 holder holder=h1 name=d")
+    assert table is not None
+    rule = _access.RULES["AcquireRead"]
+    guard = _grpc_handlers._Guard(Authenticator(table), rule, "AcquireRead")
+
+    def raw(data: bytes, gate: Any) -> bytes | None:
+        request = pb.AcquireReadRequest.FromString(data)
+        seen.append(("raw", gate(request.tenant)))
+        return b"R" if gate(request.tenant) else None
+
+    def parsed(request: Any) -> bytes | None:
+        seen.append(("parsed", request.tenant))
+        return b"P"
+
+    async def servicer(request: Any, context: Any) -> Any:
+        raise AssertionError("not reached")
+
+    handle = _grpc_handlers._guarded_unary(servicer, pb.AcquireReadRequest, guard,
+                                           _grpc_handlers.FastPath(parsed, raw))
+    t1, t2 = (pb.AcquireReadRequest(tenant=t).SerializeToString() for t in ("t1", "t2"))
+    assert await handle(t1, FakeContext("tok-t1-0123456789abcd")) == b"R"
+    with pytest.raises(PermissionError, match="may not touch tenant 't2'"):
+        await handle(t2, FakeContext("tok-t1-0123456789abcd"))
+    assert await handle(t2, FakeContext("tok-admin-0123456789")) == b"R"
+    with pytest.raises(PermissionError, match="role holder may not call AcquireRead"):
+        await handle(t1, FakeContext("tok-holder-0123456789"))
+    assert seen == [("raw", True), ("raw", False), ("raw", True)]
 
 
 async def test_compiled_reads_on_refuses_to_start_without_the_module(registry_factory) -> None:

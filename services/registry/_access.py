@@ -65,10 +65,6 @@ def _scope_listing(principal: Principal, request: Any) -> None:
         deny_tenant(principal, request.tenant)
 
 
-def _tenant_field(principal: Principal, request: Any) -> None:
-    deny_tenant(principal, request.tenant)
-
-
 RULES: dict[str, Rule] = {
     "RegisterHolder": rule("holder", check=_register),
     "HeartbeatHolder": rule("holder", check=_holder_field),
@@ -79,8 +75,8 @@ RULES: dict[str, Rule] = {
     "RevokeLease": rule(*_LEASE_MANAGERS, check=_holder_if_named),
     "GetLease": rule(*_LEASE_MANAGERS),
     "ListLeases": rule(*_LEASE_MANAGERS, check=_scope_listing),
-    "AcquireRead": rule(*_READERS, check=_tenant_field),
-    "PinLease": rule(*_READERS, check=_tenant_field),
+    "AcquireRead": rule(*_READERS, tenant_field="tenant"),
+    "PinLease": rule(*_READERS, tenant_field="tenant"),
     "ReleaseRead": rule(*_READERS),  # a pin id is an unguessable capability (kvbridge.ids)
     "GetServerInfo": rule(*_ALL),
     "WatchLeases": rule(*_LEASE_MANAGERS, check=_scope_listing),

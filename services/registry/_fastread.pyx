@@ -350,9 +350,11 @@ cdef class FastReader:
                          PyBytes_GET_SIZE(hashes), min_tokens, pin_ttl, reader, reader_len,
                          request, request_len, start)
 
-    def hit_raw(self, bytes raw not None):
+    def hit_raw(self, bytes raw not None, may_tenant=None):
         """`hit` of a serialized AcquireReadRequest, read here: None (nothing changed) for
-        anything but a hit, and for requests in a form `_parse` leaves to protobuf."""
+        anything but a hit, for requests in a form `_parse` leaves to protobuf, and, given
+        `may_tenant` (the caller's access rule, `kvbridge.auth.Rule.tenant_gate`), for a
+        tenant it refuses (the Python path then refuses the call)."""
         cdef double start = _seconds(CLOCK_MONOTONIC) if self._metrics else 0.0
         cdef Request r
         if not _parse(<const unsigned char*>PyBytes_AS_STRING(raw), PyBytes_GET_SIZE(raw), &r):
@@ -370,7 +372,10 @@ cdef class FastReader:
             return None
         # As the servicer reads a Duration (`_seconds`).
         cdef double pin_ttl = <double><int64_t>r.ttl_seconds + <double>r.ttl_nanos * 1e-9
-        return self._hit(PyUnicode_FromStringAndSize(r.tenant, r.tenant_len),
+        tenant = PyUnicode_FromStringAndSize(r.tenant, r.tenant_len)
+        if may_tenant is not None and not may_tenant(tenant):
+            return None
+        return self._hit(tenant,
                          PyUnicode_FromStringAndSize(r.conversation_id, r.conversation_id_len),
                          r.hashes, r.hash_len, <long long>r.min_tokens, pin_ttl, r.reader_id,
                          r.reader_id_len, r.request_id, r.request_id_len, start)
