@@ -204,7 +204,8 @@ def add_servicer(server: grpc.aio.Server, servicer: Any, messages: ModuleType,
 
     With an enabled `authenticator`, every call is authenticated and checked against its
     method's entry in `rules` (which must name every method) before the servicer runs.
-    `fast_paths` (unary methods only) are tried first, after those checks (see `FastPath`)."""
+    `fast_paths` (unary methods only) are tried before the servicer, after authentication; on
+    the caller's access rule see `FastPath`."""
     fast_paths = dict(fast_paths or {})
     guarded = authenticator is not None and authenticator.enabled
     service = messages.DESCRIPTOR.services_by_name[service_name]

@@ -43,7 +43,8 @@ from kvbridge.services.registry import (
     _fastread,
     _server,
 )
-from kvbridge.services.registry._metrics import RegistryMetrics
+from kvbridge.services.registry._expiry import ExpiryWheel
+from kvbridge.services.registry._metrics import LoopHistogram, RegistryMetrics
 from kvbridge.services.registry._servicer import RegistryServicer
 
 FP = "fp-fast"
@@ -505,8 +506,9 @@ TOKENS = f"{ADMIN_TOKEN} admin\n{READER_TOKEN} reader tenants=t1 name=prefill"
 async def test_server_answers_hits_by_its_compiled_reads_setting(registry_factory, kv,
                                                                  mode: str,
                                                                  secured: bool) -> None:
-    """Unsecured, the compiled path reads the request's bytes (`hit_raw`); secured, it runs
-    after the caller is checked, on the parsed request (`hit`); off, the store answers."""
+    """The compiled path answers hits (reading the request's bytes), off the store answers;
+    secured, a reader limited to one tenant is refused another tenant's conversation even
+    where it has a lease the compiled path could read."""
     clock = FakeClock()
     server = await registry_factory(clock, compiled_reads=mode,
                                     **({"auth_tokens": TOKENS} if secured else {}))
@@ -516,6 +518,7 @@ async def test_server_answers_hits_by_its_compiled_reads_setting(registry_factor
         await admin.register_holder(**kv.holder_args("h1"))
         tokens = list(range(kv.block_size * 2 + 1))
         await admin.grant_lease(**kv.grant_args("h1", "t1", "c1", tokens))
+        await admin.grant_lease(**kv.grant_args("h1", "t2", "c1", tokens))
     async with AsyncRegistryClient(target, token=READER_TOKEN if secured else None) as client:
         calls = mock.Mock(wraps=server.store.acquire_read)
         with mock.patch.object(server.store, "acquire_read", calls):
@@ -524,8 +527,8 @@ async def test_server_answers_hits_by_its_compiled_reads_setting(registry_factor
                                             pin_ttl=3.0, reader_id="p0")
             miss = await client.acquire_read(tenant="t1", conversation_id="c2",
                                              block_hashes=kv.prompt_hashes(tokens))
-            if secured:  # a tenant this reader may not read: refused before any path
-                with pytest.raises(KvbridgeError, match="tenant"):
+            if secured:  # a tenant this reader may not read (a hit else): refused, no pin
+                with pytest.raises(KvbridgeError, match="may not touch tenant 't2'"):
                     await client.acquire_read(tenant="t2", conversation_id="c1",
                                               block_hashes=kv.prompt_hashes(tokens))
         # The compiled path answered the hit without the store; the miss went to the store.
@@ -563,6 +566,82 @@ def test_system_clock_is_read_in_c_as_python_reads_it() -> None:
     assert wall0 + 2.99 < out.pin.expire_time.ToNanoseconds() / 1e9 < wall1 + 3.01
     lease = table._conversations["t0"]["c0"]
     assert mono0 + 10.0 <= lease.expire_at <= mono1 + 10.0  # the read kept the lease
+
+
+def test_clock_deadlines_use_when_it_is_time_monotonic() -> None:
+    """Where the kernel has no boot-time clock, deadlines run on `time.monotonic()`: the
+    compiled path then reads that clock."""
+    with mock.patch("kvbridge.clock.monotonic", time.monotonic):
+        table = LeaseTable(CONFIG, SystemClock(), recovering=False)
+        table.register_holder(HolderSpec("h4", "10.0.0.9", 5600, 2, 4, FP, 30.0))
+        tokens = list(range(8))
+        table.grant(GrantSpec("h4", "t0", "c0", "req", [1, 2], 8, hashes(tokens, 4)))
+        fast = table.fast_reader()
+        assert fast is not None
+        before = time.monotonic()
+        assert fast.hit("t0", "c0", hashes(tokens, 4), 0, 2.0, "", "") is not None
+        after = time.monotonic()
+    (pin,) = table._pins.values()
+    assert before + 2.0 <= pin.expire_at <= after + 2.0
+
+
+class ListedWheel(ExpiryWheel[Any]):
+    """An expiry wheel of another type: the compiled path calls its `add`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.added: list[Any] = []
+
+    def add(self, item: Any, deadline: float) -> None:
+        self.added.append(item)
+        super().add(item, deadline)
+
+
+def test_other_pin_id_makers_and_wheels_are_called() -> None:
+    """A table whose pin ids or pin expiry are not kvbridge's own types (a test's, a future
+    one's): the compiled path calls them, and answers as the Python path does."""
+    pair = Pair(FakeClock())
+    made = pair.a._pin_id
+
+    def pin_id(tenant: str, reader_id: str, request_id: str) -> str:
+        return made(tenant, reader_id, request_id)
+
+    pair.a._pin_id = pair.b._pin_id = pin_id
+    pair.a._pin_expiry = ListedWheel()
+    pair.b._pin_expiry = ExpiryWheel()
+    pair.fast = pair.a.fast_reader()  # type: ignore[assignment]
+    tokens = list(range(8))
+    with pair.deterministic_ids():
+        pair.both("register_holder", holder_spec("h4"))
+        pair.both("grant", GrantSpec("h4", "t0", "c0", "req", [1, 2], 8, hashes(tokens, 4)))
+        pair.read("t0", "c0", hashes(tokens, 4), 0, 0.0, "p", "q")
+        pair.read("t0", "c0", hashes(tokens, 4), 0, 0.0, "p", "q2")
+    assert pair.fast_hits == 2 and len(pair.a._pin_expiry.added) == 2
+    assert set(pair.a._pins) == {made("t0", "p", "q"), made("t0", "p", "q2")}
+    pair.check_same_state()
+
+
+def test_hits_are_counted_and_timed_once_through_either_entry() -> None:
+    """With metrics attached, each hit the compiled path answers (bytes or parsed) is counted
+    once and timed into the bucket whose bound is the first at or above it; what it leaves to
+    the Python path is not counted here."""
+    pair = Pair(FakeClock())
+    tokens = list(range(8))
+    pair.both("register_holder", holder_spec("h4"))
+    pair.both("grant", GrantSpec("h4", "t0", "c0", "req", [1, 2], 8, hashes(tokens, 4)))
+    counts = {"hit": 0, "no_lease": 0}
+    series = LoopHistogram("x", "x", "method", [1e-9, 60.0]).labels("AcquireRead")
+    pair.fast.attach_metrics(counts, "hit", series)
+    h = hashes(tokens, 4)
+    assert pair.fast.hit("t0", "c0", h, 0, 0.0, "", "") is not None
+    assert pair.fast.hit_raw(request_bytes("t0", "c0", h, 0, 0.0, "", "")) is not None
+    assert pair.fast.hit_raw(request_bytes("t0", "c1", h, 0, 0.0, "", "")) is None  # a miss
+    assert pair.fast.hit("t0", "c0", b"\x00" * 16, 0, 0.0, "", "") is None  # a mismatch
+    assert counts == {"hit": 2, "no_lease": 0}
+    # Each took more than a nanosecond and less than a minute: the middle bucket.
+    assert series.counts == [0, 2, 0] and 0 < series.sum < 1.0
+    with pytest.raises(ValueError, match="no count named"):
+        pair.fast.attach_metrics(counts, "hits", series)
 
 
 async def test_handlers_try_the_raw_fast_path_and_leave_what_it_declines_to_the_servicer(

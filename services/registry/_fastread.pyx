@@ -70,11 +70,21 @@ cdef inline int _id_ok(str s, Py_ssize_t max_length):
     return _printable(<const unsigned char*>PyUnicode_DATA(s), n)
 
 
+cdef const char* _EMPTY = ""
+
+
 cdef inline double _seconds(int clock_id) noexcept nogil:
     """As `time.clock_gettime(clock_id)` computes it."""
     cdef timespec ts
     clock_gettime(clock_id, &ts)
     return <double>ts.tv_sec + <double>ts.tv_nsec * 1e-9
+
+
+cdef inline double _seconds_of_ns(int clock_id) noexcept nogil:
+    """As `time.time()` and `time.monotonic()` compute it (from nanoseconds)."""
+    cdef timespec ts
+    clock_gettime(clock_id, &ts)
+    return <double>(<int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec) / 1e9
 cdef inline Py_ssize_t _vsize(uint64_t v) noexcept nogil:
     cdef Py_ssize_t n = 1
     while v >= 0x80:
@@ -197,7 +207,8 @@ cdef bint _parse(const unsigned char* p, Py_ssize_t n, Request* r) noexcept nogi
     cdef unsigned seen = 0, seen_ttl = 0
     cdef int tag, field
     cdef uint64_t v
-    r.tenant = r.conversation_id = r.hashes = r.reader_id = r.request_id = NULL
+    # Absent fields read as empty, at a valid address (memcmp and memcpy of 0 bytes need one).
+    r.tenant = r.conversation_id = r.hashes = r.reader_id = r.request_id = _EMPTY
     r.tenant_len = r.conversation_id_len = r.hash_len = r.reader_id_len = 0
     r.request_id_len = 0
     r.min_tokens = r.ttl_seconds = r.ttl_nanos = 0
@@ -267,6 +278,7 @@ cdef class FastReader:
     cdef object _hit_counts, _hit_key, _series, _series_counts
     cdef double _granularity
     cdef int _monotonic_id, _wall_id  # clock_gettime clocks; -1: call the Python clock
+    cdef bint _monotonic_of_ns  # read as time.monotonic() reads (not time.clock_gettime())
     cdef bint _metrics
     cdef double _bounds[MAX_BOUNDS]
     cdef int _n_bounds
@@ -295,6 +307,7 @@ cdef class FastReader:
         self._monotonic = clock.monotonic
         self._wall = clock.wall
         self._monotonic_id = self._wall_id = -1
+        self._monotonic_of_ns = False
         if type(clock) is _clock.SystemClock:
             mono = _clock.monotonic
             if isinstance(mono, functools.partial) and mono.func is time.clock_gettime \
@@ -302,6 +315,7 @@ cdef class FastReader:
                 self._monotonic_id = mono.args[0]
             elif mono is time.monotonic:
                 self._monotonic_id = CLOCK_MONOTONIC
+                self._monotonic_of_ns = True
             self._wall_id = CLOCK_REALTIME
         self._active_lease = LeaseState.ACTIVE
         self._active_holder = HolderState.ACTIVE
@@ -382,12 +396,14 @@ cdef class FastReader:
 
     cdef inline double _now(self):
         if self._monotonic_id >= 0:
+            if self._monotonic_of_ns:
+                return _seconds_of_ns(self._monotonic_id)
             return _seconds(self._monotonic_id)
         return <double>self._monotonic()
 
     cdef inline double _wall_now(self):
         if self._wall_id >= 0:
-            return _seconds(self._wall_id)
+            return _seconds_of_ns(self._wall_id)
         return <double>self._wall()
 
     cdef object _hit(self, str tenant, str conversation_id, const char* theirs,
