@@ -15,8 +15,8 @@ and the same state.
 
 Where it helps: the registry's p99 under load was the Python it ran per call (README,
 "Registry"). A hit calls no Python function: 3.1 us in a tight loop, about 8 us at p50 in a
-loaded server (cold caches); under the registry bench 165-177 us of server CPU per call against
-212-219 for the Python path in the same runs (the echo: 149-165), p99 1.09-1.18x the echo's.
+loaded server (cold caches); under the registry bench 165-181 us of server CPU per call against
+212-219 for the Python path in the same runs (the echo: 149-165), p99 1.09-1.19x the echo's.
 """
 
 from libc.math cimport ceil
