@@ -160,9 +160,8 @@ def _guarded_unary(fn: Callable[[Any, Ctx], Awaitable[Any]], cls: Any, guard: _G
 
     async def handle(raw: bytes, context: Ctx) -> Any:
         principal = await guard.authenticate(context)
-        gate = tenant_gate(principal) if raw_fast is not None else None
-        if gate is not None:
-            assert raw_fast is not None
+        gate = None if raw_fast is None else tenant_gate(principal)
+        if raw_fast is not None and gate is not None:
             reply = raw_fast(raw, gate)
             if reply is not None:
                 return reply

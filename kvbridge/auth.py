@@ -312,13 +312,6 @@ def deny_holder(principal: Principal, holder_id: str, field: str = "holder_id") 
                                field=field, holder_id=holder_id)
 
 
-def check_tenant_field(field: str = "tenant") -> Check:
-    def check(principal: Principal, request: Any) -> None:
-        deny_tenant(principal, getattr(request, field), field)
-
-    return check
-
-
 def check_holder_field(field: str = "holder_id") -> Check:
     def check(principal: Principal, request: Any) -> None:
         deny_holder(principal, getattr(request, field), field)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvbridge.auth import Principal, Rule, deny_holder, deny_tenant, rule
+from kvbridge.auth import Principal, Rule, deny_holder, rule
 from kvbridge.errors import PermissionDenied
 from kvbridge.router.v1 import router_pb2 as pb
 
@@ -26,17 +26,13 @@ def _register(principal: Principal, request: Any) -> None:
         raise PermissionDenied("a reader token registers prefill instances only", field="role")
 
 
-def _tenant_field(principal: Principal, request: Any) -> None:
-    deny_tenant(principal, request.tenant)
-
-
 RULES: dict[str, Rule] = {
     "RegisterInstance": rule(*_ENGINES, check=_register),
     "HeartbeatInstance": rule(*_ENGINES),
     "DeregisterInstance": rule(*_ENGINES),
     "ListInstances": rule("gateway"),
-    "Route": rule("gateway", check=_tenant_field),
+    "Route": rule("gateway", tenant_field="tenant"),
     "GetServerInfo": rule("holder", "reader", "gateway", "router", "tenant"),
-    "AcquireRead": rule("reader", "gateway", check=_tenant_field),
+    "AcquireRead": rule("reader", "gateway", tenant_field="tenant"),
     "ReleaseRead": rule("reader", "gateway"),
 }
