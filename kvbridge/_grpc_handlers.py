@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -48,35 +47,6 @@ def _identity(raw: bytes) -> bytes:
     return raw
 
 
-@dataclass(frozen=True)
-class FastPath:
-    """A unary method's fast path: its reply already serialized, or None (having changed
-    nothing) for the servicer's method to answer. It must count and time what it answers.
-
-    `parsed` takes the parsed request; it runs after authentication and the method's access
-    rule, in place of the servicer. `raw`, where given, is used instead: it takes the request's
-    bytes before they are parsed, and a `TenantGate` on a server that authenticates calls (the
-    caller's access rule, where it depends on nothing but the request's `tenant`: `raw` must
-    answer only for a tenant the gate admits), else None. What it does not answer is parsed,
-    checked and served by the servicer (`parsed` would only repeat the same reading); `parsed`
-    is still used where a caller's rule needs more than the tenant."""
-
-    parsed: Callable[[Any], bytes | None]
-    raw: Callable[[bytes, auth.TenantGate | None], bytes | None] | None = None
-
-
-def _serializer(cls: Any, fast: FastPath | None) -> Callable[[Any], bytes]:
-    """The response serializer; with a fast path, one that sends its bytes as they are."""
-    serialize: Callable[[Any], bytes] = cls.SerializeToString
-    if fast is None:
-        return serialize
-
-    def serialize_reply(reply: Any) -> bytes:
-        return reply if type(reply) is bytes else serialize(reply)
-
-    return serialize_reply
-
-
 async def _parse(raw: bytes, cls: Any, context: Ctx) -> Any:
     try:
         return cls.FromString(raw)
@@ -90,28 +60,17 @@ async def _refuse(cls: Any, err: DecodeError, context: Ctx) -> None:
     await context.abort_with_status(to_status(error))
 
 
-def _unary(fn: Callable[[Any, Ctx], Awaitable[Any]], cls: Any, fast: FastPath | None = None
+def _unary(fn: Callable[[Any, Ctx], Awaitable[Any]], cls: Any
            ) -> Callable[[bytes, Ctx], Awaitable[Any]]:
     parse = cls.FromString
-    # The raw fast path where there is one (it reads what the parsed one would), else that.
-    raw_fast = fast.raw if fast is not None else None
-    parsed_fast = fast.parsed if fast is not None and raw_fast is None else None
 
     async def handle(raw: bytes, context: Ctx) -> Any:
-        if raw_fast is not None:
-            reply = raw_fast(raw, None)
-            if reply is not None:
-                return reply
         # Parsed here rather than in `_parse`: one coroutine less on every unary call.
         try:
             request = parse(raw)
         except DecodeError as err:
             await _refuse(cls, err, context)
             raise  # unreachable: _refuse raises
-        if parsed_fast is not None:
-            reply = parsed_fast(request)
-            if reply is not None:
-                return reply
         return await fn(request, context)
 
     return handle
@@ -153,24 +112,12 @@ class _Guard:
         await context.abort_with_status(to_status(err))
 
 
-def _guarded_unary(fn: Callable[[Any, Ctx], Awaitable[Any]], cls: Any, guard: _Guard,
-                   fast: FastPath | None = None) -> Callable[[bytes, Ctx], Awaitable[Any]]:
-    raw_fast = fast.raw if fast is not None else None
-    tenant_gate = guard.rule.tenant_gate
-
+def _guarded_unary(fn: Callable[[Any, Ctx], Awaitable[Any]], cls: Any, guard: _Guard
+                   ) -> Callable[[bytes, Ctx], Awaitable[Any]]:
     async def handle(raw: bytes, context: Ctx) -> Any:
         principal = await guard.authenticate(context)
-        gate = None if raw_fast is None else tenant_gate(principal)
-        if raw_fast is not None and gate is not None:
-            reply = raw_fast(raw, gate)
-            if reply is not None:
-                return reply
         request = await _parse(raw, cls, context)
         await guard.authorize(principal, request, context)
-        if fast is not None and gate is None:
-            reply = fast.parsed(request)
-            if reply is not None:
-                return reply
         token = auth.set_current(principal)
         try:
             return await fn(request, context)
@@ -196,16 +143,12 @@ def _guarded_streaming(fn: Callable[[Any, Ctx], AsyncIterator[Any]], cls: Any, g
 
 def add_servicer(server: grpc.aio.Server, servicer: Any, messages: ModuleType,
                  service_name: str, *, authenticator: auth.Authenticator | None = None,
-                 rules: Mapping[str, auth.Rule] | None = None,
-                 fast_paths: Mapping[str, FastPath] | None = None) -> None:
+                 rules: Mapping[str, auth.Rule] | None = None) -> None:
     """Register every method of `service_name` (from the `_pb2` module `messages`) on
     `server`, served by the same-named methods of `servicer`.
 
     With an enabled `authenticator`, every call is authenticated and checked against its
-    method's entry in `rules` (which must name every method) before the servicer runs.
-    `fast_paths` (unary methods only) are tried before the servicer, after authentication; on
-    the caller's access rule see `FastPath`."""
-    fast_paths = dict(fast_paths or {})
+    method's entry in `rules` (which must name every method) before the servicer runs."""
     guarded = authenticator is not None and authenticator.enabled
     service = messages.DESCRIPTOR.services_by_name[service_name]
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
@@ -215,9 +158,6 @@ def add_servicer(server: grpc.aio.Server, servicer: Any, messages: ModuleType,
         request_cls = _message_class(messages, method.input_type)
         response_cls = _message_class(messages, method.output_type)
         fn = getattr(servicer, method.name)
-        fast = fast_paths.pop(method.name, None)
-        if fast is not None and method.server_streaming:
-            raise ValueError(f"{method.full_name}: a fast path must be of a unary method")
         if guarded:
             assert authenticator is not None
             if rules is None or method.name not in rules:
@@ -229,17 +169,14 @@ def add_servicer(server: grpc.aio.Server, servicer: Any, messages: ModuleType,
                     response_cls.SerializeToString)
             else:
                 handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                    _guarded_unary(fn, request_cls, guard, fast), _identity,
-                    _serializer(response_cls, fast))
+                    _guarded_unary(fn, request_cls, guard), _identity,
+                    response_cls.SerializeToString)
         elif method.server_streaming:
             handlers[method.name] = grpc.unary_stream_rpc_method_handler(
                 _streaming(fn, request_cls), _identity, response_cls.SerializeToString)
         else:
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _unary(fn, request_cls, fast), _identity, _serializer(response_cls, fast))
-    if fast_paths:
-        raise ValueError(f"fast paths of methods {service.full_name} does not have: "
-                         f"{sorted(fast_paths)}")
+                _unary(fn, request_cls), _identity, response_cls.SerializeToString)
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(service.full_name, handlers),))
 

@@ -249,11 +249,6 @@ def reset_current(token: contextvars.Token[Principal]) -> None:
 # ---- per-method rules ---------------------------------------------------------------------------
 
 Check = Callable[[Principal, Any], None]
-TenantGate = Callable[[str], bool]
-
-
-def _any_tenant(tenant: str) -> bool:
-    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,22 +270,6 @@ class Rule:
             deny_tenant(principal, getattr(request, self.tenant_field), self.tenant_field)
         if self.check is not None:
             self.check(principal, request)
-
-    def tenant_gate(self, principal: Principal) -> TenantGate | None:
-        """For a request read without being parsed (a fast path): whether `principal` may make
-        this call for a tenant, exactly as `apply` would decide once the request's tenant
-        field is known; None where `apply` needs more than that field (a `check`, another
-        field), or refuses the caller's role outright: the request must then be parsed and
-        `apply`'d."""
-        if principal.is_admin:
-            return _any_tenant
-        if principal.role not in self.roles or self.check is not None:
-            return None
-        if self.tenant_field is None:
-            return _any_tenant
-        if self.tenant_field != "tenant":
-            return None
-        return principal.may_tenant
 
 
 def rule(*roles: str, check: Check | None = None, tenant_field: str | None = None) -> Rule:

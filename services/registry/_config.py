@@ -72,10 +72,6 @@ class RegistryConfig(SecuritySettings):
         0.01, "shortest pause of the expiry scheduler: deadlines falling due within it are "
         "processed in one tick (pins and leases expire up to this late; longer ticks cost "
         "less CPU, and on Redis fewer script calls)")
-    compiled_reads: str = setting(
-        "auto", "AcquireRead hits through the compiled path (built at install when a C compiler "
-        "is there; memory backend): auto (use it when built), on (refuse to start without "
-        "it), off (every read in Python)")
     shutdown_grace_s: float = setting(5.0, "seconds in-flight RPCs get on SIGTERM")
     gc_freeze_interval_s: float = setting(
         5.0, "move objects older than this out of the cyclic GC's reach (0: plain GC); keeps "
@@ -114,12 +110,6 @@ class RegistryConfig(SecuritySettings):
                              "KVBRIDGE_REGISTRY_REDIS_URL)")
         if not self.redis_namespace or any(c in self.redis_namespace for c in "{} \t\n"):
             raise ValueError("redis_namespace must be non-empty, without braces or spaces")
-        if self.compiled_reads not in ("auto", "on", "off"):
-            raise ValueError(f"compiled_reads must be auto, on or off, got "
-                             f"{self.compiled_reads!r}")
-        if self.compiled_reads == "on" and self.backend != "memory":
-            raise ValueError("compiled_reads on: the compiled read path serves the memory "
-                             "backend only")
         check_logging(self.log_level, self.log_format)
         self.check_security()
         if self.tenant_max_leases < 0 or self.tenant_max_blocks < 0:

@@ -52,14 +52,6 @@ from kvbridge.services.registry._model import (
     Pin,
 )
 
-try:  # the compiled AcquireRead hit path: optional, built at install (see _fastread.pyx)
-    from kvbridge.services.registry._fastread import FastReader
-except ImportError as exc:
-    FastReader = None  # type: ignore[assignment,misc]
-    FAST_READER_MISSING = f"not built ({exc})"
-else:
-    FAST_READER_MISSING = ""
-
 log = structlog.get_logger("kvbridge.registry")
 
 Listener = Callable[[LeaseEvent], None]
@@ -292,12 +284,6 @@ class LeaseTable:
         self._quotas_on = bool(self._quotas or config.tenant_max_leases
                                or config.tenant_max_blocks)
         self._tenant_usage: dict[str, list[int]] = {}
-
-    def fast_reader(self) -> FastReader | None:
-        """The compiled AcquireRead hit path over this table (`_fastread.FastReader`), or None
-        where it was not built (`FAST_READER_MISSING` says why). Its `hit` gives the
-        serialized reply of a hit, or None for anything else, for `acquire_read` to answer."""
-        return None if FastReader is None else FastReader(self, blockhash.HASH_SIZE)
 
     # ---- listeners --------------------------------------------------------------------------
 

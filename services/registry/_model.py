@@ -164,8 +164,6 @@ class Lease:
 
 
 class Pin:
-    # The compiled read path (`_fastread`) makes pins without calling `__init__`: it sets these
-    # three slots. A new field must be set there too.
     __slots__ = ("expire_at", "lease", "pin_id")
 
     def __init__(self, pin_id: str, lease: Lease, expire_at: float) -> None:

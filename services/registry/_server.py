@@ -8,7 +8,6 @@ import contextlib
 import gc
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -28,13 +27,10 @@ from kvbridge.errors import Unavailable
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.services.registry._access import RULES
 from kvbridge.services.registry._config import RegistryConfig
-from kvbridge.services.registry._core import FAST_READER_MISSING, LeaseTable
+from kvbridge.services.registry._core import LeaseTable
 from kvbridge.services.registry._metrics import RegistryMetrics
 from kvbridge.services.registry._servicer import RegistryServicer
 from kvbridge.services.registry._store import LeaseStore, MemoryStore
-
-if TYPE_CHECKING:  # the module is optional (not built without a C compiler)
-    from kvbridge.services.registry._fastread import FastReader
 
 log = structlog.get_logger("kvbridge.registry")
 
@@ -91,15 +87,10 @@ class RegistryServer:
         await self.health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
         log.info("registry_started", listen=self.address, metrics_port=self.metrics_port,
                  backend=self.config.backend,
-                 compiled_reads=self.servicer.compiled_reads,
                  event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
                  recovery_grace_s=self.config.effective_recovery_grace_s,
                  **grpc_env.describe(log),
                  **auth.describe(self.config.token_table(), self.config.tls_files()))
-        if (FAST_READER_MISSING and self.config.compiled_reads == "auto"
-                and isinstance(self.store, MemoryStore)):
-            log.warning("compiled_reads_unavailable", why=FAST_READER_MISSING,
-                        effect="every AcquireRead is answered in Python (slower under load)")
 
     async def _run_expiry(self) -> None:
         store, clock = self.store, self.store.clock
@@ -188,19 +179,6 @@ async def create_server(config: RegistryConfig, *, clock: Clock | None = None,
         raise
 
 
-def compiled_reads(config: RegistryConfig, store: LeaseStore) -> FastReader | None:
-    """The compiled AcquireRead hit path `config.compiled_reads` asks for, where there is one:
-    a memory store's, when the extension was built. ValueError for `on` without it."""
-    if config.compiled_reads == "off" or not isinstance(store, MemoryStore):
-        return None
-    fast = store.table.fast_reader()
-    if fast is None and config.compiled_reads == "on":
-        raise ValueError(f"compiled_reads on, but the compiled read path is "
-                         f"{FAST_READER_MISSING}: reinstall kvbridge where a C compiler and "
-                         f"Python's headers are present, or run with --compiled-reads auto")
-    return fast
-
-
 def _bind(config: RegistryConfig, store: LeaseStore) -> RegistryServer:
     metrics = RegistryMetrics(store)
     server = grpc.aio.server(options=[
@@ -211,11 +189,9 @@ def _bind(config: RegistryConfig, store: LeaseStore) -> RegistryServer:
     ])
     # Requests are parsed by the handlers: bytes that are not the request message get
     # INVALID_ARGUMENT with a reason, not gRPC's UNKNOWN.
-    fast = compiled_reads(config, store)
-    servicer = RegistryServicer(store, metrics, fast_reader=fast)
+    servicer = RegistryServicer(store, metrics)
     add_servicer(server, servicer, pb, "RegistryService",
-                 authenticator=auth.Authenticator(config.token_table()), rules=RULES,
-                 fast_paths=servicer.fast_paths())
+                 authenticator=auth.Authenticator(config.token_table()), rules=RULES)
     health_servicer = health.aio.HealthServicer()
     add_health_and_reflection(
         server, health_servicer,

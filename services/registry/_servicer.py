@@ -10,14 +10,13 @@ import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import grpc
 import structlog
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from kvbridge import __version__, blockhash
-from kvbridge._grpc_handlers import FastPath
 from kvbridge._grpc_status import STREAM_LIVE, to_status
 from kvbridge.errors import (
     CapacityExhausted,
@@ -45,12 +44,8 @@ from kvbridge.services.registry._model import (
     Lease,
     LeaseEvent,
     LeaseState,
-    MissReason,
 )
 from kvbridge.services.registry._store import LeaseStore
-
-if TYPE_CHECKING:
-    from kvbridge.services.registry._fastread import FastReader
 
 log = structlog.get_logger("kvbridge.registry")
 
@@ -109,14 +104,8 @@ def _rpc(fn: Handler[Req, Resp]) -> Handler[Req, Resp]:
 
 
 class RegistryServicer(pb_grpc.RegistryServiceServicer):
-    def __init__(self, store: LeaseStore, metrics: RegistryMetrics, *,
-                 fast_reader: FastReader | None = None) -> None:
-        """`fast_reader`: the compiled hit path over the same store's table: the serialized
-        reply of a hit, or None for `store.acquire_read` to answer. It is served through
-        `fast_paths`, which the server hands to `add_servicer`, and counts and times its hits
-        in `metrics` itself."""
+    def __init__(self, store: LeaseStore, metrics: RegistryMetrics) -> None:
         self.store = store
-        self._fast = fast_reader
         self.metrics = metrics
         self.clock = store.clock
         self._watch_enders: set[Callable[[KvbridgeError], None]] = set()
@@ -129,15 +118,6 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             name: metrics.rpc_duration.labels(name)
             for name in pb.DESCRIPTOR.services_by_name["RegistryService"].methods_by_name
         }
-        if fast_reader is not None:
-            fast_reader.attach_metrics(metrics.reads.counts,
-                                       metrics.outcome_label(MissReason.HIT),
-                                       self._durations["AcquireRead"])
-
-    @property
-    def compiled_reads(self) -> bool:
-        """Whether read hits take the compiled path."""
-        return self._fast is not None
 
     # ---- conversions ------------------------------------------------------------------------
 
@@ -331,22 +311,6 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             _seconds(request.pin_ttl, "pin_ttl"), request.reader_id, request.request_id)
         self.metrics.read(read.miss)
         return self._read_response(read, pb.AcquireReadResponse())
-
-    def fast_paths(self) -> dict[str, FastPath]:
-        """The handlers' fast paths (`add_servicer`): AcquireRead hits, when compiled."""
-        if self._fast is None:
-            return {}
-        return {"AcquireRead": FastPath(self._acquire_read_hit, self._fast.hit_raw)}
-
-    def _acquire_read_hit(self, request: pb.AcquireReadRequest) -> bytes | None:
-        """AcquireRead's reply, serialized, when it is a hit the compiled path answers (which
-        counts and times it); None, nothing changed, for `AcquireRead` to answer."""
-        ttl = request.pin_ttl
-        if self._fast is None or ttl.seconds < 0 or ttl.nanos < 0:  # refused by AcquireRead
-            return None
-        return self._fast.hit(request.tenant, request.conversation_id, request.block_hashes,
-                              request.min_tokens, ttl.seconds + ttl.nanos * 1e-9,  # _seconds()
-                              request.reader_id, request.request_id)
 
     @_rpc
     async def PinLease(self, request: pb.PinLeaseRequest, context: Ctx) -> pb.PinLeaseResponse:
