@@ -830,15 +830,15 @@ async def test_redis_durations_count_from_when_the_call_was_sent(
     await store.start()
     try:
         await store.register_holder(holder(ttl=300.0))
-        assert store._pipe is not None
-        original = store._pipe.call
+        assert store._batcher is not None
+        original = store._batcher.call
 
-        async def late(keys: Any, args: Any) -> Any:
-            reply = await original(keys, args)
+        async def late(args: Any) -> Any:
+            reply = await original(args)
             await asyncio.sleep(0.5)
             return reply
 
-        store._pipe.call = late  # type: ignore[method-assign]
+        store._batcher.call = late  # type: ignore[assignment,method-assign]
         lease = (await store.grant(grant_spec(kv, kv.tokens(8), idle_ttl=60.0))).lease
         assert lease.expire_at - store.clock.monotonic() <= 59.55
         read = await store.pin_lease("t1", "c1", pin_ttl=10.0)
@@ -1642,23 +1642,16 @@ class _CutAfterRun:
         await asyncio.gather(to_redis(), to_client(), return_exceptions=True)
 
 
-@pytest.mark.parametrize("path", ["pipe", "redis-py"])
 async def test_redis_script_call_is_never_sent_again_after_redis_may_have_run_it(
-        redis_server: Any, redis_namespace: str, kv: Any, path: str,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
     """A connection lost after a grant reached Redis fails the call (Unavailable: the caller
     fails open) instead of resending it: the lease Redis granted stays one live lease."""
-    from kvbridge.services.registry import _redis
-
-    if path == "redis-py":  # as for rediss:// (TLS) URLs
-        monkeypatch.setattr(_redis, "supported", lambda url: False)
     proxy = _CutAfterRun(redis_server.port, b"grant")
     port = await proxy.start()
     store = RedisStore(_redis_config(f"redis://127.0.0.1:{port}/0", redis_namespace),
                        SystemClock(), recovering=False)
     await store.start()
     try:
-        assert (store._pipe is None) is (path == "redis-py")
         await store.register_holder(holder(ttl=300.0))
         with pytest.raises(errors.Unavailable):
             await store.grant(grant_spec(kv, kv.tokens(8)))

@@ -88,7 +88,6 @@ from kvbridge.services.registry._model import (
     Pin,
 )
 from kvbridge.services.registry._redis_lua import LUA
-from kvbridge.services.registry._resp import RECONNECT, ScriptPipe, not_serving, supported
 
 log = structlog.get_logger("kvbridge.registry")
 
@@ -126,6 +125,23 @@ def _widened(bounds: tuple[float, float, float, bytes], at: float) -> tuple[floa
     return bounds[0] - widen, bounds[1] + widen
 
 
+# Error replies of a Redis that cannot serve now, whatever the call: an outage to the caller
+# (who retries or fails over), not a script error. OOM: a full Redis refuses every write.
+NOT_SERVING = frozenset({"LOADING", "BUSY", "READONLY", "MASTERDOWN", "TRYAGAIN",
+                         "CLUSTERDOWN", "NOREPLICAS", "MISCONF", "OOM"})
+# Of those, the ones that mean this connection's server is no longer the one to talk to.
+RECONNECT = frozenset({"READONLY", "MASTERDOWN"})
+
+
+def not_serving(exc: BaseException) -> str | None:
+    """The error code of a reply in `NOT_SERVING`, else None (redis-py strips the code from
+    the message of the errors it has classes for and keeps it in `status_code`)."""
+    if not isinstance(exc, ResponseError):
+        return None
+    code = getattr(exc, "status_code", None) or str(exc).split(" ", 1)[0]
+    return code if code in NOT_SERVING else None
+
+
 def _s(value: bytes) -> str:
     return value.decode()
 
@@ -147,7 +163,6 @@ class RedisStore:
         self._tail: aioredis.Redis | None = None  # blocking XREADs get their own connection
         self._script: Any = None
         self._batcher: _Batcher | None = None
-        self._pipe: ScriptPipe | None = None  # the script calls' own connection (not TLS)
         self._listeners: list[Listener] = []
         self._events_lost: Callable[[str], None] | None = None
         self._renewal_listeners: list[Listener] = []
@@ -191,11 +206,7 @@ class RedisStore:
         await self._check_layout()
         self._use_pin_secret(await self._shared_pin_secret())
         self._script = self._redis.register_script(LUA)
-        if supported(url):
-            self._pipe = ScriptPipe(url, LUA, self._script.sha, connect_timeout=2.0,
-                                    timeout=5.0)
-        else:
-            self._batcher = _Batcher(self._redis, self._script, self._events_key)
+        self._batcher = _Batcher(self._redis, self._script, self._events_key)
         await self.tick()  # loads the script, primes counts
         if self._outdated:  # a newer replica raised the minimum since the check above
             await self.close()
@@ -284,10 +295,6 @@ class RedisStore:
             if pending:
                 await asyncio.wait(pending, timeout=1.0)
         self._reader = None
-        if self._pipe is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._pipe.close(), 2.0)
-            self._pipe = None
         for client in (self._redis, self._tail):
             if client is not None:
                 with contextlib.suppress(Exception):
@@ -311,17 +318,13 @@ class RedisStore:
         argv = [args[0], self.config.redis_events_maxlen, self._grace, f"{sent:.6f}", lo, hi,
                 gen, *args[1:]]
         try:
-            reply: list[Any]
-            if self._pipe is not None:
-                reply = await self._pipe.call(self._keys, argv)
-            elif self._batcher is not None:
-                reply = await self._batcher.call(argv)
-            else:
+            if self._batcher is None:
                 raise Unavailable("the Redis store is not started", backend="redis")
+            reply: list[Any] = await self._batcher.call(argv)
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             # Only unreachability: a script error is a bug and must not look like an outage.
             raise Unavailable(f"Redis unreachable: {exc}", backend="redis") from exc
-        except ResponseError as exc:  # the pipe maps these itself; redis-py does not
+        except ResponseError as exc:
             code = not_serving(exc)
             if code is None:
                 raise
