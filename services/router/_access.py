@@ -3,6 +3,8 @@
 Engines' instance agents register with the engine's own token: a decode engine's (role holder)
 only as a decode instance of an engine id its scope names, a prefill engine's (role reader) only
 as a prefill instance. The gateway routes; prefill connectors read through the router.
+Which instance a caller may heartbeat, deregister or replace, and which tenants' turns reach
+it, depend on who registered it: the ownership rules are in `_policy`'s docstring.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from kvbridge.auth import TOKEN_ENV, SecuritySettings
 from kvbridge.config import check_logging, setting
+from kvbridge.services.router._urls import EngineUrlPolicy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,11 @@ class RouterConfig(SecuritySettings):
         3600.0, "how long the router remembers an engine id that stopped heartbeating (reads "
         "of its KV are refused meanwhile)")
     max_id_length: int = setting(256, "longest id (instance, engine, tenant, conversation)")
+    engine_url_allow: str = setting(
+        "", "hosts an instance's http_url may name (the gateway sends turns there): "
+        "comma-separated host names (*-patterns) and CIDRs, or * for any host. Empty: loopback "
+        "only when --listen is a loopback address, else any host. Link-local/metadata "
+        "(169.254.0.0/16, fe80::/10), unspecified and multicast addresses are always refused")
     shutdown_grace_s: float = setting(5.0, "seconds in-flight RPCs get on SIGTERM")
     token: str = setting(
         "", "bearer token (role router) the router sends to the registry; prefer the "
@@ -61,4 +67,10 @@ class RouterConfig(SecuritySettings):
         if not 0.0 < self.decode_max_kv_usage <= 1.0:
             raise ValueError("decode_max_kv_usage must be in (0, 1]")
         check_logging(self.log_level, self.log_format)
+        self.url_policy()
         self.check_security()
+
+    def url_policy(self) -> EngineUrlPolicy:
+        """The engine URL policy `engine_url_allow` describes (ValueError when malformed)."""
+        host = self.listen.rsplit(":", 1)[0] if ":" in self.listen else self.listen
+        return EngineUrlPolicy.parse(self.engine_url_allow, host)

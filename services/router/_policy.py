@@ -4,6 +4,19 @@ with an injected clock, so that it is tested over many instances without servers
 Load is what an instance last reported (running and waiting requests, KV usage, tokens in
 flight) plus the turns routed to it since that report, so that a burst between two heartbeats
 does not all land on the instance that looked idlest.
+
+Ownership (with authentication; in insecure local mode every caller is the same admin, and
+nothing below changes anything):
+- An instance belongs to the principal (token) that registered it. Only that principal, or an
+  admin, heartbeats, deregisters or re-registers (replaces) it; anyone else gets
+  PERMISSION_DENIED with reason INSTANCE_OWNED, and nothing changes.
+- An engine id that a live instance of another principal uses is refused (ENGINE_ID_TAKEN),
+  with one exception against squatting: a principal *entitled* to the engine id (a holder token
+  whose holder= scope names it, or an admin) displaces a live instance whose owner is not
+  entitled to that instance's own engine id (e.g. a reader token that took `decode-1`).
+- Tenants: a turn of tenant T is routed only to instances whose owner may serve T, i.e. whose
+  token's tenants= scope matches T; tokens without tenants= serve every tenant. So a
+  tenant-scoped engine token can register engines, but only its own tenants' turns reach them.
 """
 
 from __future__ import annotations
@@ -14,12 +27,32 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from kvbridge.auth import LOCAL_ADMIN, Principal
 from kvbridge.clock import Clock
-from kvbridge.errors import InstanceNotFound, InvalidArgument, NoInstance
+from kvbridge.errors import InstanceNotFound, InvalidArgument, NoInstance, PermissionDenied
 from kvbridge.services.registry import _validate as check
 from kvbridge.services.router._config import RouterConfig
 
 log = structlog.get_logger("kvbridge.router")
+
+
+class InstanceOwned(PermissionDenied):
+    """The instance belongs to another principal: only it (or an admin) may heartbeat,
+    deregister or replace it."""
+
+    reason = "INSTANCE_OWNED"
+
+
+class EngineIdTaken(PermissionDenied):
+    """A live instance of another principal uses this engine id."""
+
+    reason = "ENGINE_ID_TAKEN"
+
+
+def entitled(principal: Principal, engine_id: str) -> bool:
+    """Whether `principal`'s own scope names `engine_id`: an admin, or a holder token whose
+    holder= scope matches it. Such a claim outranks one by a principal whose scope does not."""
+    return principal.is_admin or (principal.role == "holder" and principal.may_hold(engine_id))
 
 
 class Role(enum.IntEnum):  # the values of kvbridge.router.v1.Role
@@ -63,6 +96,15 @@ class Instance:
     load: Load = field(default_factory=Load)
     routed: int = 0  # turns routed here since the last heartbeat
     routed_tokens: int = 0
+    owner: Principal = LOCAL_ADMIN  # who registered it
+
+    def managed_by(self, caller: Principal) -> bool:
+        return caller.is_admin or caller == self.owner
+
+    @property
+    def squatted(self) -> bool:
+        """Its owner is not entitled to its engine id: an entitled principal may displace it."""
+        return not entitled(self.owner, self.spec.engine_id)
 
     @property
     def instance_id(self) -> str:
@@ -98,7 +140,9 @@ class InstanceTable:
 
     # ---- membership -------------------------------------------------------------------------
 
-    def register(self, spec: InstanceSpec) -> Instance:
+    def check_spec(self, spec: InstanceSpec) -> float:
+        """InvalidArgument unless `spec` is well formed (nothing about other instances); its
+        TTL."""
         cfg = self.config
         check.identifier("instance_id", spec.instance_id, cfg.max_id_length)
         check.identifier("engine_id", spec.engine_id, cfg.max_id_length)
@@ -114,25 +158,48 @@ class InstanceTable:
         check.in_range("nixl_port", spec.nixl_port, 0, 65535)
         ttl = spec.ttl or cfg.default_instance_ttl_s
         check.duration("ttl", ttl, cfg.min_instance_ttl_s, cfg.max_instance_ttl_s)
+        return ttl
+
+    def register(self, spec: InstanceSpec, owner: Principal = LOCAL_ADMIN) -> Instance:
+        """Add or replace (same instance id) an instance owned by `owner`; see the module
+        docstring for who may replace what."""
+        ttl = self.check_spec(spec)
         self.expire()
+        may_displace = entitled(owner, spec.engine_id)
+        previous = self._instances.get(spec.instance_id)
+        if previous is not None and not previous.managed_by(owner) and not (
+                may_displace and previous.squatted):
+            raise InstanceOwned(f"instance {spec.instance_id!r} belongs to another principal",
+                                instance_id=spec.instance_id)
+        displaced: list[Instance] = []
         for other in self._instances.values():
-            if (other.spec.engine_id == spec.engine_id
-                    and other.instance_id != spec.instance_id):
+            if (other.spec.engine_id != spec.engine_id
+                    or other.instance_id == spec.instance_id):
+                continue
+            if other.managed_by(owner):
                 raise InvalidArgument("engine_id", f"already registered by instance "
                                       f"{other.instance_id!r}", engine_id=spec.engine_id)
+            if not (may_displace and other.squatted):
+                raise EngineIdTaken(f"engine id {spec.engine_id!r} is registered by another "
+                                    "principal's live instance", engine_id=spec.engine_id)
+            displaced.append(other)
         now = self.clock.monotonic()
-        previous = self._instances.get(spec.instance_id)
-        instance = Instance(spec, ttl, now + ttl)
+        for other in displaced:
+            del self._instances[other.instance_id]
+            log.warning("instance_displaced", instance=other.instance_id,
+                        engine_id=other.spec.engine_id, owner=other.owner.name, by=owner.name)
+        instance = Instance(spec, ttl, now + ttl, owner=owner)
         if previous is not None and previous.spec.engine_id != spec.engine_id:
             self._dead_engines[previous.spec.engine_id] = now  # replaced: the old engine is gone
         self._instances[spec.instance_id] = instance
         self._dead_engines.pop(spec.engine_id, None)
         log.info("instance_registered", instance=spec.instance_id, role=spec.role.name.lower(),
                  url=spec.http_url, engine_id=spec.engine_id, model=spec.model, ttl_s=ttl,
-                 again=previous is not None)
+                 again=previous is not None, owner=owner.name)
         return instance
 
-    def heartbeat(self, instance_id: str, load: Load) -> Instance:
+    def heartbeat(self, instance_id: str, load: Load, caller: Principal = LOCAL_ADMIN
+                  ) -> Instance:
         check.identifier("instance_id", instance_id, self.config.max_id_length)
         if load.running < 0 or load.waiting < 0 or load.tokens_in_flight < 0:
             raise InvalidArgument("load", "counts must not be negative")
@@ -143,19 +210,28 @@ class InstanceTable:
         if instance is None:
             raise InstanceNotFound(f"no instance {instance_id!r}: register again",
                                    instance_id=instance_id)
+        self._check_owner(instance, caller)
         instance.load = load
         instance.routed = instance.routed_tokens = 0
         instance.expire_at = self.clock.monotonic() + instance.ttl
         return instance
 
-    def deregister(self, instance_id: str) -> bool:
+    def deregister(self, instance_id: str, caller: Principal = LOCAL_ADMIN) -> bool:
         check.identifier("instance_id", instance_id, self.config.max_id_length)
-        instance = self._instances.pop(instance_id, None)
+        instance = self._instances.get(instance_id)
         if instance is None:
             return False
+        self._check_owner(instance, caller)
+        del self._instances[instance_id]
         self._dead_engines[instance.spec.engine_id] = self.clock.monotonic()
         log.info("instance_deregistered", instance=instance_id)
         return True
+
+    @staticmethod
+    def _check_owner(instance: Instance, caller: Principal) -> None:
+        if not instance.managed_by(caller):
+            raise InstanceOwned(f"instance {instance.instance_id!r} belongs to another "
+                                "principal", instance_id=instance.instance_id)
 
     def expire(self) -> list[Instance]:
         """Drop instances past their TTL (and forget long-dead engines). Returns those dropped."""
@@ -190,18 +266,22 @@ class InstanceTable:
     # ---- routing ----------------------------------------------------------------------------
 
     def route(self, prompt_tokens: int, model: str, lease_holder: str | None,
-              exclude: Collection[str] = ()) -> Decision:
+              exclude: Collection[str] = (), tenant: str | None = None) -> Decision:
         """Pick prefill and decode for one turn. `lease_holder` is the engine id holding the
         conversation's lease ("" when it has none), or None when the registry could not say.
-        Instances in `exclude` are not picked."""
+        Instances in `exclude` are not picked, nor, for a `tenant`, instances whose owner may
+        not serve it."""
         check.in_range("prompt_tokens", prompt_tokens, 0, 2**31)
         if model:
             check.identifier("model", model, self.config.max_id_length)
         if len(exclude) > 64:
             raise InvalidArgument("exclude_instance_ids", "at most 64")
         prefills = [i for i in self.instances(Role.PREFILL, model)
-                    if i.instance_id not in exclude]
-        decodes = [i for i in self.instances(Role.DECODE, model) if i.instance_id not in exclude]
+                    if i.instance_id not in exclude
+                    and (tenant is None or i.owner.may_tenant(tenant))]
+        decodes = [i for i in self.instances(Role.DECODE, model)
+                   if i.instance_id not in exclude
+                   and (tenant is None or i.owner.may_tenant(tenant))]
         if not prefills or not decodes:
             missing = "prefill" if not prefills else "decode"
             raise NoInstance(f"no live {missing} instance" + (f" serves {model!r}" if model

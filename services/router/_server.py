@@ -26,6 +26,7 @@ from kvbridge.services.router._access import RULES
 from kvbridge.services.router._config import RouterConfig
 from kvbridge.services.router._policy import InstanceTable
 from kvbridge.services.router._servicer import RouterMetrics, RouterServicer
+from kvbridge.services.router._urls import is_loopback_host
 
 log = structlog.get_logger("kvbridge.router")
 
@@ -42,6 +43,7 @@ class RouterServer:
     port: int
     health: health.aio.HealthServicer
     registry: AsyncRegistryClient | None
+    servicer: RouterServicer
     metrics_port: int | None = None
     _expiry: asyncio.Task[None] | None = None
     _http: object | None = field(default=None, repr=False)
@@ -64,7 +66,9 @@ class RouterServer:
         log.info("router_started", listen=self.address, registry=self.config.registry or None,
                  metrics_port=self.metrics_port,
                  **grpc_env.describe(log),
+                 engine_urls=self.servicer.urls.describe(),
                  **auth.describe(self.config.token_table(), self.config.tls_files()))
+        warn_if_exposed(self.config)
 
     async def _run_expiry(self) -> None:
         while True:  # instances are also expired lazily on every call; this logs losses soon
@@ -86,6 +90,27 @@ class RouterServer:
         log.info("router_stopped")
 
 
+def warn_if_exposed(config: RouterConfig) -> None:
+    """A loud warning when the router listens beyond loopback unprotected: in insecure local mode
+    (anyone may register engines and read routes), or with tokens but no TLS (tokens cross the
+    network in the clear)."""
+    host, _ = split_hostport(config.listen)
+    if is_loopback_host(host):
+        return
+    if config.token_table() is None:
+        log.warning("insecure_mode_on_network", listen=config.listen,
+                    risk="no authentication on a non-loopback address: anyone who reaches it "
+                         "can register engines, take turns and read routes",
+                    fix="give it --auth-tokens-file and --tls-cert/--tls-key, or listen on "
+                        "127.0.0.1")
+    elif not config.tls_cert:
+        log.warning("tokens_without_tls", listen=config.listen,
+                    risk="bearer tokens cross the network in the clear on a non-loopback "
+                         "address",
+                    fix="add --tls-cert/--tls-key (and --tls-ca for clients), or listen on "
+                        "127.0.0.1")
+
+
 async def create_server(config: RouterConfig, *, clock: Clock | None = None) -> RouterServer:
     """Build a router bound to `config.listen` (not started). Port 0 picks a free port."""
     table = InstanceTable(config, clock or SystemClock())
@@ -94,7 +119,8 @@ async def create_server(config: RouterConfig, *, clock: Clock | None = None) -> 
                                     token=config.token or None, tls=config.client_tls())
                 if config.registry else None)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *SERVER_KEEPALIVE_OPTIONS])
-    add_servicer(server, RouterServicer(table, metrics, registry), pb, "RouterService",
+    servicer = RouterServicer(table, metrics, registry, config.url_policy())
+    add_servicer(server, servicer, pb, "RouterService",
                  authenticator=auth.Authenticator(config.token_table()), rules=RULES)
     health_servicer = health.aio.HealthServicer()
     add_health_and_reflection(
@@ -109,7 +135,8 @@ async def create_server(config: RouterConfig, *, clock: Clock | None = None) -> 
         raise OSError(f"cannot bind the router to {config.listen}: {exc}") from exc
     if bound == 0:
         raise OSError(f"cannot bind the router to {config.listen}")
-    return RouterServer(config, table, metrics, server, bound, health_servicer, registry)
+    return RouterServer(config, table, metrics, server, bound, health_servicer, registry,
+                        servicer)
 
 
 async def serve(config: RouterConfig, *, ready: asyncio.Event | None = None) -> None:

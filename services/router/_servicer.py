@@ -12,7 +12,7 @@ import structlog
 from google.protobuf import duration_pb2, timestamp_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvbridge import __version__
+from kvbridge import __version__, auth
 from kvbridge._grpc_status import to_status
 from kvbridge.clients._registry import AsyncRegistryClient
 from kvbridge.errors import KvbridgeError, Unavailable
@@ -28,6 +28,7 @@ from kvbridge.services.router._policy import (
     Load,
     Role,
 )
+from kvbridge.services.router._urls import EngineUrlPolicy
 
 log = structlog.get_logger("kvbridge.router")
 
@@ -93,8 +94,10 @@ def _seconds(d: duration_pb2.Duration, field: str) -> float:
 
 class RouterServicer(pb_grpc.RouterServiceServicer):
     def __init__(self, table: InstanceTable, metrics: RouterMetrics,
-                 registry: AsyncRegistryClient | None) -> None:
+                 registry: AsyncRegistryClient | None,
+                 urls: EngineUrlPolicy | None = None) -> None:
         self.table = table
+        self.urls = urls or EngineUrlPolicy(any_host=True)
         self.metrics = metrics
         self.registry = registry
         self.config = table.config
@@ -117,10 +120,13 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                                context: Ctx) -> pb.RegisterInstanceResponse:
         if request.role not in (pb.ROLE_PREFILL, pb.ROLE_DECODE):
             raise check.InvalidArgument("role", "must be ROLE_PREFILL or ROLE_DECODE")
-        instance = self.table.register(InstanceSpec(
+        spec = InstanceSpec(
             request.instance_id, Role(request.role), request.http_url, request.engine_id,
             request.model, request.nixl_host, request.nixl_port,
-            _seconds(request.ttl, "ttl")))
+            _seconds(request.ttl, "ttl"))
+        self.table.check_spec(spec)  # cheap checks first: no lookup for a malformed request
+        await self.urls.check(request.http_url)
+        instance = self.table.register(spec, auth.current())
         return pb.RegisterInstanceResponse(instance=self._instance(instance),
                                            heartbeat_interval=_duration(instance.ttl / 3))
 
@@ -129,13 +135,15 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                                 context: Ctx) -> pb.HeartbeatInstanceResponse:
         load = request.load
         instance = self.table.heartbeat(request.instance_id, Load(
-            load.running_requests, load.waiting_requests, load.kv_usage, load.tokens_in_flight))
+            load.running_requests, load.waiting_requests, load.kv_usage, load.tokens_in_flight),
+            auth.current())
         return pb.HeartbeatInstanceResponse(expires_in=_duration(self.table.time_left(instance)))
 
     @_rpc
     async def DeregisterInstance(self, request: pb.DeregisterInstanceRequest,
                                  context: Ctx) -> pb.DeregisterInstanceResponse:
-        return pb.DeregisterInstanceResponse(removed=self.table.deregister(request.instance_id))
+        return pb.DeregisterInstanceResponse(
+            removed=self.table.deregister(request.instance_id, auth.current()))
 
     @_rpc
     async def ListInstances(self, request: pb.ListInstancesRequest,
@@ -226,7 +234,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             check.identifier("tenant", request.tenant, cfg.max_id_length)
         try:
             decision = self.table.route(request.prompt_tokens, request.model, holder,
-                                        frozenset(request.exclude_instance_ids))
+                                        frozenset(request.exclude_instance_ids),
+                                        tenant=request.tenant)
         except BaseException:
             if pinned is not None and pinned.read.pin.pin_id:
                 await self._release_quietly(pinned.read.pin.pin_id)
