@@ -217,6 +217,28 @@ async def test_reregistration_restores_held_leases(b: Backend, kv: Any) -> None:
     assert (await b.store.heartbeat("h1"))[0] == ["l-held"]
 
 
+@pytest.mark.parametrize("path", ["grant", "restore"])
+async def test_default_max_lifetime_is_never_shorter_than_the_idle_ttl(
+        make_backend: Factory, kv: Any, path: str) -> None:
+    """A lease that names an idle TTL above the default maximum lifetime and no lifetime of
+    its own lives at least that idle TTL, whether granted or restored by its holder: the
+    default lifetime is max(default, idle) on every path of both backends."""
+    b = await make_backend(default_idle_ttl_s=30.0, default_max_lifetime_s=60.0,
+                           max_idle_ttl_s=600.0)
+    spec = grant_spec(kv, kv.tokens(8), idle_ttl=200.0)
+    if path == "grant":
+        await b.store.register_holder(holder(ttl=300.0))
+        lease = (await b.store.grant(spec)).lease
+    else:
+        await b.store.register_holder(holder(ttl=300.0), [Snapshot("l-held", spec, 1, 0.0)])
+        lease = await b.store.get_lease("l-held")
+    assert lease.max_lifetime == pytest.approx(200.0)
+    assert b.left(lease.expire_at) == pytest.approx(200.0, abs=1.0)
+    await b.advance(100.0)  # past the default lifetime, within the idle TTL
+    await b.store.tick()
+    assert (await b.store.get_lease(lease.lease_id)).state is LeaseState.ACTIVE
+
+
 # ---- leases ---------------------------------------------------------------------------------
 
 

@@ -367,9 +367,7 @@ class LeaseTable:
 
     def _restore(self, holder: Holder, snap: Snapshot, now: float) -> None:
         g = snap.grant
-        cfg = self.config
-        idle = g.idle_ttl or cfg.default_idle_ttl_s
-        life = g.max_lifetime or cfg.default_max_lifetime_s
+        idle, life = grant_ttls(self.config, g)
         lease = Lease(snap.lease_id, sys.intern(g.tenant), g.conversation_id, holder,
                       g.remote_request_id, g.block_ids, g.token_count, g.hashes, snap.epoch,
                       idle, life, now - snap.age)
@@ -478,8 +476,7 @@ class LeaseTable:
         if len(self._leases) >= cfg.max_leases:
             raise CapacityExhausted("registry lease capacity reached", limit=cfg.max_leases)
 
-        idle = g.idle_ttl or cfg.default_idle_ttl_s
-        life = g.max_lifetime or max(cfg.default_max_lifetime_s, idle)
+        idle, life = grant_ttls(cfg, g)
         current = self._conversations.get(g.tenant, {}).get(g.conversation_id)
         if self._quotas_on:
             self._make_room_for_tenant(g.tenant, len(g.block_ids), current)

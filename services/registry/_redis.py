@@ -439,8 +439,7 @@ class RedisStore:
                            cfg.max_leases, len(snapshots)]
         for snap in snapshots:
             g = snap.grant
-            idle = g.idle_ttl or cfg.default_idle_ttl_s
-            life = g.max_lifetime or cfg.default_max_lifetime_s
+            idle, life = grant_ttls(cfg, g)
             args += [snap.lease_id, g.tenant, g.conversation_id, g.remote_request_id,
                      g.hashes + array("I", g.block_ids).tobytes(), g.token_count,
                      len(g.block_ids), snap.epoch, snap.age, idle, life]
