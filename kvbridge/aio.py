@@ -1,9 +1,9 @@
 """Running kvbridge's asyncio services: on uvloop where it is installed (a core dependency on
 Linux and macOS), else on the standard event loop.
 
-On this project's 2-core reference machine uvloop serves about 15-25 % more registry RPCs per
-second than the standard loop at the same CPU (`kvbridge bench registry` runs its echo baseline
-on the same loop, so its ratios compare like with like).
+uvloop serves more registry RPCs per second than the standard loop at the same CPU (see
+docs/registry.md, "Event loop"). `kvbridge bench registry` runs its echo baseline on the same
+loop, so its ratios compare like with like.
 """
 
 from __future__ import annotations

@@ -11,13 +11,12 @@ process has (the vLLM engines `kvbridge up` starts too: `engine_environment`).
 
 The default turns off the `event_engine_listener` and `event_engine_client` experiments, so that
 connections (accepted and made) are served by gRPC's classic TCP endpoints, which read and write
-on the thread that polls instead of handing each read and write to EventEngine threads. On
-gRPC 1.85.3 that was about 9% less server CPU per AcquireRead (272 against 299 us), 7-14% less
-for a trivial echo service and about 20% more calls per second from a client process. On
-1.78.2, the version kvbridge installs (gRPC is held below 1.80, see README "Layout"), it
-measures the same either way; it stays for installations on a newer gRPC. Setting
-`GRPC_EXPERIMENTS` yourself, even to the empty string, keeps gRPC's own defaults or your choice:
-it is never overridden.
+on the thread that polls instead of handing each read and write to EventEngine threads. On gRPC
+1.85.3 that costs less CPU per call, on both sides; on 1.78.2, the version kvbridge installs
+(gRPC is held below 1.80, see docs/development.md), it measures the same either way, and it
+stays for installations on a newer gRPC (figures: docs/benchmarks.md, "gRPC versions and
+settings"). Setting `GRPC_EXPERIMENTS` yourself, even to the empty string, keeps gRPC's own
+defaults or your choice: it is never overridden.
 """
 
 from __future__ import annotations
@@ -30,8 +29,8 @@ from typing import Any
 
 DEFAULT_SERVER_EXPERIMENTS = "-event_engine_listener,-event_engine_client"
 
-# From gRPC 1.80 on, grpc.aio spends about half as much CPU again per unary call
-# (grpc/grpc#43092); kvbridge's requirements hold gRPC below it. A serving process that runs
+# From gRPC 1.80 on, grpc.aio spends more CPU per unary call (grpc/grpc#43092; figures in
+# docs/benchmarks.md); kvbridge's requirements hold gRPC below it. A serving process that runs
 # such a release anyway (installed over the requirements) says so when it starts.
 SLOW_GRPC_FROM = (1, 80)
 
