@@ -884,12 +884,17 @@ def test_reregister_revokes_active_leases_it_does_not_list(table: LeaseTable) ->
     assert sorted(reg.reclaimable) == sorted([kept.lease_id, dropped.lease_id])
 
 
-def test_register_ignores_held_ids_of_another_holder(clock: FakeClock) -> None:
+def test_register_refuses_held_ids_of_another_holder(clock: FakeClock) -> None:
+    """A holder that lists another holder's lease is refused with nothing changed (issue 32:
+    it could otherwise plant the id another holder's retried grant looks up)."""
     table = make_table(clock, holders=("h1", "h2"))
+    mine = table.grant(gspec(toks(8), conv="mine")).lease
     theirs = table.grant(gspec(toks(8), holder="h2")).lease
-    reg = table.register_holder(hspec(), [snap(theirs)])
-    assert reg.restored == []
+    with pytest.raises(NotLeaseHolder) as caught:
+        table.register_holder(hspec(), [snap(mine), snap(theirs)])
+    assert caught.value.metadata["field"] == "held_leases[1].lease_id"
     assert theirs.state is LeaseState.ACTIVE and theirs.holder.holder_id == "h2"
+    assert mine.state is LeaseState.ACTIVE  # not revoked by a refused registration
 
 
 # ---- expiry -----------------------------------------------------------------------------------

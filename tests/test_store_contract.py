@@ -239,6 +239,59 @@ async def test_default_max_lifetime_is_never_shorter_than_the_idle_ttl(
     assert (await b.store.get_lease(lease.lease_id)).state is LeaseState.ACTIVE
 
 
+async def test_restored_leases_keep_the_tenant_quota(make_backend: Factory, kv: Any) -> None:
+    """Issue 32: the quota holds on every path that creates a lease. A re-registering holder
+    that lists more leases than its tenant's quota gets the excess restored revoked (the
+    holder frees them); the tenant ends within its quota, other tenants unaffected."""
+    b = await make_backend(tenant_max_leases=5, tenant_max_blocks=100)
+    snaps = [Snapshot(f"l-held-{i}", grant_spec(kv, kv.tokens(8), conversation=f"c{i}",
+                                                  first_block=10 * i), 1, 1.0)
+             for i in range(45)]
+    snaps.append(Snapshot("l-other", grant_spec(kv, kv.tokens(8), tenant="t2"), 1, 1.0))
+    reg = await b.store.register_holder(holder(ttl=300.0), snaps)
+    active = await b.store.list_leases(tenant="t1")
+    assert len(active) == 5 and sum(x.block_count for x in active) <= 100
+    assert [x.lease_id for x in await b.store.list_leases(tenant="t2")] == ["l-other"]
+    revoked = {x.lease_id for x in await b.store.list_leases(tenant="t1", include_inactive=True)
+               if x.state is LeaseState.REVOKED}
+    assert len(revoked) == 40
+    assert sorted(reg.reclaimable) == sorted(revoked)  # the holder frees them at once
+
+
+async def test_grant_retry_never_returns_another_holders_lease(
+        make_backend: Factory, kv: Any) -> None:
+    """Issue 32: a holder lists, as held, the id that another holder's grant with a given
+    request id will make; that grant must not return the planted lease."""
+    from kvbridge.ids import grant_lease_id
+
+    b = await make_backend()
+    await b.store.register_holder(holder("h2", ttl=300.0))
+    planted = grant_lease_id("h2", "req-7")
+    await b.store.register_holder(holder(ttl=300.0), [
+        Snapshot(planted, grant_spec(kv, kv.tokens(8), tenant="t1"), 1, 0.0)])
+    with pytest.raises(errors.IdempotencyConflict):
+        await b.store.grant(grant_spec(kv, kv.tokens(8), holder_id="h2", tenant="t1",
+                                       request_id="req-7"))
+    # And the other way round: h2 cannot list h1's lease as its own.
+    with pytest.raises(errors.NotLeaseHolder) as caught:
+        await b.store.register_holder(holder("h2", ttl=300.0), [
+            Snapshot(planted, grant_spec(kv, kv.tokens(8), holder_id="h2"), 1, 0.0)])
+    assert caught.value.metadata["field"] == "held_leases[0].lease_id"
+    assert (await b.store.get_lease(planted)).holder.holder_id == "h1"
+
+
+async def test_duplicate_block_ids_are_refused(b: Backend, kv: Any) -> None:
+    """Issue 32: a lease naming one block twice ([7, 7]) is refused, state unchanged."""
+    await b.store.register_holder(holder(ttl=300.0))
+    with pytest.raises(errors.InvalidArgument) as caught:
+        await b.store.grant(grant_spec(kv, kv.tokens(8), block_ids=[7, 7]))
+    assert caught.value.metadata["field"] == "block_ids"
+    with pytest.raises(errors.InvalidArgument):
+        await b.store.register_holder(holder(ttl=300.0), [
+            Snapshot("l-dup", grant_spec(kv, kv.tokens(8), block_ids=[7, 7]), 1, 0.0)])
+    assert await b.store.list_leases(include_inactive=True) == []
+
+
 # ---- leases ---------------------------------------------------------------------------------
 
 

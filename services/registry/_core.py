@@ -180,6 +180,13 @@ def check_registration(cfg: RegistryConfig, spec: HolderSpec, snapshots: Sequenc
     return ttl
 
 
+def held_of_another_holder(lease_id: str, index: int) -> NotLeaseHolder:
+    """A re-registering holder listed a lease another holder holds: refused, nothing changed
+    (a holder could otherwise plant the id another holder's retried grant will look up)."""
+    return NotLeaseHolder(f"held lease {lease_id!r} belongs to another holder",
+                          lease_id=lease_id, field=f"held_leases[{index}].lease_id")
+
+
 def check_heartbeat(cfg: RegistryConfig, holder_id: str, acked: Sequence[str]) -> None:
     check.identifier("holder_id", holder_id, cfg.max_id_length)
     if len(acked) > cfg.max_batch:
@@ -252,6 +259,13 @@ def check_prompt_hashes(cfg: RegistryConfig, hashes: bytes) -> None:
 
 
 
+def _over_quota(max_leases: int, max_blocks: int, leases: int, used: int, blocks: int) -> bool:
+    """Whether one more lease of `blocks` puts a tenant with `leases` active leases holding
+    `used` blocks over a quota of `max_leases` / `max_blocks` (0: no limit)."""
+    return bool((max_leases and leases + 1 > max_leases)
+                or (max_blocks and used + blocks > max_blocks))
+
+
 class LeaseTable:
     """Holders, leases and pins of one registry (the in-memory backend's state)."""
 
@@ -263,6 +277,9 @@ class LeaseTable:
         self._holders: dict[str, Holder] = {}
         self._leases: dict[str, Lease] = {}
         self._conversations: dict[str, dict[str, Lease]] = {}  # tenant -> conversation -> lease
+        # tenant -> dead leases not yet freed: with the conversations' current leases, every
+        # lease of a tenant, so that listing one tenant costs what that tenant has.
+        self._dead_of_tenant: dict[str, dict[str, Lease]] = {}
         self._pins: dict[str, Pin] = {}
         self._pin_id = pin_id_maker(secrets.token_bytes(16))  # keyed pin ids (kvbridge.ids)
         self._expiry: ExpiryWheel[Lease] = ExpiryWheel()  # lazily rescheduled on renewal
@@ -326,7 +343,13 @@ class LeaseTable:
                 f"(block size {holder.block_size}, tp {holder.tp_size}); deregister it first",
                 holder=spec.holder_id,
             )
-        unknown = sum(1 for snap in snapshots if snap.lease_id not in self._leases)
+        unknown = 0
+        for i, snap in enumerate(snapshots):
+            known = self._leases.get(snap.lease_id)
+            if known is None:
+                unknown += 1
+            elif known.holder.holder_id != spec.holder_id:
+                raise held_of_another_holder(snap.lease_id, i)
         if len(self._leases) + unknown > cfg.max_leases:
             raise CapacityExhausted("registry lease capacity reached", limit=cfg.max_leases)
 
@@ -372,13 +395,22 @@ class LeaseTable:
                       g.remote_request_id, g.block_ids, g.token_count, g.hashes, snap.epoch,
                       idle, life, now - snap.age)
         lease.expire_at = min(now + idle, lease.max_expire_at)  # restoring counts as activity
-        self._add(lease)
         current = self._conversations.get(g.tenant, {}).get(g.conversation_id)
+        newer = current is None or (
+            (current.epoch, current.created_at) < (lease.epoch, lease.created_at))
+        # The tenant's quota holds here as on a grant, but a restore makes no room by revoking
+        # others: a lease that does not fit is restored revoked, and the holder frees it.
+        fits = not self._quotas_on or self._within_quota(
+            g.tenant, lease.block_count, current if newer else None)
+        self._add(lease)
         if lease.expire_at <= now:
             self._kill(lease, LeaseState.EXPIRED)
-        elif current is None or (
-            (current.epoch, current.created_at) < (lease.epoch, lease.created_at)
-        ):
+        elif not fits:
+            log.info("lease_revoked", lease_id=lease.lease_id, tenant=lease.tenant,
+                     conversation=lease.conversation_id, holder=holder.holder_id,
+                     reason="tenant_quota", pins=0)
+            self._kill(lease, LeaseState.REVOKED)
+        elif newer:
             self._conversations.setdefault(g.tenant, {})[g.conversation_id] = lease
             if current is not None and current.state is LeaseState.ACTIVE:
                 self._kill(current, LeaseState.SUPERSEDED)
@@ -464,9 +496,9 @@ class LeaseTable:
             lease_id = grant_lease_id(g.holder_id, g.request_id)
             existing = self._leases.get(lease_id)
             if existing is not None:
-                if (existing.tenant, existing.conversation_id, existing.remote_request_id) != (
-                    g.tenant, g.conversation_id, g.remote_request_id
-                ):
+                if (existing.tenant, existing.conversation_id, existing.remote_request_id,
+                        existing.holder) != (g.tenant, g.conversation_id, g.remote_request_id,
+                                             holder):
                     raise IdempotencyConflict(
                         f"request_id {g.request_id!r} was used for another grant",
                         request_id=g.request_id)
@@ -552,17 +584,16 @@ class LeaseTable:
         if holder_id:
             holder = self._holders.get(holder_id)
             source = [] if holder is None else [
-                *self._active_of(holder), *holder.dead_leases.values()]
+                *holder.active.values(), *holder.dead_leases.values()]
         elif tenant:
+            # An active lease is its conversation's current one; a dead one not yet freed is
+            # in the tenant's dead index (a current lease may be in both: counted once).
             convs = self._conversations.get(tenant, {})
-            if conversation_id:
-                lease = convs.get(conversation_id)
-                source = [] if lease is None else [lease]
-                if include_inactive:
-                    source = [x for x in self._leases.values()
-                              if x.tenant == tenant and x.conversation_id == conversation_id]
-            else:
-                source = (x for x in self._leases.values() if x.tenant == tenant)
+            current = [convs[conversation_id]] if conversation_id in convs else (
+                [] if conversation_id else list(convs.values()))
+            dead = list(self._dead_of_tenant.get(tenant, {}).values()) \
+                if include_inactive else []
+            source = {x.lease_id: x for x in (*current, *dead)}.values()
         else:
             source = self._leases.values()
         now = self.clock.monotonic()
@@ -713,6 +744,7 @@ class LeaseTable:
 
     def _add(self, lease: Lease) -> None:
         self._leases[lease.lease_id] = lease
+        lease.holder.active[lease.lease_id] = lease
         lease.holder.lease_count += 1
         lease.holder.retained_blocks += lease.block_count
         self.active_leases += 1
@@ -720,6 +752,15 @@ class LeaseTable:
             usage = self._tenant_usage.setdefault(lease.tenant, [0, 0])
             usage[0] += 1
             usage[1] += lease.block_count
+
+    def _within_quota(self, tenant: str, blocks: int, replacing: Lease | None) -> bool:
+        """Whether `tenant` stays within its quota once a lease of `blocks` is added
+        (superseding `replacing`), revoking nothing."""
+        max_leases, max_blocks = self.config.quota_of(tenant, self._quotas)
+        leases, used = self._tenant_usage.get(tenant, (0, 0))
+        if replacing is not None and replacing.state is LeaseState.ACTIVE:
+            leases, used = leases - 1, used - replacing.block_count
+        return not _over_quota(max_leases, max_blocks, leases, used, blocks)
 
     def _make_room_for_tenant(self, tenant: str, blocks: int, replacing: Lease | None) -> None:
         """Keep `tenant` within its quota once a lease of `blocks` is added (superseding
@@ -733,8 +774,7 @@ class LeaseTable:
             leases, used = leases - 1, used - replacing.block_count
 
         def over(leases: int, used: int) -> bool:
-            return bool((max_leases and leases + 1 > max_leases)
-                        or (max_blocks and used + blocks > max_blocks))
+            return _over_quota(max_leases, max_blocks, leases, used, blocks)
 
         if max_blocks and blocks > max_blocks:
             raise TenantQuotaExceeded(
@@ -782,11 +822,8 @@ class LeaseTable:
         return leases, blocks
 
     def _active_of(self, holder: Holder) -> list[Lease]:
-        """A holder's active leases (a scan: only for rare events such as holder loss)."""
-        if holder.lease_count == 0:
-            return []
-        return [x for x in self._leases.values()
-                if x.holder is holder and x.state is LeaseState.ACTIVE]
+        """A holder's active leases (a copy: the caller may kill them as it goes)."""
+        return list(holder.active.values())
 
     def _kill(self, lease: Lease, state: LeaseState, lateness: float = 0.0) -> None:
         holder = lease.holder
@@ -799,7 +836,9 @@ class LeaseTable:
             if usage[0] == 0:
                 del self._tenant_usage[lease.tenant]
         holder.lease_count -= 1
+        del holder.active[lease.lease_id]
         holder.dead_leases[lease.lease_id] = lease
+        self._dead_of_tenant.setdefault(lease.tenant, {})[lease.lease_id] = lease
         self._emit(_DEAD_EVENT[state], lease, lateness)
         if lease.pin_count == 0:
             self._emit_reclaimable(lease)
@@ -808,6 +847,11 @@ class LeaseTable:
         """The holder freed the blocks: drop every trace of the lease."""
         holder = lease.holder
         holder.dead_leases.pop(lease.lease_id, None)
+        dead = self._dead_of_tenant.get(lease.tenant)
+        if dead is not None:
+            dead.pop(lease.lease_id, None)
+            if not dead:
+                del self._dead_of_tenant[lease.tenant]
         holder.retained_blocks -= lease.block_count
         self._leases.pop(lease.lease_id, None)
         convs = self._conversations.get(lease.tenant)

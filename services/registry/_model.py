@@ -53,7 +53,8 @@ class EventType(enum.IntEnum):
 
 class Holder:
     __slots__ = (
-        "block_size", "dead_leases", "expire_at", "fingerprint", "holder_id", "lease_count",
+        "active", "block_size", "dead_leases", "expire_at", "fingerprint", "holder_id",
+        "lease_count",
         "lost_at", "nixl_host", "nixl_port", "retained_blocks", "state", "tp_size", "ttl",
         "version",
     )
@@ -73,10 +74,12 @@ class Holder:
         self.expire_at = expire_at
         self.state = HolderState.ACTIVE
         self.lost_at = 0.0
-        # Active leases are counted, not indexed (a holder's leases are found by a scan on the
-        # rare events that need them); leases no longer active whose blocks the holder has not
-        # yet confirmed freeing are indexed, since every heartbeat reports them.
+        # Active leases and leases no longer active whose blocks the holder has not yet
+        # confirmed freeing, by id: re-registration, holder loss, listing by holder and every
+        # heartbeat cost what the holder has, not what the registry has. (`active` is kept by
+        # the in-memory table only; a Redis store's Holder carries the count.)
         self.lease_count = 0
+        self.active: dict[str, Lease] = {}
         self.dead_leases: dict[str, Lease] = {}
         self.retained_blocks = 0
 

@@ -76,6 +76,7 @@ from kvbridge.services.registry._core import (
     check_renewal,
     check_revocation,
     grant_ttls,
+    held_of_another_holder,
 )
 from kvbridge.services.registry._model import (
     EventType,
@@ -442,7 +443,8 @@ class RedisStore:
             idle, life = grant_ttls(cfg, g)
             args += [snap.lease_id, g.tenant, g.conversation_id, g.remote_request_id,
                      g.hashes + array("I", g.block_ids).tobytes(), g.token_count,
-                     len(g.block_ids), snap.epoch, snap.age, idle, life]
+                     len(g.block_ids), snap.epoch, snap.age, idle, life,
+                     *cfg.quota_of(g.tenant, self._quotas)]
         reply = await self._run(*args)
         if reply[0] == b"ERR":
             reason = _s(reply[1])
@@ -451,6 +453,8 @@ class RedisStore:
                     f"holder {spec.holder_id!r} is registered with another layout "
                     f"(block size {_s(reply[2])}, tp {_s(reply[3])}); deregister it first",
                     holder=spec.holder_id)
+            if reason == "NOT_LEASE_HOLDER":
+                raise held_of_another_holder(_s(reply[2]), int(reply[3]))
             raise self._refusal(reason)
         holder = self._holder(reply[2], self._base(reply[1]))
         self._block_sizes[holder.holder_id] = holder.block_size

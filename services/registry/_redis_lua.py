@@ -272,27 +272,43 @@ local function add_lease(lid, hid, tenant, conv, rrid, payload, tokens, blocks, 
   return x
 end
 
--- A lease a re-registering holder still retains (11 arguments from ARGS[b]).
+-- A lease a re-registering holder still retains (SNAP arguments from ARGS[b]; the last two
+-- are its tenant's quota, 0 for none). One that would put its tenant over the quota is
+-- restored revoked: the holder frees it (a restore makes no room by revoking others).
+local SNAP = 13
 local function restore(hid, b)
   local lid, tenant, conv = ARGS[b], ARGS[b + 1], ARGS[b + 2]
   local epoch, age = tonumber(ARGS[b + 7]), tonumber(ARGS[b + 8])
+  local QL, QB = tonumber(ARGS[b + 11]), tonumber(ARGS[b + 12])
   local created = NOW - age
+  local C = P .. 'c:' .. tenant .. ' ' .. conv
+  local cur = redis.call('GET', C)
+  local newer, replaced = true, 0
+  if cur and cur ~= lid and redis.call('EXISTS', P .. 'l:' .. cur) == 1 then
+    local f = redis.call('HMGET', P .. 'l:' .. cur, 'e', 'ct', 's', 'b')
+    local ce, cc = tonumber(f[1]), tonumber(f[2])
+    newer = ce < epoch or (ce == epoch and cc < created)
+    if newer and tonumber(f[3]) == ACTIVE then replaced = tonumber(f[4]) end
+  end
+  local blocks = tonumber(ARGS[b + 6])
+  local fits = true
+  if QL > 0 or QB > 0 then
+    local n = redis.call('SCARD', P .. 'ta:' .. tenant)
+    local used = tonumber(redis.call('HGET', P .. 'tb', tenant) or '0')
+    if replaced > 0 then n, used = n - 1, used - replaced end
+    fits = not ((QL > 0 and n + 1 > QL) or (QB > 0 and used + blocks > QB))
+  end
   local x = add_lease(lid, hid, tenant, conv, ARGS[b + 3], ARGS[b + 4], ARGS[b + 5],
-                      tonumber(ARGS[b + 6]), epoch, tonumber(ARGS[b + 9]),
-                      tonumber(ARGS[b + 10]), created)
+                      blocks, epoch, tonumber(ARGS[b + 9]), tonumber(ARGS[b + 10]), created)
   if x <= NOW then
     kill(lid, EXPIRED, 0)
     return
   end
-  local C = P .. 'c:' .. tenant .. ' ' .. conv
-  local cur = redis.call('GET', C)
-  local newer = true
-  if cur and cur ~= lid and redis.call('EXISTS', P .. 'l:' .. cur) == 1 then
-    local f = redis.call('HMGET', P .. 'l:' .. cur, 'e', 'ct', 's')
-    local ce, cc = tonumber(f[1]), tonumber(f[2])
-    newer = ce < epoch or (ce == epoch and cc < created)
-    if newer and tonumber(f[3]) == ACTIVE then kill(cur, SUPERSEDED, 0) end
+  if not fits then
+    kill(lid, REVOKED, 0)
+    return
   end
+  if newer and replaced > 0 then kill(cur, SUPERSEDED, 0) end
   if newer then
     redis.call('SET', C, lid)
     redis.call('ZADD', P .. 'lexp', F(x), lid)
@@ -326,7 +342,12 @@ if cmd == 'register' then
   end
   local unknown = 0
   for j = 0, nsnap - 1 do
-    if redis.call('EXISTS', P .. 'l:' .. ARGS[13 + j * 11]) == 0 then unknown = unknown + 1 end
+    local owner = redis.call('HGET', P .. 'l:' .. ARGS[13 + j * SNAP], 'h')
+    if not owner then
+      unknown = unknown + 1
+    elseif owner ~= hid then  -- another holder's lease: refused, nothing changed
+      return {'ERR', 'NOT_LEASE_HOLDER', ARGS[13 + j * SNAP], j}
+    end
   end
   if redis.call('ZCARD', P .. 'leases') + unknown > max_leases then
     return {'ERR', 'CAPACITY_EXHAUSTED'}
@@ -346,13 +367,13 @@ if cmd == 'register' then
   -- The holder is the source of truth for its memory: an active lease it no longer lists
   -- must never be read again.
   local held = {}
-  for j = 0, nsnap - 1 do held[ARGS[13 + j * 11]] = true end
+  for j = 0, nsnap - 1 do held[ARGS[13 + j * SNAP]] = true end
   for _, lid in ipairs(redis.call('SMEMBERS', P .. 'ha:' .. hid)) do
     if not held[lid] then kill(lid, REVOKED, 0) end
   end
   local restored = {}
   for j = 0, nsnap - 1 do
-    local b = 13 + j * 11
+    local b = 13 + j * SNAP
     local lid = ARGS[b]
     local L = P .. 'l:' .. lid
     if redis.call('EXISTS', L) == 0 then

@@ -71,6 +71,8 @@ def blocks(prefix: str, block_ids: Sequence[int], token_count: int, hash_bytes: 
         raise InvalidArgument(prefix + "block_ids", f"more than {max_blocks} blocks", count=n)
     if any(b < 0 or b > 0xFFFFFFFF for b in block_ids):
         raise InvalidArgument(prefix + "block_ids", "block ids must fit in 32 bits")
+    if len(set(block_ids)) != n:  # a block listed twice would be freed twice
+        raise InvalidArgument(prefix + "block_ids", "a block id is listed more than once")
     if not (n - 1) * block_size < token_count <= n * block_size:
         raise InvalidArgument(
             prefix + "token_count",
