@@ -16,21 +16,25 @@ def derived_id(prefix: str, scope: str, request_id: str) -> str:
 
 class PinIds:
     """The pin ids of reads keyed with a secret (the registry's; shared by Redis replicas):
-    `make(tenant, reader_id, request_id)` is the id of the pin a read with that request id
-    makes, the same for every retry of that read, and unguessable without the secret even to
-    someone who knows the reader and request ids. The tenant keeps two tenants' reads apart.
+    `make(tenant, reader_id, request_id, caller)` is the id of the pin a read with that
+    request id makes, the same for every retry of that read, and unguessable without the
+    secret even to someone who knows the reader and request ids. The tenant keeps two
+    tenants' reads apart, the caller (the authenticated principal's name, "" without auth) two
+    principals' reads: neither can then release the other's pin.
 
-    The id is "p-" and the hex of the 8-byte BLAKE2b of "tenant NUL reader NUL request", keyed
-    with the secret; `keyed` is the hash's state after the key, copied for each id."""
+    The id is "p-" and the hex of the 8-byte BLAKE2b of "tenant NUL reader NUL request", with
+    "NUL caller" after it when there is one, keyed with the secret; `keyed` is the hash's
+    state after the key, copied for each id."""
 
     __slots__ = ("keyed",)
 
     def __init__(self, secret: bytes) -> None:
         self.keyed = hashlib.blake2b(digest_size=8, key=secret)
 
-    def __call__(self, tenant: str, reader_id: str, request_id: str) -> str:
+    def __call__(self, tenant: str, reader_id: str, request_id: str, caller: str = "") -> str:
         h = self.keyed.copy()
-        h.update(f"{tenant}\x00{reader_id}\x00{request_id}".encode())
+        scope = f"{tenant}\x00{reader_id}\x00{request_id}"
+        h.update((f"{scope}\x00{caller}" if caller else scope).encode())
         return f"p-{h.hexdigest()}"
 
 

@@ -1165,3 +1165,22 @@ def test_listeners_receive_events(table: LeaseTable, clock: FakeClock) -> None:
     table.grant(gspec(toks(4), conv="c4"))
     assert len(events) == n + 2
     assert renewals[-1].type is EventType.GRANTED
+
+
+def test_two_callers_never_share_a_pin(table: LeaseTable) -> None:
+    """Issue 32, item 11: pins are keyed by the caller too, so two principals of one tenant
+    reading with the same reader and request ids get two pins, and neither can release the
+    other's; the same caller's retry finds its own pin."""
+    lease = table.grant(gspec(toks(8))).lease
+    a = table.acquire_read("t1", "c1", prompt(toks(8)), reader_id="r", request_id="q",
+                           caller="alice")
+    b = table.acquire_read("t1", "c1", prompt(toks(8)), reader_id="r", request_id="q",
+                           caller="bob")
+    assert a.pin is not None and b.pin is not None and a.pin.pin_id != b.pin.pin_id
+    assert lease.pin_count == 2
+    again = table.acquire_read("t1", "c1", prompt(toks(8)), reader_id="r", request_id="q",
+                               caller="alice")
+    assert again.pin is a.pin and lease.pin_count == 2
+    assert table.release_read(a.pin.pin_id) and lease.pin_count == 1
+    assert not table.release_read(a.pin.pin_id)  # gone; bob's is untouched
+    assert table.release_read(b.pin.pin_id) and lease.pin_count == 0

@@ -624,7 +624,8 @@ class LeaseTable:
         return lease
 
     def acquire_read(self, tenant: str, conversation_id: str, hashes: bytes, min_tokens: int = 0,
-                     pin_ttl: float = 0.0, reader_id: str = "", request_id: str = "") -> Read:
+                     pin_ttl: float = 0.0, reader_id: str = "", request_id: str = "",
+                     caller: str = "") -> Read:
         """Match a prompt's full-block hashes against the conversation's lease; pin on a hit."""
         check_read(self.config, tenant, conversation_id, min_tokens, pin_ttl, reader_id,
                    request_id)
@@ -642,10 +643,11 @@ class LeaseTable:
             reason = MissReason.HASH_MISMATCH if full and hashes else MissReason.BELOW_MINIMUM
             return Read(reason, k, lease)
         return self._pin(lease, k, partial, reusable, min_tokens, pin_ttl, reader_id, request_id,
-                         now)
+                         caller, now)
 
     def pin_lease(self, tenant: str, conversation_id: str, min_tokens: int = 0,
-                  pin_ttl: float = 0.0, reader_id: str = "", request_id: str = "") -> Read:
+                  pin_ttl: float = 0.0, reader_id: str = "", request_id: str = "",
+                  caller: str = "") -> Read:
         """Pin the conversation's whole lease for a reader that verifies the blocks itself
         against the lease's hashes: every full block counts as matched, and the partial block
         is listed too."""
@@ -660,14 +662,14 @@ class LeaseTable:
         if lease.token_count == 0:
             return Read(MissReason.BELOW_MINIMUM, 0, lease)
         return self._pin(lease, full, partial, lease.token_count, min_tokens, pin_ttl, reader_id,
-                         request_id, now)
+                         request_id, caller, now)
 
     def _pin(self, lease: Lease, k: int, partial: bool, reusable: int, min_tokens: int,
-             pin_ttl: float, reader_id: str, request_id: str, now: float) -> Read:
+             pin_ttl: float, reader_id: str, request_id: str, caller: str, now: float) -> Read:
         cfg = self.config
         if reusable < min_tokens:
             return Read(MissReason.BELOW_MINIMUM, k, lease, k, partial)
-        pin_id = self._pin_id(lease.tenant, reader_id, request_id) if request_id else ""
+        pin_id = self._pin_id(lease.tenant, reader_id, request_id, caller) if request_id else ""
         pin = self._pins.get(pin_id) if pin_id else None
         if pin is not None and pin.lease is not lease:
             raise IdempotencyConflict(f"request_id {request_id!r} was used for another read",

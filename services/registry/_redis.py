@@ -599,26 +599,27 @@ class RedisStore:
 
     async def acquire_read(self, tenant: str, conversation_id: str, hashes: bytes,
                            min_tokens: int = 0, pin_ttl: float = 0.0, reader_id: str = "",
-                           request_id: str = "") -> Read:
+                           request_id: str = "", caller: str = "") -> Read:
         check_read(self.config, tenant, conversation_id, min_tokens, pin_ttl, reader_id,
                    request_id)
         check_prompt_hashes(self.config, hashes)
         return await self._read("a", tenant, conversation_id, hashes, min_tokens, pin_ttl,
-                                reader_id, request_id)
+                                reader_id, request_id, caller)
 
     async def pin_lease(self, tenant: str, conversation_id: str, min_tokens: int = 0,
-                        pin_ttl: float = 0.0, reader_id: str = "",
-                        request_id: str = "") -> Read:
+                        pin_ttl: float = 0.0, reader_id: str = "", request_id: str = "",
+                        caller: str = "") -> Read:
         check_read(self.config, tenant, conversation_id, min_tokens, pin_ttl, reader_id,
                    request_id)
         return await self._read("p", tenant, conversation_id, b"", min_tokens, pin_ttl,
-                                reader_id, request_id)
+                                reader_id, request_id, caller)
 
     async def _read(self, mode: str, tenant: str, conversation_id: str, hashes: bytes,
-                    min_tokens: int, pin_ttl: float, reader_id: str, request_id: str) -> Read:
+                    min_tokens: int, pin_ttl: float, reader_id: str, request_id: str,
+                    caller: str) -> Read:
         cfg = self.config
         if request_id:
-            pin_id = self._pin_id(tenant, reader_id, request_id)
+            pin_id = self._pin_id(tenant, reader_id, request_id, caller)
         else:
             pin_id = "p-" + secrets.token_hex(8)
         ttl = min(pin_ttl or cfg.default_pin_ttl_s, cfg.max_pin_ttl_s)

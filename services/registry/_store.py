@@ -108,14 +108,15 @@ class LeaseStore(Protocol):
 
     async def acquire_read(self, tenant: str, conversation_id: str, hashes: bytes,
                            min_tokens: int = 0, pin_ttl: float = 0.0, reader_id: str = "",
-                           request_id: str = "") -> Read:
+                           request_id: str = "", caller: str = "") -> Read:
         """Match a prompt's full-block hashes against the conversation's lease; pin on a hit
-        (idempotent by (reader, request id))."""
+        (idempotent by (caller, reader, request id): `caller` names the authenticated
+        principal, so that two principals never share a pin)."""
         ...
 
     async def pin_lease(self, tenant: str, conversation_id: str, min_tokens: int = 0,
-                        pin_ttl: float = 0.0, reader_id: str = "",
-                        request_id: str = "") -> Read:
+                        pin_ttl: float = 0.0, reader_id: str = "", request_id: str = "",
+                        caller: str = "") -> Read:
         """Pin the conversation's whole lease for a reader that verifies hashes itself."""
         ...
 
@@ -234,15 +235,15 @@ class MemoryStore:
 
     async def acquire_read(self, tenant: str, conversation_id: str, hashes: bytes,
                            min_tokens: int = 0, pin_ttl: float = 0.0, reader_id: str = "",
-                           request_id: str = "") -> Read:
+                           request_id: str = "", caller: str = "") -> Read:
         return self.table.acquire_read(tenant, conversation_id, hashes, min_tokens, pin_ttl,
-                                       reader_id, request_id)
+                                       reader_id, request_id, caller)
 
     async def pin_lease(self, tenant: str, conversation_id: str, min_tokens: int = 0,
-                        pin_ttl: float = 0.0, reader_id: str = "",
-                        request_id: str = "") -> Read:
+                        pin_ttl: float = 0.0, reader_id: str = "", request_id: str = "",
+                        caller: str = "") -> Read:
         return self.table.pin_lease(tenant, conversation_id, min_tokens, pin_ttl, reader_id,
-                                    request_id)
+                                    request_id, caller)
 
     async def release_read(self, pin_id: str) -> bool:
         return self.table.release_read(pin_id)
