@@ -23,6 +23,7 @@ from kvbridge import blockhash
 from kvbridge.clients import RegistryClient
 from kvbridge.clients._router import RouterClient
 from kvbridge.clock import boot_id, monotonic
+from kvbridge.connector import _vllm
 from kvbridge.connector._decode import DecodeRetention
 from kvbridge.connector._layerwise import capturing
 from kvbridge.connector._metrics import ConnectorMetrics
@@ -78,6 +79,7 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                  kv_cache_config: Any) -> None:
         check_vllm_version()
         super().__init__(vllm_config, role, kv_cache_config)
+        _vllm.require_core(self)
         transfer = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra_config(transfer.kv_connector_extra_config)
         self.prefill: PrefillReuse | None = None
@@ -91,25 +93,31 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         # (cached) when they are allocated, and NIXL reads only into the blocks still unhashed:
         # a synchronous read would leave the reused tokens' blocks unfilled yet cached under
         # the prompt's hashes. So such an engine reads asynchronously only.
-        self._prefix_caching = bool(getattr(vllm_config.cache_config, "enable_prefix_caching",
-                                            False))
+        self._prefix_caching = _vllm.prefix_caching(vllm_config.cache_config)
         self.pin_guard: PinGuard | None = None
         self._boot_id = boot_id()
         if role == KVConnectorRole.WORKER:
-            worker = self.connector_worker
-            worker.nixl_wrapper = _NotificationFilter(worker.nixl_wrapper)
+            worker = _vllm.nixl_worker(self)
+            if _vllm.usable(_vllm.NOTIFICATION_FILTER, {_vllm.WORKER: worker},
+                            owners=[_vllm.WORKER]):
+                agent = _vllm.nixl_agent(worker)
+                if _vllm.usable(_vllm.NOTIFICATION_FILTER, {_vllm.AGENT: agent},
+                                owners=[_vllm.AGENT]):
+                    _vllm.set_nixl_agent(worker, _NotificationFilter(agent))
             self.pin_guard = PinGuard(self.settings.pin_margin_s, boot=self._boot_id)
             self.sync_reads = SyncReads(worker, self.settings.sync_read_timeout_s,
                                         layerwise=self.settings.layerwise_reads,
                                         read_cpus=parse_cpus(self.settings.read_cpus),
                                         pins=self.pin_guard)
-            guard_worker(worker, self.pin_guard, self.sync_reads.pin_failure)
+            # Without the guard the scheduler side plans no reads (`_reads_guarded`).
+            if not guard_worker(worker, self.pin_guard, self.sync_reads.pin_failure):
+                self.pin_guard = None
             return
         if not self.settings.registry and not self.settings.router:
             log.warning("kvbridge_disabled", why="neither kvbridge.registry nor kvbridge.router "
                         "is set")
             return
-        scheduler = self.connector_scheduler
+        scheduler = _vllm.nixl_scheduler(self)
         block_size = vllm_config.cache_config.block_size
         fingerprint = engine_fingerprint(vllm_config)
         self.metrics = ConnectorMetrics()
@@ -121,21 +129,24 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         if transfer.kv_role in ("kv_consumer", "kv_both") and not self.settings.registry:
             raise ValueError("kvbridge on a decode engine (kv_consumer) needs kvbridge.registry: "
                              "it registers as a holder and grants leases there")
-        if transfer.kv_role in ("kv_consumer", "kv_both"):
-            if scheduler.is_bidirectional_kv_xfer_enabled and transfer.kv_role == "kv_consumer":
+        live = {_vllm.SCHEDULER: scheduler}
+        if transfer.kv_role in ("kv_consumer", "kv_both") and _vllm.usable(_vllm.RETENTION,
+                                                                             live):
+            if _vllm.bidirectional(scheduler) and transfer.kv_role == "kv_consumer":
                 raise ValueError(
                     "kvbridge retains decode KV under leases itself: set "
                     "bidirectional_kv_xfer to false on decode engines (kv_consumer)")
             assert client is not None
+            nixl_host, nixl_port = _vllm.side_channel(scheduler)
             self.decode = DecodeRetention(
-                self.settings, client, holder_id=self.engine_id,
-                nixl_host=scheduler.side_channel_host, nixl_port=scheduler.side_channel_port,
+                self.settings, client, holder_id=_vllm.engine_id(self),
+                nixl_host=nixl_host, nixl_port=nixl_port,
                 block_size=block_size, fingerprint=fingerprint,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size, metrics=self.metrics,
                 software_version=software_version())
             self.decode.start()
-        if transfer.kv_role in ("kv_producer", "kv_both"):
-            if not scheduler.is_bidirectional_kv_xfer_enabled:
+        if transfer.kv_role in ("kv_producer", "kv_both") and self._reads_guarded(scheduler):
+            if not _vllm.bidirectional(scheduler):
                 raise ValueError("kvbridge reads decode KV back: set bidirectional_kv_xfer to "
                                  "true on prefill engines (kv_producer)")
             if transfer.kv_load_failure_policy != "recompute":
@@ -150,24 +161,34 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                              retries=1, **security) if self.settings.router else client)
             assert reads is not None
             self.prefill = PrefillReuse(
-                self.settings, reads, reader_id=self.engine_id, block_size=block_size,
-                fingerprint=fingerprint, threshold=scheduler.kv_recompute_threshold,
+                self.settings, reads, reader_id=_vllm.engine_id(self), block_size=block_size,
+                fingerprint=fingerprint, threshold=_vllm.recompute_threshold(scheduler),
                 metrics=self.metrics)
             self.prefill.warm()
-        log.info("kvbridge_connector_started", role=transfer.kv_role, engine_id=self.engine_id,
+        log.info("kvbridge_connector_started", role=transfer.kv_role,
+                 engine_id=_vllm.engine_id(self),
                  token=security["token"] is not None, tls=security["tls"] is not None,
                  registry=self.settings.registry or None,
                  router=self.settings.router or None, block_size=block_size,
                  fingerprint=fingerprint[:12], metrics_port=self.metrics.port,
-                 nixl=f"{scheduler.side_channel_host}:{scheduler.side_channel_port}",
+                 retention=self.decode is not None, reuse=self.prefill is not None,
+                 nixl="{}:{}".format(*_vllm.side_channel(scheduler)),
                  pid=os.getpid())
 
     # ---- scheduler side ---------------------------------------------------------------------
 
+    @staticmethod
+    def _reads_guarded(scheduler: Any) -> bool:
+        """Prefill reads only where its worker processes can check every read's pin
+        (`_pin_guard`): decided here from the installed worker's names, since the workers
+        are other processes."""
+        return (_vllm.usable(_vllm.REUSE, {_vllm.SCHEDULER: scheduler})
+                and _vllm.usable(_vllm.PIN_GUARD))
+
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.decode is not None:
-            self.decode.bind(kv_cache_manager.block_pool)
+            self.decode.bind(_vllm.block_pool(kv_cache_manager))
 
     def on_new_request(self, request: Any) -> None:
         super().on_new_request(request)
@@ -207,14 +228,12 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         """A synchronously read request is allocated the blocks of this step's new tokens too
         (an asynchronous one only those of the external tokens): read into as many of its
         fresh blocks as the external tokens fill, no more."""
-        pending = self.connector_scheduler._reqs_need_recv.get(request_id)
-        if pending is None:
+        scheduler = _vllm.nixl_scheduler(self)
+        if _vllm.pending_recv_blocks(scheduler, request_id) is None:
             self._sync_planned.discard(request_id)
             return
-        request, block_ids, cached, _awaiting = pending
-        count = -(-num_external_tokens // self.connector_scheduler.block_size)
-        self.connector_scheduler._reqs_need_recv[request_id] = (
-            request, tuple(list(group[:count]) for group in block_ids), cached, False)
+        count = -(-num_external_tokens // _vllm.scheduler_block_size(scheduler))
+        _vllm.trim_pending_recv(scheduler, request_id, count)
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         if self.decode is not None:
@@ -223,16 +242,16 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         meta = super().build_connector_meta(scheduler_output)
         if self.prefill is not None:
             ends: dict[str, float] = {}
-            for req_id in meta.reqs_to_recv:  # the worker posts these reads now
+            for req_id in _vllm.reads_to_recv(meta):  # the worker posts these reads now
                 end = self.prefill.read_sent(req_id)
                 if end is not None:
                     ends[req_id] = end
             if ends:  # the worker checks them where it posts and where the reads land
-                setattr(meta, PIN_ENDS_ATTR, PinEnds(self._boot_id, monotonic(), ends))
+                _vllm.attach(meta, PIN_ENDS_ATTR, PinEnds(self._boot_id, monotonic(), ends))
         if self._sync_planned:
-            sync = self._sync_planned & set(meta.reqs_to_recv)
+            sync = self._sync_planned & set(_vllm.reads_to_recv(meta))
             self._sync_planned -= sync
-            setattr(meta, SYNC_READS_ATTR, sync)
+            _vllm.attach(meta, SYNC_READS_ATTR, sync)
             if self.prefill is not None:
                 for req_id in sync:  # posted in this step: never to be read again
                     self.prefill.read_posted(req_id)
@@ -240,11 +259,14 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
 
     def _may_read_sync(self, request: Any) -> bool:
         """Read within the step (see `_sync_reads`) when this engine already has a NIXL
-        handshake with the holder and the layout is one KV cache group of equal blocks."""
-        if (not self.settings.sync_reads or self._prefix_caching
-                or self.connector_scheduler.use_host_buffer):
+        handshake with the holder and the layout is one KV cache group of equal blocks, and
+        this vLLM has every name synchronous reads use (here and in the worker processes)."""
+        if not self.settings.sync_reads or self._prefix_caching:
             return False
-        if len(self._kv_cache_config.kv_cache_groups) != 1:
+        scheduler = _vllm.nixl_scheduler(self)
+        if not _vllm.usable(_vllm.SYNC_READS, {_vllm.SCHEDULER: scheduler}):
+            return False
+        if _vllm.uses_host_buffer(scheduler) or len(_vllm.kv_cache_groups(self)) != 1:
             return False
         return request.kv_transfer_params.get("remote_engine_id") in self._read_from
 
@@ -280,11 +302,11 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             super().start_load_kv(forward_context, **kwargs)
             return
         self.sync_reads.finish()  # a step that ended without wait_for_save (cannot happen)
-        metadata = self._connector_metadata
+        metadata = _vllm.connector_metadata(self)
         if self.pin_guard is not None:
             self.pin_guard.update(metadata)
         sync = self.sync_reads.before(metadata)
-        with capturing(self.connector_worker, self.sync_reads.owners(metadata, sync)):
+        with capturing(_vllm.nixl_worker(self), self.sync_reads.owners(metadata, sync)):
             super().start_load_kv(forward_context, **kwargs)
         self.sync_reads.after(sync)
 

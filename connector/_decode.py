@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,8 @@ import structlog
 
 from kvbridge import blockhash
 from kvbridge.clients import GrantOutcomeUnknown, HolderSession, RegistryClient
-from kvbridge.clock import monotonic
+from kvbridge.clock import Clock, monotonic
+from kvbridge.connector import _vllm
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._settings import (
     REMOTE_ID_PREFIX,
@@ -50,8 +52,11 @@ class _Retained:
 class DecodeRetention:
     def __init__(self, settings: ConnectorSettings, client: RegistryClient, *, holder_id: str,
                  nixl_host: str, nixl_port: int, block_size: int, fingerprint: str,
-                 tp_size: int, metrics: ConnectorMetrics, software_version: str = "") -> None:
+                 tp_size: int, metrics: ConnectorMetrics, software_version: str = "",
+                 clock: Clock | None = None) -> None:
         self.settings = settings
+        # Retention's own timers (revocation waits, headroom window): a FakeClock in tests.
+        self._now: Callable[[], float] = monotonic if clock is None else clock.monotonic
         self.block_size = block_size
         self.fingerprint = fingerprint
         self.metrics = metrics
@@ -93,9 +98,14 @@ class DecodeRetention:
         self.session.start()
 
     def bind(self, block_pool: Any) -> None:
+        """Retain into this block pool (none, and nothing retained, if this vLLM's pool
+        lacks what retention uses)."""
+        if not _vllm.usable(_vllm.RETENTION, {_vllm.BLOCK_POOL: block_pool},
+                            owners=[_vllm.BLOCK_POOL]):
+            return
         self._pool = block_pool
-        self.metrics.kv_blocks.set(block_pool.num_gpu_blocks - 1)
-        self.metrics.free_blocks.set_function(block_pool.get_num_free_blocks)
+        self.metrics.kv_blocks.set(_vllm.pool_blocks(block_pool))
+        self.metrics.free_blocks.set_function(_vllm.free_block_counter(block_pool))
 
     # ---- scheduler thread -------------------------------------------------------------------
 
@@ -104,7 +114,7 @@ class DecodeRetention:
         hold the blocks it needs."""
         self.drain()
         need = -(-request.num_tokens // self.block_size) + 1
-        now = monotonic()
+        now = self._now()
         self._demand[request.request_id] = (need, now)
         self._note_demand(sum(n for n, _ in self._demand.values()), now)
         self.check_watermark()
@@ -113,14 +123,15 @@ class DecodeRetention:
         """The scheduler gave the request its blocks: no demand left."""
         demand = self._demand.pop(request_id, None)
         if demand is not None:
-            self.metrics.admission_wait.observe(monotonic() - demand[1])
+            self.metrics.admission_wait.observe(self._now() - demand[1])
 
     def on_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> dict[str, Any] | None:
         """Retain a normally finished conversation turn's blocks and grant a lease over them in
         the background. Returns extra kv_transfer_params for the response, or None."""
         self._demand.pop(request.request_id, None)
         key = conversation_of(request.kv_transfer_params)
-        if key is None or self._pool is None or request.status.name not in _NORMAL_FINISH:
+        if (key is None or self._pool is None
+                or _vllm.finish_status(request) not in _NORMAL_FINISH):
             return None
         if len(block_ids) != 1:
             log.warning("retention_skipped", request_id=request.request_id,
@@ -144,10 +155,9 @@ class DecodeRetention:
             return None
         tokens = list(request.all_token_ids[:computed])
         hashes = blockhash.block_hashes(tokens, self.block_size, *scope, include_partial=True)
-        pool = self._pool
-        pool.touch([pool.blocks[b] for b in blocks])
+        _vllm.hold_blocks(self._pool, blocks)
         retained = _Retained(f"{REMOTE_ID_PREFIX}{request.request_id}", blocks, computed,
-                             monotonic())
+                             self._now())
         with self._lock:
             self._by_key[retained.key] = retained
         self.metrics.retained_blocks.inc(len(blocks))
@@ -173,14 +183,13 @@ class DecodeRetention:
                     self._revoked_pinned.discard(retained.lease_id)
             if retained is None or self._pool is None:
                 continue
-            pool = self._pool
-            pool.free_blocks(pool.blocks[b] for b in reversed(retained.block_ids))
+            _vllm.release_blocks(self._pool, reversed(retained.block_ids))
             freed += len(retained.block_ids)
             self.metrics.retained_blocks.dec(len(retained.block_ids))
             self.metrics.blocks_freed.labels(why).inc(len(retained.block_ids))
             log.info("retained_blocks_freed", lease_id=retained.lease_id or None,
                      blocks=len(retained.block_ids), why=why,
-                     held_s=round(monotonic() - retained.since, 1))
+                     held_s=round(self._now() - retained.since, 1))
         return freed
 
     def make_room(self) -> bool:
@@ -201,7 +210,7 @@ class DecodeRetention:
                    for lid in self._revoked - self._revoked_pinned - self._in_flight):
                 return True  # reported reclaimable: freed by the next drain
             return bool(self._in_flight) and (
-                monotonic() - self._revoke_sent < _REVOKE_WAIT_S)
+                self._now() - self._revoke_sent < _REVOKE_WAIT_S)
 
     def _note_demand(self, blocks: int, now: float) -> None:
         if self.settings.headroom_window_s <= 0:
@@ -217,13 +226,13 @@ class DecodeRetention:
         within the window, capped at `headroom_cap` of the pool."""
         if self._pool is None or self.settings.headroom_window_s <= 0:
             return 0
-        horizon = monotonic() - self.settings.headroom_window_s
+        horizon = self._now() - self.settings.headroom_window_s
         with self._lock:
             peaks = self._peaks
             while peaks and peaks[0][0] < horizon:
                 peaks.popleft()
             peak = peaks[0][1] if peaks else 0
-        blocks = min(peak, int((self._pool.num_gpu_blocks - 1) * self.settings.headroom_cap))
+        blocks = min(peak, int(_vllm.pool_blocks(self._pool) * self.settings.headroom_cap))
         self.metrics.headroom_blocks.set(blocks)
         return blocks
 
@@ -236,16 +245,16 @@ class DecodeRetention:
         thread once a new lease is recorded, so room is made while the engine is idle, before
         the next request comes."""
         pool = self._pool
-        if pool is None or self._revoking or monotonic() < self._revoke_backoff_until:
+        if pool is None or self._revoking or self._now() < self._revoke_backoff_until:
             return
-        total = pool.num_gpu_blocks - 1
+        total = _vllm.pool_blocks(pool)
         watermark = int(total * self.settings.free_watermark)
         try:  # may run off the scheduler thread: a snapshot of the waiting requests' need
             waiting = sum(need for need, _ in tuple(self._demand.values()))
         except RuntimeError:  # changed while copied: the scheduler thread checks again
             return
         headroom = self.headroom()
-        free = pool.get_num_free_blocks()
+        free = _vllm.free_block_counter(pool)()
         with self._lock:
             if self._revoking:
                 return
@@ -272,9 +281,9 @@ class DecodeRetention:
             self._revoking = True
             self._revoked.update(victims)
             self._in_flight = set(victims)
-            self._revoke_sent = monotonic()
+            self._revoke_sent = self._now()
         self.metrics.revocations.labels(cause).inc()
-        self._revokes.submit(self._revoke, victims, monotonic(), cause)
+        self._revokes.submit(self._revoke, victims, self._now(), cause)
 
     # ---- background threads -----------------------------------------------------------------
 
@@ -360,13 +369,13 @@ class DecodeRetention:
 
     def _revoke(self, lease_ids: list[str], submitted: float, cause: str = "demand") -> None:
         try:
-            started = monotonic()
+            started = self._now()
             result = self.session.revoke(lease_ids, "memory_pressure")
             with self._lock:
                 # Not revoked: they may be picked again on a later pass, not at once.
                 self._revoked.difference_update(result.failed)
                 if result.unreachable:  # not a lease refused (say, gone): the registry
-                    self._revoke_backoff_until = (monotonic()
+                    self._revoke_backoff_until = (self._now()
                                                   + max(self.settings.rpc_timeout_s, 1.0))
                 # Pinned: freed when the pin ends, so not counted as free meanwhile.
                 self._revoked_pinned.update(lid for lid in result.pinned
@@ -377,7 +386,7 @@ class DecodeRetention:
                      freed_now=len(result.freed), pinned=len(result.pinned),
                      failed=len(result.failed),
                      queued_ms=round((started - submitted) * 1000, 1),
-                     rpc_ms=round((monotonic() - started) * 1000, 1))
+                     rpc_ms=round((self._now() - started) * 1000, 1))
         finally:
             with self._lock:
                 self._in_flight = set()

@@ -43,6 +43,8 @@ from typing import Any
 import numpy as np
 import structlog
 
+from kvbridge.connector import _vllm
+
 log = structlog.get_logger("kvbridge.connector")
 
 
@@ -136,41 +138,41 @@ class Layout:
     def of(cls, worker: Any) -> Layout | None:
         """The worker's layout, or None where layered reads do not apply (the whole-request
         read is kept)."""
+        layout = _vllm.worker_layout(worker)
+        if layout is None:  # this vLLM lacks a name the layout is read from (warned there)
+            return None
         reasons = []
-        if getattr(worker, "_uses_region_group_mapping", False):
+        if layout.several_groups:
             reasons.append("several KV cache groups")
-        if getattr(worker, "_has_mamba", False):
+        if layout.mamba:
             reasons.append("Mamba state")
-        if getattr(worker, "_transfer_layer_group_ids", None):
+        if layout.layer_name_routing:
             reasons.append("layer-name routing")
-        if getattr(worker, "_mixed_mem_types", False):
+        if layout.mixed_mem_types:
             reasons.append("mixed memory types")
-        if getattr(worker, "use_host_buffer", False):
+        if layout.host_buffer:
             reasons.append("a host staging buffer")
-        if getattr(worker, "dcp_size", 1) > 1 or getattr(worker, "pcp_size", 1) > 1:
+        if layout.context_parallel:
             reasons.append("context parallelism")
-        if getattr(getattr(worker, "vllm_config", None), "speculative_config", None):
+        if layout.speculative:
             # A drafter's layers run after the step's transfer results are taken: their
             # layers would never be waited for, and layered reads would turn themselves off.
             reasons.append("speculative decoding")
-        names = list(getattr(worker, "region_names", []) or [])
-        regions = int(getattr(worker, "num_regions", 0) or 0)
+        names, regions = layout.region_names, layout.num_regions
         if regions < 2 or len(names) != regions:
             reasons.append("fewer than two KV regions")
-        caches = getattr(worker, "device_kv_caches", None) or {}
-        if caches and set(caches) != set(names):
+        if layout.cache_names and layout.cache_names != set(names):
             # Layers sharing another layer's KV (or drafter layers): their attention would
             # find no per-layer wait under their own name.
             reasons.append("KV caches shared between layers")
         if reasons:
             log.info("layerwise_reads_off", why=", ".join(reasons))
             return None
-        counts = list(getattr(worker, "region_num_blocks", []) or [])
+        counts = layout.region_num_blocks
         if len(counts) != regions:
-            counts = [int(worker.num_blocks)] * regions
+            counts = [layout.num_blocks] * regions
         offsets = np.cumsum([0, *counts])
-        per_block = int(getattr(worker, "_physical_blocks_per_logical_kv_block", 1) or 1)
-        return cls(names, offsets, per_block)
+        return cls(names, offsets, layout.per_block)
 
     def split(self, xfer: Captured) -> tuple[Part, list[tuple[str, Part]]] | None:
         """(the boundary READ: each region's last block, posted before the forward pass;
@@ -348,13 +350,13 @@ class LayerReader:
     def _read_part(self, part: Part, plan: Plan) -> str | None:
         """Post one READ and wait for it; the failure reason, or None when it landed."""
         worker = self.worker
-        wrapper = worker.nixl_wrapper
+        wrapper = _vllm.nixl_agent(worker)
         try:
             handle = wrapper.make_prepped_xfer("READ", part.local, part.local_ids, part.remote,
                                                part.remote_ids, notif_msg=part.notif)
         except Exception as exc:
-            worker._log_failure(failure_type="transfer_setup_failed", req_id=part.req_id,
-                                error=exc, load="layerwise")
+            _vllm.log_failure(worker, failure_type="transfer_setup_failed", req_id=part.req_id,
+                              error=exc, load="layerwise")
             return "not_posted"
         released = False
         try:
@@ -363,7 +365,7 @@ class LayerReader:
         finally:
             # Whatever happened, the handle is released (a transfer the backend still holds
             # is waited for) before the plan can end and its blocks be reused.
-            while not released and not worker._try_release_xfer_handle(part.req_id, handle):
+            while not released and not _vllm.try_release_xfer(worker, part.req_id, handle):
                 self._sleep(self.poll_s)
 
     def _wait(self, part: Part, plan: Plan, wrapper: Any, handle: Any) -> tuple[str | None, bool]:
@@ -372,30 +374,30 @@ class LayerReader:
         try:
             state = wrapper.transfer(handle)
         except Exception as exc:
-            worker._log_failure(failure_type="transfer_exception", req_id=part.req_id,
-                                error=exc, load="layerwise")
+            _vllm.log_failure(worker, failure_type="transfer_exception", req_id=part.req_id,
+                              error=exc, load="layerwise")
             state = "ERR"
         cancelled = False
         while state in ("PROC", ""):
             if self._clock() >= plan.deadline and not cancelled:
                 cancelled = True
-                if worker._try_release_xfer_handle(part.req_id, handle):
+                if _vllm.try_release_xfer(worker, part.req_id, handle):
                     return "timeout", True
                 log.error("sync_read_uncancellable", request_id=part.req_id)
             self._sleep(self.poll_s)
             try:
                 state = wrapper.check_xfer_state(handle)
             except Exception as exc:  # a dead peer surfaces here
-                worker._log_failure(failure_type="transfer_exception", req_id=part.req_id,
-                                    error=exc, load="layerwise")
+                _vllm.log_failure(worker, failure_type="transfer_exception",
+                                  req_id=part.req_id, error=exc, load="layerwise")
                 state = "ERR"
         if state == "DONE":
             with contextlib.suppress(Exception):
                 plan.telemetry.append(wrapper.get_xfer_telemetry(handle))
             return None, False
         if state != "ERR":
-            worker._log_failure(failure_type="transfer_failed", req_id=part.req_id,
-                                xfer_state=state, load="layerwise")
+            _vllm.log_failure(worker, failure_type="transfer_failed", req_id=part.req_id,
+                              xfer_state=state, load="layerwise")
         return "transfer_failed", False
 
 
@@ -405,9 +407,9 @@ def capturing(worker: Any, owners: dict[str, str]) -> Iterator[None]:
     if not owners:
         yield
         return
-    inner = worker.nixl_wrapper
-    worker.nixl_wrapper = CapturingWrapper(inner, owners)
+    inner = _vllm.nixl_agent(worker)
+    _vllm.set_nixl_agent(worker, CapturingWrapper(inner, owners))
     try:
         yield
     finally:
-        worker.nixl_wrapper = inner
+        _vllm.set_nixl_agent(worker, inner)

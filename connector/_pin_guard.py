@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 
 from kvbridge.clock import boot_id, monotonic
+from kvbridge.connector import _vllm
 
 log = structlog.get_logger("kvbridge.connector")
 
@@ -67,7 +68,7 @@ class PinGuard:
 
     def update(self, metadata: object) -> None:
         """Take the pin ends of this step's reads (before NIXL's worker sees the step)."""
-        sent = getattr(metadata, PIN_ENDS_ATTR, None)
+        sent = _vllm.attached(metadata, PIN_ENDS_ATTR)
         if not isinstance(sent, PinEnds) or not sent.ends:
             return
         now = self._clock()
@@ -113,13 +114,18 @@ NOT_POSTED = "pin_margin_when_posted"
 LANDED_LATE = "pin_expired_in_read"
 
 
-def guard_worker(worker: Any, guard: PinGuard, report: Callable[[str, str], None]) -> None:
+def guard_worker(worker: Any, guard: PinGuard, report: Callable[[str, str], None]) -> bool:
     """Check the pins of the reads NIXL's pull worker posts itself (asynchronous reads, and
     the posting of synchronous ones): wraps its `_read_blocks_for_req`, where every READ is
     posted (at once, or once a handshake is done), and its `get_transfer_results`, where
-    finished reads are reported. `report(request_id, why)` hears of each read failed here."""
-    read_blocks = worker._read_blocks_for_req
-    transfer_results = worker.get_transfer_results
+    finished reads are reported. `report(request_id, why)` hears of each read failed here.
+    False, and nothing wrapped, when this vLLM's worker lacks a name the guard uses (the
+    scheduler side then plans no reads: `KVBridgeConnector._reads_guarded`)."""
+    if not _vllm.usable(_vllm.PIN_GUARD, _vllm.worker_objects(worker),
+                        owners=[_vllm.WORKER, _vllm.STATS]):
+        return False
+    read_blocks = _vllm.read_blocks_for_req(worker)
+    transfer_results = _vllm.transfer_results(worker)
 
     def _read_blocks_for_req(req_id: str, meta: Any) -> None:
         if guard.may_post(req_id):
@@ -127,18 +133,17 @@ def guard_worker(worker: Any, guard: PinGuard, report: Callable[[str, str], None
             return
         left = guard.left(req_id)
         guard.forget(req_id)
-        worker.xfer_stats.record_kv_expired_req()
+        _vllm.xfer_stats(worker).record_kv_expired_req()
         log.warning("kv_read_not_posted", request_id=req_id, why=NOT_POSTED,
                     pin_left_s=None if left is None else round(left, 3),
                     margin_s=guard.margin_s)
         report(req_id, NOT_POSTED)
         # As NIXL fails a read of blocks about to expire: reported done and failed, recomputed.
-        worker._handle_failed_transfer(req_id, None, worker._recv_failures,
-                                       record_failed_transfer=False)
+        _vllm.fail_read(worker, req_id)
 
     def get_transfer_results() -> Any:
-        blocks = {r: worker._recving_metadata[r].local_block_ids for r in guard.known()
-                  if r in worker._recving_metadata}
+        recving = _vllm.recving_metadata(worker)
+        blocks = {r: recving[r].local_block_ids for r in guard.known() if r in recving}
         results = transfer_results()
         for req_id in results.finished_recving:
             if req_id in results.failed_recving:
@@ -147,12 +152,13 @@ def guard_worker(worker: Any, guard: PinGuard, report: Callable[[str, str], None
             if guard.landed_in_time(req_id):
                 continue
             results.failed_recving.add(req_id)
-            if req_id in blocks and not getattr(worker, "_is_hma_required", False):
-                worker._invalid_block_ids.put(set(blocks[req_id][0]))
-            worker.xfer_stats.record_kv_expired_req()
+            if req_id in blocks and not _vllm.hma_required(worker):
+                _vllm.report_invalid_blocks(worker, set(blocks[req_id][0]))
+            _vllm.xfer_stats(worker).record_kv_expired_req()
             log.warning("kv_read_recompute", request_id=req_id, why=LANDED_LATE)
             report(req_id, LANDED_LATE)
         return results
 
-    worker._read_blocks_for_req = _read_blocks_for_req
-    worker.get_transfer_results = get_transfer_results
+    _vllm.set_read_blocks_for_req(worker, _read_blocks_for_req)
+    _vllm.set_transfer_results(worker, get_transfer_results)
+    return True

@@ -8,6 +8,7 @@ to its end, or fewer reusable tokens than the threshold all mean "recompute".
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -16,7 +17,7 @@ import structlog
 
 from kvbridge import blockhash
 from kvbridge.clients import seconds
-from kvbridge.clock import monotonic
+from kvbridge.clock import Clock, monotonic
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._pin_guard import LANDED_LATE, NOT_POSTED
 from kvbridge.connector._routed import (
@@ -92,8 +93,12 @@ class _Active:
 class PrefillReuse:
     def __init__(self, settings: ConnectorSettings, client: ReadClient, *, reader_id: str,
                  block_size: int, fingerprint: str, threshold: int,
-                 metrics: ConnectorMetrics) -> None:
+                 metrics: ConnectorMetrics, clock: Clock | None = None) -> None:
         self.settings = settings
+        # Pin ends are compared with times on this clock (and, on one host, with the gateway's
+        # and the workers' `monotonic()`): tests inject a FakeClock, engines use the deadline
+        # clock itself.
+        self._now: Callable[[], float] = monotonic if clock is None else clock.monotonic
         self.client = client
         self.reader_id = reader_id
         self.block_size = block_size
@@ -145,7 +150,7 @@ class PrefillReuse:
             return
         hashes = blockhash.block_hashes(tokens, self.block_size, *scope)
         tenant, conversation = key
-        now = monotonic()
+        now = self._now()
         routed = params[CONVERSATION_KEY].get(READ_KEY)
         if routed is not None and self._routed(request, tenant, conversation, hashes, routed,
                                                now):
@@ -157,7 +162,7 @@ class PrefillReuse:
             timeout=self.settings.read_deadline_s)
         pending = _Pending(tenant, conversation, hashes, future,
                            now + self.settings.read_deadline_s, started=now)
-        future.add_done_callback(lambda _: setattr(pending, "answered", monotonic()))
+        future.add_done_callback(lambda _: setattr(pending, "answered", self._now()))
         self._pending[request.request_id] = pending
 
     def _routed(self, request: Any, tenant: str, conversation: str, hashes: bytes,
@@ -198,7 +203,7 @@ class PrefillReuse:
             return self._asked_again(request)
         tokens = request.prompt_token_ids or []
         if not pending.future.done():
-            if monotonic() < pending.deadline:
+            if self._now() < pending.deadline:
                 return None
             del self._pending[request.request_id]
             pending.future.add_done_callback(self._release_late)
@@ -206,7 +211,8 @@ class PrefillReuse:
                          conversation=pending.conversation)
             return False
         del self._pending[request.request_id]
-        lookup_ms = round(((pending.answered or monotonic()) - pending.started) * 1000, 2)
+        answered = pending.answered or self._now()
+        lookup_ms = round((answered - pending.started) * 1000, 2)
         try:
             read = pending.future.result()
         except KvbridgeError as err:
@@ -247,7 +253,7 @@ class PrefillReuse:
             why = "local_cache"
         elif usable - num_computed_tokens < self.threshold:
             why = "below_threshold"
-        elif pin_end - monotonic() < self.settings.pin_margin_s:
+        elif pin_end - self._now() < self.settings.pin_margin_s:
             why = "pin_margin"
         if why is not None:
             self._release(read.pin.pin_id)
@@ -267,7 +273,7 @@ class PrefillReuse:
             tp_size=read.holder.tp_size or 1,
         )
         self._active[request.request_id] = _Active(
-            read.pin.pin_id, usable - num_computed_tokens, monotonic(),
+            read.pin.pin_id, usable - num_computed_tokens, self._now(),
             pending.conversation, params, pin_end=pin_end)
         self._decide(request, "hit", usable - num_computed_tokens, len(tokens) - usable,
                      conversation=pending.conversation, lookup_ms=lookup_ms,
@@ -283,7 +289,7 @@ class PrefillReuse:
         active = self._active.get(request.request_id)
         if active is None or active.posted:
             return False
-        if active.pin_end - monotonic() < self.settings.pin_margin_s:
+        if active.pin_end - self._now() < self.settings.pin_margin_s:
             self.decline(request, "pin_margin_when_asked_again")
             return False
         return True
@@ -346,7 +352,7 @@ class PrefillReuse:
         # will never queue again.
         _forget_remote_blocks(active.params)
         self._release(active.pin_id)
-        elapsed = monotonic() - active.started
+        elapsed = self._now() - active.started
         if ok:
             self.metrics.reused_tokens.inc(active.tokens)
             self.metrics.transfer_seconds.observe(elapsed)
@@ -374,7 +380,7 @@ class PrefillReuse:
         if pending is not None:
             pending.future.add_done_callback(self._release_late)
         active = self._active.pop(request_id, None)
-        now = monotonic()
+        now = self._now()
         for rid in [r for r, a in self._draining.items() if a.pin_end <= now]:
             del self._draining[rid]  # their pins have run out in the registry
         if active is not None and active.sent and not active.sync:

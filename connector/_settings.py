@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvbridge.auth import TlsFiles
+from kvbridge.connector import _vllm
 
 # The key under which a request's kv_transfer_params carry its conversation.
 CONVERSATION_KEY = "kvbridge"
@@ -198,11 +199,14 @@ def kv_scope(request: Any, fingerprint: str) -> tuple[str, str] | None:
     under the base model. (The fingerprint is hex, so "/lora:" cannot be forged by a salt.)
     None when the request has inputs the hashes cannot cover (images and other multimodal
     inputs, whose placeholder tokens are the same for different content; prompt embeddings):
-    such a request is neither retained nor read back, it recomputes."""
-    if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds",
-                                                         None) is not None:
+    such a request is neither retained nor read back, it recomputes. So is every request when
+    this vLLM's requests lack one of the fields read here (`_vllm.input_scope`)."""
+    scope = _vllm.input_scope(request)
+    if scope is None:
         return None
-    lora = getattr(request, "lora_request", None)
+    opaque, lora, salt = scope
+    if opaque:
+        return None
     if lora is not None:
         fingerprint = f"{fingerprint}/lora:{lora.lora_name}"
-    return fingerprint, str(request.cache_salt or "")
+    return fingerprint, salt

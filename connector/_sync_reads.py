@@ -28,6 +28,7 @@ from typing import Any
 import structlog
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
+from kvbridge.connector import _vllm
 from kvbridge.connector._layerwise import Captured, LayerReader, Layout, Part, Plan
 from kvbridge.connector._pin_guard import LANDED_LATE, NOT_POSTED, PinGuard
 
@@ -112,16 +113,17 @@ class SyncReads:
         """This step's synchronous reads. Those that cannot be posted now (no NIXL handshake
         with the holder) are taken out of the metadata and failed at once: NIXL would otherwise
         handshake in the background and read later, after the forward pass used the blocks."""
-        sync = set(getattr(metadata, SYNC_READS_ATTR, ()) or ())
+        sync = set(_vllm.attached(metadata, SYNC_READS_ATTR) or ())
         worker = self.worker
+        reads = _vllm.reads_to_recv(metadata)
         for req_id in sorted(sync):
-            meta = metadata.reqs_to_recv.get(req_id)
-            if meta is None or meta.remote is None:
+            meta = reads.get(req_id)
+            remote = _vllm.read_remote(meta)
+            if remote is None:
                 sync.discard(req_id)
                 continue
-            engine = meta.remote.engine_id
-            if engine in worker._invalid_remote_engines or engine not in worker._remote_agents:
-                del metadata.reqs_to_recv[req_id]
+            if not _vllm.handshake_done(worker, remote[0]):
+                del reads[req_id]
                 sync.discard(req_id)
                 self._fail(req_id, meta, "no_handshake", 0.0)
         self._step_sync = sync
@@ -135,13 +137,14 @@ class SyncReads:
             return {}
         owners: dict[str, str] = {}
         shared: set[str] = set()  # also read by a request NIXL posts itself: not captured
-        for req_id, meta in metadata.reqs_to_recv.items():
-            if meta is None or meta.remote is None:
+        for req_id, meta in _vllm.reads_to_recv(metadata).items():
+            remote = _vllm.read_remote(meta)
+            if remote is None:
                 continue
             if req_id in sync:
-                owners[meta.remote.request_id] = req_id
+                owners[remote[1]] = req_id
             else:
-                shared.add(meta.remote.request_id)
+                shared.add(remote[1])
         return {remote: req_id for remote, req_id in owners.items() if remote not in shared}
 
     def after(self, sync: set[str]) -> None:
@@ -158,14 +161,14 @@ class SyncReads:
         failed: dict[str, str] = {}
         layered: dict[str, list[tuple[str, Part]]] = {}
         for req_id in sync:
-            meta = worker._recving_metadata.pop(req_id, None)
-            posted = worker._recving_transfers.pop(req_id, None)
+            meta = _vllm.recving_metadata(worker).pop(req_id, None)
+            posted = _vllm.recving_transfers(worker).pop(req_id, None)
             if meta is None:  # nothing to read after all (cannot happen with blocks to load)
                 continue
             metas[req_id] = meta
             handles[req_id] = []
-            if req_id in worker._recv_failures or posted is None:
-                worker._recv_failures.discard(req_id)
+            if req_id in _vllm.recv_failures(worker) or posted is None:
+                _vllm.recv_failures(worker).discard(req_id)
                 failed[req_id] = self._not_posted_why.pop(req_id, "not_posted")
             for handle in posted or []:
                 if not isinstance(handle, Captured):
@@ -199,7 +202,7 @@ class SyncReads:
                     if pending:
                         failed.setdefault(req_id, "timeout")
                         handles[req_id] = [h for h in pending
-                                           if not worker._try_release_xfer_handle(req_id, h)]
+                                           if not _vllm.try_release_xfer(worker, req_id, h)]
                 if any(handles.values()):
                     log.error("sync_read_uncancellable", waiting=sorted(
                         r for r, h in handles.items() if h))
@@ -244,7 +247,7 @@ class SyncReads:
         if plan is None:
             return
         for telemetry in plan.telemetry:
-            self.worker.xfer_stats.record_transfer(telemetry)
+            _vllm.xfer_stats(self.worker).record_transfer(telemetry)
         for req_id, meta in self._plan_metas.items():
             # What the step lost to this read: the boundary blocks plus the forward's waits.
             exposed = self._plan_boundary_ms + plan.wait_s.get(req_id, 0.0) * 1000
@@ -286,32 +289,32 @@ class SyncReads:
         """One look at a request's transfers: those still in flight (or failed and not
         releasable) are returned. Failures are logged in NIXL's own terms."""
         worker = self.worker
-        wrapper = worker.nixl_wrapper
+        wrapper = _vllm.nixl_agent(worker)
         left = []
         for handle in pending:
             try:
                 state = wrapper.check_xfer_state(handle)
             except Exception as exc:  # a dead peer surfaces here
-                worker._log_failure(failure_type="transfer_exception", req_id=req_id,
-                                    error=exc, meta=meta, load="sync")
+                _vllm.log_failure(worker, failure_type="transfer_exception", req_id=req_id,
+                                  error=exc, meta=meta, load="sync")
                 state = "ERR"
             if state == "DONE":
-                worker.xfer_stats.record_transfer(wrapper.get_xfer_telemetry(handle))
+                _vllm.xfer_stats(worker).record_transfer(wrapper.get_xfer_telemetry(handle))
             elif state == "PROC":
                 left.append(handle)
                 continue
             else:
                 if state != "ERR":
-                    worker._log_failure(failure_type="transfer_failed", req_id=req_id,
-                                        xfer_state=state, meta=meta, load="sync")
+                    _vllm.log_failure(worker, failure_type="transfer_failed", req_id=req_id,
+                                      xfer_state=state, meta=meta, load="sync")
                 failed.setdefault(req_id, "transfer_failed")
-            if not worker._try_release_xfer_handle(req_id, handle):
+            if not _vllm.try_release_xfer(worker, req_id, handle):
                 left.append(handle)
         return left
 
     def _post(self, part: Part, meta: Any) -> Any:
         """Post a captured READ; its handle, or None if NIXL refused it."""
-        wrapper = self.worker.nixl_wrapper
+        wrapper = _vllm.nixl_agent(self.worker)
         handle = None
         try:
             handle = wrapper.make_prepped_xfer("READ", part.local, part.local_ids, part.remote,
@@ -319,10 +322,10 @@ class SyncReads:
             wrapper.transfer(handle)
             return handle
         except Exception as exc:
-            self.worker._log_failure(failure_type="transfer_setup_failed", req_id=part.req_id,
-                                     error=exc, meta=meta, load="sync")
+            _vllm.log_failure(self.worker, failure_type="transfer_setup_failed",
+                              req_id=part.req_id, error=exc, meta=meta, load="sync")
             if handle is not None:
-                while not self.worker._try_release_xfer_handle(part.req_id, handle):
+                while not _vllm.try_release_xfer(self.worker, part.req_id, handle):
                     self._sleep(self.poll_s)
             return None
 
@@ -331,7 +334,8 @@ class SyncReads:
         handshake just finished, of the same decode request as a synchronous one): posted
         whole, as NIXL would have, so that its bookkeeping only ever holds real handles."""
         worker = self.worker
-        for req_id, pending in list(worker._recving_transfers.items()):
+        transfers = _vllm.recving_transfers(worker)
+        for req_id, pending in list(transfers.items()):
             if req_id in sync or not any(isinstance(h, Captured) for h in pending):
                 continue
             real = []
@@ -340,26 +344,28 @@ class SyncReads:
                     real.append(handle)
                     continue
                 handle.req_id = req_id
-                posted = self._post(handle.whole(), worker._recving_metadata.get(req_id))
+                posted = self._post(handle.whole(), _vllm.recving_metadata(worker).get(req_id))
                 if posted is None:
-                    worker._recv_failures.add(req_id)
+                    _vllm.recv_failures(worker).add(req_id)
                 else:
                     real.append(posted)
-            worker._recving_transfers[req_id] = real
+            transfers[req_id] = real
 
     def _in_time(self, req_id: str) -> bool:
         """The synchronous read landed: whether its pin was still live then."""
         return self.pins is None or self.pins.landed_in_time(req_id)
 
     def _record_failure(self, req_id: str, meta: Any, why: str, elapsed_ms: float) -> None:
-        self.worker.xfer_stats.record_failed_transfer()
-        self.worker._failed_remote_engines.add(meta.remote.engine_id)
+        _vllm.xfer_stats(self.worker).record_failed_transfer()
+        remote = _vllm.read_remote(meta)
+        if remote is not None:
+            _vllm.remote_engine_failed(self.worker, remote[0])
         self._fail(req_id, meta, why, elapsed_ms)
 
     def _fail(self, req_id: str, meta: Any, why: str, elapsed_ms: float) -> None:
         """Report the request's blocks as not loaded: the scheduler recomputes them."""
-        blocks = {b for group in meta.local_block_ids for b in group}
-        self.worker._invalid_block_ids.put(blocks)
+        blocks = {b for group in _vllm.read_local_blocks(meta) for b in group}
+        _vllm.report_invalid_blocks(self.worker, blocks)
         if self.pins is not None:
             self.pins.forget(req_id)
         self._results.ok[req_id] = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 
@@ -39,10 +40,28 @@ class Stats:
 
 class WorkerBase:
     """The bookkeeping of NixlPullConnectorWorker that synchronous and layered reads touch,
-    and what they log and report invalid."""
+    and what they log and report invalid; its KV layout as an engine without Mamba, context
+    parallelism, speculative decoding or a host buffer has it (layered reads apply once the
+    regions are set). Every attribute of the worker named in `kvbridge.connector._vllm.NAMES`
+    is here or in a subclass: a test deletes one to see its feature turn off."""
 
     def __init__(self) -> None:
         self.xfer_stats = Stats()
+        self._is_hma_required = False
+        self._uses_region_group_mapping = False
+        self._has_mamba = False
+        self._transfer_layer_group_ids: tuple[int, ...] = ()
+        self._mixed_mem_types = False
+        self.use_host_buffer = False
+        self.dcp_size = 1
+        self.pcp_size = 1
+        self.vllm_config: Any = SimpleNamespace(speculative_config=None)
+        self.region_names: list[str] = []
+        self.num_regions = 0
+        self.region_num_blocks: list[int] = []
+        self.num_blocks = 0
+        self.device_kv_caches: dict[str, Any] = {}
+        self._physical_blocks_per_logical_kv_block = 1
         self._remote_agents: dict[str, dict[Any, str]] = {"decode-1": {(0, 0): "agent"}}
         self._invalid_remote_engines: set[str] = set()
         self._failed_remote_engines: set[str] = set()

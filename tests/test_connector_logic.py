@@ -22,7 +22,7 @@ from conftest import ThreadedRegistry
 
 from kvbridge import blockhash, errors
 from kvbridge.clients import RegistryClient
-from kvbridge.clock import boot_id, monotonic
+from kvbridge.clock import Clock, FakeClock, boot_id, monotonic
 from kvbridge.connector._decode import DecodeRetention
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._prefill import REMOTE_FIELDS, PrefillReuse
@@ -69,6 +69,9 @@ class FakeRequest:
         self.kv_transfer_params = params if params is not None else {}
         self.status = FakeStatus(status)
         self.cache_salt = cache_salt
+        self.mm_features: list[Any] = []
+        self.prompt_embeds: Any = None
+        self.lora_request: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -233,7 +236,8 @@ class DecodeKit:
 
 
 @contextmanager
-def decode_kit(registry: ThreadedRegistry, **settings: Any) -> Iterator[DecodeKit]:
+def decode_kit(registry: ThreadedRegistry, *, clock: Clock | None = None,
+               **settings: Any) -> Iterator[DecodeKit]:
     # retries=1 and a short RPC timeout, as the connector builds its client.
     rpc = RegistryClient(registry.target, timeout=1.0, retries=1)
     config = ConnectorSettings(**{"registry": registry.target, "rpc_timeout_s": 1.0,
@@ -241,7 +245,7 @@ def decode_kit(registry: ThreadedRegistry, **settings: Any) -> Iterator[DecodeKi
     metrics = ConnectorMetrics()
     retention = DecodeRetention(config, rpc, holder_id=HOLDER, nixl_host=NIXL_HOST,
                                 nixl_port=NIXL_PORT, block_size=BS, fingerprint=FP, tp_size=1,
-                                metrics=metrics)
+                                metrics=metrics, clock=clock)
     pool = FakeBlockPool(64)
     retention.bind(pool)
     retention.start()  # registers; its own heartbeats come every 20 s, past any test here
@@ -711,24 +715,27 @@ def test_decode_make_room_defers_preemption_only_while_blocks_are_coming(
 
 
 def test_decode_make_room_lets_vllm_preempt_while_the_registry_is_down(
-        decode: DecodeKit, registry: ThreadedRegistry):
+        registry: ThreadedRegistry):
     """With the registry unreachable, a revocation cannot free anything before decode's hard
     deadline: `has_pending_block_frees` must not keep saying yes (vLLM then skips scheduling
     instead of preempting, and generation stalls for the whole outage). It says yes only for a
     short wait on each revocation round, and a failed round is not retried at once."""
-    table = [1, 2, 3]
-    decode.finish("req-a", "ca", list(range(10)), [50, 51], table)
-    decode.wait_granted(1)
-    registry.stop()
-    decode.pool.reported_free = 0  # memory pressure: the lease would be revoked
-    answers = []
-    deadline = time.monotonic() + 3.0
-    while time.monotonic() < deadline:
-        answers.append(decode.retention.make_room())
-        time.sleep(0.05)
-    assert answers.count(True) < len(answers) / 3, answers
-    assert answers[-4:].count(False) >= 1
-    assert decode.pool.refs(table) == [1, 1, 1]  # nothing freed without the registry
+    clock = FakeClock()
+    with decode_kit(registry, clock=clock) as decode:
+        table = [1, 2, 3]
+        decode.finish("req-a", "ca", list(range(10)), [50, 51], table)
+        decode.wait_granted(1)
+        registry.stop()
+        decode.pool.reported_free = 0  # memory pressure: the lease would be revoked
+        answers = []
+        for _ in range(60):  # 3 s, a scheduler step every 50 ms
+            answers.append(decode.retention.make_room())
+            # Each round fails on its own (real) RPC time; the retention's clock waits for it.
+            wait_for(lambda: not decode.retention._revoking, "the revocation round to fail")
+            clock.advance(0.05)
+        assert answers.count(True) < len(answers) / 3, answers
+        assert answers[-4:].count(False) >= 1
+        assert decode.pool.refs(table) == [1, 1, 1]  # nothing freed without the registry
 
 
 def test_decode_arriving_request_makes_room_at_once(registry: ThreadedRegistry,
@@ -806,7 +813,8 @@ def test_decode_headroom_makes_room_before_the_next_arrival(decode: DecodeKit,
 def test_decode_headroom_follows_recent_demand(registry: ThreadedRegistry) -> None:
     """The headroom is the peak of waiting demand within the window, capped at headroom_cap of
     the pool, and falls back once the peak leaves the window."""
-    with decode_kit(registry, headroom_window_s=0.3, headroom_cap=0.25) as decode:
+    clock = FakeClock()
+    with decode_kit(registry, clock=clock, headroom_window_s=0.3, headroom_cap=0.25) as decode:
         retention = decode.retention
         assert retention.headroom() == 0
         retention.on_new_request(FakeRequest("r1", list(range(20))))  # 6 blocks
@@ -817,7 +825,7 @@ def test_decode_headroom_follows_recent_demand(registry: ThreadedRegistry) -> No
         retention.on_new_request(FakeRequest("r3", list(range(200))))  # 51 blocks: capped
         assert retention.headroom() == 15  # a quarter of 63
         retention.allocated("r3")
-        time.sleep(0.35)
+        clock.advance(0.35)
         assert retention.headroom() == 0
         assert sample(decode.metrics, "kvbridge_connector_headroom_blocks") == 0
 
@@ -926,13 +934,13 @@ class PrefillKit:
 
 
 def make_prefill(target: str, threshold: int = 8, client: RegistryClient | None = None,
-                 **overrides: Any) -> PrefillKit:
+                 clock: Clock | None = None, **overrides: Any) -> PrefillKit:
     overrides.setdefault("read_deadline_s", 5.0)  # generous: only the deadline tests shorten it
     settings = ConnectorSettings(registry=target, **overrides)
     rpc = client or RegistryClient(target, timeout=settings.rpc_timeout_s, retries=1)
     metrics = ConnectorMetrics()
     reuse = PrefillReuse(settings, rpc, reader_id=READER, block_size=BS, fingerprint=FP,
-                         threshold=threshold, metrics=metrics)
+                         threshold=threshold, metrics=metrics, clock=clock)
     return PrefillKit(reuse, metrics, rpc)
 
 
@@ -1290,13 +1298,14 @@ def test_prefill_hit_asked_about_again_stands_only_while_its_pin_does(
     stands while the pin has more than the margin left, and is withdrawn (fields stripped,
     pin released, counted as recomputed) once it has not."""
     lease = grant(client, "c1", LEASE_TOKENS)
-    kit = make_prefill(registry.target, pin_ttl_s=2.5, pin_margin_s=2.0)
+    clock = FakeClock()
+    kit = make_prefill(registry.target, clock=clock, pin_ttl_s=2.5, pin_margin_s=2.0)
     try:
         request = kit.request("p-1", LEASE_TOKENS + EXTRA)
         assert kit.resolve(request) is True
         assert kit.reuse.resolve(request, 0) is True  # asked again at once: still a hit
         assert request.kv_transfer_params["remote_num_tokens"] == 38
-        time.sleep(0.6)  # the pin now has less than the 2 s margin left
+        clock.advance(0.6)  # the pin now has less than the 2 s margin left
         assert kit.reuse.resolve(request, 0) is False
         assert no_remote_fields(request.kv_transfer_params)
         assert kit.decision("pin_margin_when_asked_again") == 1
@@ -1334,13 +1343,17 @@ def test_prefill_silent_registry_hits_the_deadline():
     sock.listen(16)
     target = f"127.0.0.1:{sock.getsockname()[1]}"
     rpc = RecordingClient(target, timeout=1.0, retries=1, acquire_timeout=1.0)
-    kit = make_prefill(target, client=rpc, read_deadline_s=0.2)
+    clock = FakeClock()
+    kit = make_prefill(target, client=rpc, clock=clock, read_deadline_s=0.2)
     try:
         request = kit.request("p-1", LEASE_TOKENS + EXTRA)
-        started = time.monotonic()
+        started = clock.monotonic()
         assert kit.reuse.resolve(request, 0) is None  # pending, before the deadline
+        clock.advance(0.15)
+        assert kit.reuse.resolve(request, 0) is None  # still pending: time alone decides
+        clock.advance(0.1)  # past the 0.2 s deadline
         assert kit.resolve(request) is False
-        assert time.monotonic() - started >= 0.15
+        assert clock.monotonic() - started >= 0.15
         assert kit.decision("deadline") == 1
         assert no_remote_fields(request.kv_transfer_params)
         assert kit.reuse.resolve(request, 0) is False
@@ -1354,11 +1367,13 @@ def test_prefill_slow_registry_deadline_then_late_pin_is_released(
         registry: ThreadedRegistry, holder: pb.Holder, client: RegistryClient):
     lease = grant(client, "c1", LEASE_TOKENS)
     recording = RecordingClient(registry.target, timeout=5.0, retries=1, acquire_timeout=5.0)
-    kit = make_prefill(registry.target, client=recording, read_deadline_s=0.3)
+    clock = FakeClock()
+    kit = make_prefill(registry.target, client=recording, clock=clock, read_deadline_s=0.3)
     try:
         with paused(registry):
             request = kit.request("p-1", LEASE_TOKENS + EXTRA)
             assert kit.reuse.resolve(request, 0) is None
+            clock.advance(0.35)  # past the 0.3 s deadline
             assert kit.resolve(request) is False  # the deadline passed, the RPC is pending
             assert kit.decision("deadline") == 1
             assert no_remote_fields(request.kv_transfer_params)

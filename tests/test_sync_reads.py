@@ -170,7 +170,8 @@ def test_no_synchronous_reads_on_an_engine_with_prefix_caching(prefix_caching: b
     connector = KVBridgeConnector.__new__(KVBridgeConnector)
     connector.settings = ConnectorSettings(registry="127.0.0.1:1")
     connector._prefix_caching = prefix_caching
-    connector.__dict__["connector_scheduler"] = SimpleNamespace(use_host_buffer=False)
+    connector.__dict__["connector_scheduler"] = SimpleNamespace(
+        use_host_buffer=False, block_size=16, _reqs_need_recv={})
     connector.__dict__["_kv_cache_config"] = SimpleNamespace(kv_cache_groups=[object()])
     connector._read_from = {"decode-0"}
     request = SimpleNamespace(kv_transfer_params={"remote_engine_id": "decode-0"})
