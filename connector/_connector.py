@@ -175,6 +175,13 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                  nixl="{}:{}".format(*_vllm.side_channel(scheduler)),
                  pid=os.getpid())
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No (asked by vLLM 0.33+ when sleep mode is on): a sleeping decode engine drops
+        the blocks its leases name, and a woken one registers its KV cache anew, which
+        kvbridge's reads (they carry no registration generation) would not notice."""
+        return False
+
     # ---- scheduler side ---------------------------------------------------------------------
 
     @staticmethod

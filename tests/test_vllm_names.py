@@ -281,3 +281,30 @@ def test_names_are_frozen_records() -> None:
     name = _vllm.NAMES[0]
     with pytest.raises(dataclasses.FrozenInstanceError):
         name.attr = "other"  # type: ignore[misc]
+
+
+# ---- the releases the connector loads on ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(("version", "ok"), [("0.32.0", True), ("0.32.5+cpu", True),
+                                              ("0.33.0", True), ("0.31.2", False),
+                                              ("0.34.0", False), ("dev", False)])
+def test_the_connector_loads_on_the_checked_minors_only(monkeypatch: pytest.MonkeyPatch,
+                                                        version: str, ok: bool) -> None:
+    vllm = pytest.importorskip("vllm", reason="the engine extra is not installed")
+    from kvbridge.connector._version import UnsupportedVllmVersion, check_vllm_version
+
+    monkeypatch.setattr(vllm, "__version__", version)
+    if ok:
+        assert check_vllm_version() == version
+    else:
+        with pytest.raises(UnsupportedVllmVersion, match=r"0\.32\.x, 0\.33\.x"):
+            check_vllm_version()
+
+
+def test_sleep_mode_is_refused() -> None:
+    """vLLM 0.33 asks before it lets an engine sleep; kvbridge's leases would not survive it."""
+    pytest.importorskip("vllm", reason="the engine extra is not installed")
+    from kvbridge.connector._connector import KVBridgeConnector
+
+    assert KVBridgeConnector.supports_sleep_mode(SimpleNamespace()) is False
