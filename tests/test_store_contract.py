@@ -423,6 +423,28 @@ async def test_list_filters_and_pages(b: Backend, kv: Any) -> None:
     assert await b.store.list_leases(tenant="other") == []
 
 
+async def test_list_by_tenant_uses_the_tenants_own_leases(b: Backend, kv: Any) -> None:
+    """Listing one tenant (issue 32: through its own indexes) gives its active leases, with
+    include_inactive its dead ones not yet freed, pages in id order, never another tenant's;
+    a lease its holder freed is gone from it."""
+    await b.store.register_holder(holder(ttl=300.0))
+    mine = [(await b.store.grant(grant_spec(kv, kv.tokens(8), tenant="ta", conversation=f"c{i}",
+                                            first_block=10 * i))).lease for i in range(5)]
+    for i in range(20):
+        await b.store.grant(grant_spec(kv, kv.tokens(8), tenant="tb", conversation=f"c{i}"))
+    dead = await b.store.revoke(mine[0].lease_id, "h1")
+    active = sorted(x.lease_id for x in mine[1:])
+    assert [x.lease_id for x in await b.store.list_leases(tenant="ta")] == active
+    everything = await b.store.list_leases(tenant="ta", include_inactive=True)
+    assert [x.lease_id for x in everything] == sorted([dead.lease_id, *active])
+    page = await b.store.list_leases(tenant="ta", include_inactive=True,
+                                     after=everything[1].lease_id, limit=2)
+    assert [x.lease_id for x in page] == [x.lease_id for x in everything[2:4]]
+    await b.store.heartbeat("h1", [dead.lease_id])  # the holder freed it
+    assert [x.lease_id for x in await b.store.list_leases(tenant="ta", include_inactive=True)
+            ] == active
+
+
 async def test_capacity(make_backend: Factory, kv: Any) -> None:
     b = await make_backend(max_leases=2)
     await b.store.register_holder(holder())
@@ -1974,6 +1996,9 @@ async def test_redis_replicas_record_their_layout_and_an_outdated_one_stops_serv
     gone (a layout it would misread), the older stops serving (UNAVAILABLE: readers recompute,
     clients fail over) and another of its version refuses to start, with a message that says
     to upgrade."""
+    from kvbridge.services.registry._redis import LAYOUT, LAYOUT_MIN
+
+    v, n = LAYOUT, LAYOUT + 1  # this version's layout, and a newer one that needs it gone
     config = _redis_config(redis_server.url, redis_namespace)
     old = RedisStore(config, SystemClock(), recovering=False)
     await old.start()
@@ -1981,8 +2006,8 @@ async def test_redis_replicas_record_their_layout_and_an_outdated_one_stops_serv
     try:
         await old.register_holder(holder())
         layout = await old._redis.hgetall(old.prefix + "layout")  # type: ignore[union-attr]
-        assert layout == {b"version": b"2", b"min": b"2"}
-        new.layout, new.layout_min = 3, 3
+        assert layout == {b"version": str(v).encode(), b"min": str(LAYOUT_MIN).encode()}
+        new.layout, new.layout_min = n, n
         await new.start()
         lease = (await new.grant(grant_spec(kv, kv.tokens(8)))).lease
         assert old._outdated == ""  # until its next tick
@@ -1991,17 +2016,18 @@ async def test_redis_replicas_record_their_layout_and_an_outdated_one_stops_serv
         assert any(e["event"] == "redis_layout_outdated" for e in logs)
         for call in (old.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8))),
                      old.heartbeat("h1")):
-            with pytest.raises(errors.Unavailable, match=r"needs at least 3.*upgrade"):
+            with pytest.raises(errors.Unavailable, match=rf"needs at least {n}.*upgrade"):
                 await call
         read = await new.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
         assert read.miss is MissReason.HIT and read.lease is not None
         assert read.lease.lease_id == lease.lease_id
         again = RedisStore(config, SystemClock(), recovering=False)
-        with pytest.raises(OSError, match="layout needs at least 3; this replica speaks "
-                                          "layout 2: upgrade"):
+        with pytest.raises(OSError, match=f"layout needs at least {n}; this replica speaks "
+                                          f"layout {v}: upgrade"):
             await again.start()
         layout = await new._redis.hgetall(new.prefix + "layout")  # type: ignore[union-attr]
-        assert layout == {b"version": b"3", b"min": b"3"}  # the refused one changed nothing
+        assert layout == {b"version": str(n).encode(),  # the refused one changed nothing
+                          b"min": str(n).encode()}
     finally:
         await new.close()
         await old.close()
@@ -2016,10 +2042,13 @@ async def test_redis_outdated_replica_reports_not_serving_and_a_lost_layout_is_r
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from kvbridge.services.registry._redis import LAYOUT
+
+    n = LAYOUT + 1  # a newer layout that needs this version's gone
     old = await _replica(redis_server.url, redis_namespace)
     config = _redis_config(redis_server.url, redis_namespace)
     new = RedisStore(config, SystemClock(), recovering=False)
-    new.layout, new.layout_min = 3, 3
+    new.layout, new.layout_min = n, n
     channel = grpc.aio.insecure_channel(old.address)
     watcher = AsyncRegistryClient(old.address, retries=0)
     try:
@@ -2049,10 +2078,10 @@ async def test_redis_outdated_replica_reports_not_serving_and_a_lost_layout_is_r
         assert new._redis is not None
         await new._redis.delete(new.prefix + "layout")  # as a Redis that lost its data
         await new.tick()
-        assert await new._redis.hgetall(new.prefix + "layout") == {b"version": b"3",
-                                                                    b"min": b"3"}
+        assert await new._redis.hgetall(new.prefix + "layout") == {
+            b"version": str(n).encode(), b"min": str(n).encode()}
         again = RedisStore(config, SystemClock(), recovering=False)
-        with pytest.raises(OSError, match="needs at least 3"):
+        with pytest.raises(OSError, match=f"needs at least {n}"):
             await again.start()
     finally:
         await watcher.close()

@@ -105,8 +105,10 @@ _CLOCK_FIX_MAX_RTT = 0.1  # a step is fixed from a call of at most this round tr
 # that this replica speaks, recorded in `<prefix>layout`. A change that replicas of another
 # version would misread bumps it, and raises LAYOUT_MIN when the older ones must not go on
 # sharing the namespace. Layout 1: replicas from before layouts were recorded (they neither
-# record nor check one, and ignore the clock fix).
-LAYOUT = 2
+# record nor check one, and ignore the clock fix). Layout 3 adds `td:<tenant>`, the tenant's
+# dead leases, for listings by tenant: layout-2 replicas do not keep it (a listing of inactive
+# leases then misses the ones they killed until those are freed), which misreads nothing.
+LAYOUT = 3
 LAYOUT_MIN = 2  # the oldest layout that may share a namespace with this one
 _LAYOUT_LUA = r"""
 local K = KEYS[1]

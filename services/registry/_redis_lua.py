@@ -23,7 +23,8 @@ Keys (P = prefix):
   P leases           zset (score 0): every lease id, in id order for listing
   P lexp             zset: ACTIVE lease -> expire time
   P c:<tenant> <conv>  string: the conversation's current lease id
-  P ta:<tenant>      set: the tenant's ACTIVE lease ids (for quotas)
+  P ta:<tenant>      set: the tenant's ACTIVE lease ids (for quotas and listing)
+  P td:<tenant>      set: the tenant's dead lease ids not yet freed (for listing; layout 3)
   P tb               hash: tenant -> blocks of its ACTIVE leases (for quotas)
   P p:<pin>          hash: l(lease) x(expire)
   P pexp             zset: pin -> expire time
@@ -156,6 +157,7 @@ local function kill(lid, state, lateness)
     end
   end
   redis.call('SADD', P .. 'hd:' .. f[3], lid)
+  redis.call('SADD', P .. 'td:' .. f[1], lid)
   emit(DEAD_EVENT[state], lid, f[1], f[2], f[3], f[4], lateness)
   if tonumber(f[5]) == 0 then emit_reclaimable(lid, f) end
   return true
@@ -208,6 +210,7 @@ local function forget(lid)
     return
   end
   redis.call('SREM', P .. 'hd:' .. f[3], lid)
+  redis.call('SREM', P .. 'td:' .. f[1], lid)
   redis.call('HINCRBY', P .. 'h:' .. f[3], 'rb', -tonumber(f[5]))
   redis.call('DEL', L)
   redis.call('ZREM', P .. 'leases', lid)
@@ -603,6 +606,14 @@ elseif cmd == 'list' then
     local cur = redis.call('GET', P .. 'c:' .. tenant .. ' ' .. conv)
     ids = {}
     if cur then ids[1] = cur end
+  elseif tenant ~= '' then
+    -- The tenant's own indexes: a listing costs what that tenant has, not the registry.
+    if inactive then
+      ids = redis.call('SUNION', P .. 'ta:' .. tenant, P .. 'td:' .. tenant)
+    else
+      ids = redis.call('SMEMBERS', P .. 'ta:' .. tenant)
+    end
+    table.sort(ids)
   end
   if ids then
     for _, lid in ipairs(ids) do
@@ -610,7 +621,7 @@ elseif cmd == 'list' then
       consider(lid)
     end
   else
-    -- No per-tenant index: a tenant filter walks lease ids in order until the page is full.
+    -- No filter: lease ids in order until the page is full.
     local start = '-'
     if after ~= '' then start = '(' .. after end
     while #out < limit do
