@@ -25,6 +25,8 @@ from typing import Any
 
 import structlog
 
+from kvbridge.connector._version import UnsupportedVllmVersion
+
 log = structlog.get_logger("kvbridge.connector")
 
 # ---- features: what turns off when one of its names is missing -------------------------------
@@ -179,8 +181,6 @@ def usable(feature: str, live: Mapping[str, Any] | None = None, *,
 
 def require_core(connector: Any) -> None:
     """Refuse to run on a vLLM whose NIXL connector lacks what every feature builds on."""
-    from kvbridge.connector._version import UnsupportedVllmVersion
-
     gone = missing(CORE, {CONNECTOR: connector})
     if gone:
         raise UnsupportedVllmVersion(

@@ -72,6 +72,16 @@ def test_every_feature_has_names_and_every_name_a_feature() -> None:
     assert len(set(_vllm.NAMES)) == len(_vllm.NAMES)  # listed once
 
 
+def test_the_docs_table_lists_every_name() -> None:
+    """docs/vllm-coupling.md says what each name guards: it lists every one of them."""
+    docs = (Path(__file__).parent.parent / "docs" / "vllm-coupling.md").read_text()
+    rows = [line for line in docs.splitlines() if line.startswith("| `")]
+    for name in _vllm.NAMES:
+        owner = name.owner.rsplit(".", 1)[-1]
+        assert any(f"`{owner}`" in row and f"`{name.attr}`" in row
+                   and all(f in row for f in name.features) for row in rows), name
+
+
 # ---- the checker itself -------------------------------------------------------------------------
 
 _SOURCE = '''
