@@ -62,6 +62,8 @@ MAX_EPOCH = 2**53 - 1
 # RECLAIMABLE events the recovery grace held back, sent per scheduler tick once it is over
 # (both backends; each is a watch event, and in Redis a stream entry written by one script).
 OWED_EVENTS_PER_TICK = 1000
+# A lost holder is forgotten strictly after its retention: looked at again this much later.
+_RETENTION_STEP = 0.01
 
 _DEAD_EVENT = {
     LeaseState.EXPIRED: EventType.EXPIRED,
@@ -286,6 +288,11 @@ class LeaseTable:
         self._durations: dict[float, float] = {}  # one float object per distinct TTL
         # Pins by deadline (a pin's deadline never moves; a released pin stays until then).
         self._pin_expiry: ExpiryWheel[Pin] = ExpiryWheel()
+        # Live holders by TTL deadline (lazily rescheduled on heartbeat, as leases are), and
+        # lost ones by the end of their retention: a tick costs what falls due, not a scan of
+        # every holder (lost ones are kept for about a day).
+        self._holder_expiry: ExpiryWheel[Holder] = ExpiryWheel()
+        self._lost_expiry: ExpiryWheel[Holder] = ExpiryWheel()
         self._listeners: list[Listener] = []
         self._renewal_listeners: list[Listener] = []
         now = clock.monotonic()
@@ -367,6 +374,8 @@ class LeaseTable:
             holder.version = spec.version
             holder.ttl, holder.expire_at = ttl, now + ttl
             holder.state = HolderState.ACTIVE
+        # (Again on re-registration: its TTL may be shorter now; a stale entry is skipped.)
+        self._holder_expiry.add(holder, holder.expire_at)
 
         # The holder is the source of truth for its memory: an active lease it no longer
         # lists (say the engine restarted) must never be read again.
@@ -475,6 +484,7 @@ class LeaseTable:
     def _lose_holder(self, holder: Holder, now: float) -> None:
         holder.state = HolderState.LOST
         holder.lost_at = now
+        self._lost_expiry.add(holder, now + self._retention())
         lost = self._active_of(holder)
         for lease in lost:
             self._kill(lease, LeaseState.HOLDER_LOST)
@@ -888,26 +898,42 @@ class LeaseTable:
             log.debug("leases_expired", count=expired)
         return expired
 
+    def _retention(self) -> float:
+        """How long a lost holder is kept: past its own hard deadline it has freed everything
+        it held."""
+        return self.config.max_lifetime_cap_s + self.config.max_pin_ttl_s
+
     def _expire_holders(self, now: float) -> None:
-        for holder in list(self._holders.values()):
-            if holder.state is HolderState.LOST:
-                # Past the holder's own hard deadline it has freed everything it held.
-                retention = self.config.max_lifetime_cap_s + self.config.max_pin_ttl_s
-                if now - holder.lost_at > retention and not any(
-                    lease.pin_count for lease in holder.dead_leases.values()
-                ):
-                    for lease in list(holder.dead_leases.values()):
-                        self._forget(lease)
-                    del self._holders[holder.holder_id]
-            elif holder.expire_at <= now:
+        for holder in self._holder_expiry.due(now, len(self._holder_expiry)):
+            if holder.state is HolderState.LOST or self._holders.get(holder.holder_id) \
+                    is not holder:
+                continue  # lost already (its retention is scheduled), or forgotten
+            if holder.expire_at <= now:
                 self._lose_holder(holder, now)
+            else:  # heartbeats moved its deadline since it was scheduled
+                self._holder_expiry.add(holder, holder.expire_at)
+        for holder in self._lost_expiry.due(now, len(self._lost_expiry)):
+            if holder.state is not HolderState.LOST or self._holders.get(holder.holder_id) \
+                    is not holder:
+                continue  # registered again since, or forgotten
+            end = holder.lost_at + self._retention()
+            if now <= end:  # lost again since, or due this very instant: strictly after
+                self._lost_expiry.add(holder, end + _RETENTION_STEP)
+                continue
+            if any(lease.pin_count for lease in holder.dead_leases.values()):
+                # A pin outlives no holder's hard deadline; look again once pins may be over.
+                self._lost_expiry.add(holder, now + self.config.max_pin_ttl_s)
+                continue
+            for lease in list(holder.dead_leases.values()):
+                self._forget(lease)
+            del self._holders[holder.holder_id]
 
     def next_deadline(self) -> float | None:
         """The earliest pending deadline, for the scheduler's sleep."""
         candidates = [due for due in (self._pin_expiry.next_deadline(),
-                                      self._expiry.next_deadline()) if due is not None]
-        candidates += [h.expire_at for h in self._holders.values()
-                       if h.state is not HolderState.LOST]
+                                      self._expiry.next_deadline(),
+                                      self._holder_expiry.next_deadline(),
+                                      self._lost_expiry.next_deadline()) if due is not None]
         if self._reclaimable_owed or self._paying:
             candidates.append(self._reclaim_hold_until)
         return min(candidates) if candidates else None
