@@ -16,6 +16,8 @@ as the AcquireRead handler itself). A generic handler is one dict lookup.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import ModuleType
 from typing import Any
@@ -31,6 +33,11 @@ from kvbridge._grpc_status import to_status
 from kvbridge.errors import InvalidArgument, KvbridgeError
 
 log = structlog.get_logger("kvbridge.auth")
+
+# `rpc_denied` lines a second, per reason, that a service writes at most (`_DenialLog`).
+DENIED_LOG_PER_SECOND = 10
+_MAX_LOGGED = 512  # most characters of an error message a log line repeats
+_now = time.monotonic  # the denial log's clock (a test's to replace)
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
@@ -85,12 +92,51 @@ def _streaming(fn: Callable[[Any, Ctx], AsyncIterator[Any]], cls: Any
     return handle
 
 
+class _DenialLog:
+    """The `rpc_denied` log line, at most `per_second` lines a second for each reason: an
+    unauthenticated flood must not flood the log. The next line of a reason after some were
+    held back says how many (`suppressed`)."""
+
+    def __init__(self, per_second: int = DENIED_LOG_PER_SECOND) -> None:
+        self.per_second = per_second
+        self._windows: dict[str, _Window] = {}  # by reason: a handful of them
+
+    def write(self, method: str, err: KvbridgeError, caller: str, peer: str) -> None:
+        now = _now()
+        window = self._windows.get(err.reason)
+        if window is None:
+            window = self._windows[err.reason] = _Window(now)
+        elif now - window.start >= 1.0:
+            window.start, window.lines = now, 0
+        if window.lines >= self.per_second:
+            window.held += 1
+            return
+        window.lines += 1
+        held, window.held = window.held, 0
+        log.info("rpc_denied", method=method, reason=err.reason, error=_bounded(err.message),
+                 caller=caller or None, peer=peer, **({"suppressed": held} if held else {}))
+
+
+@dataclasses.dataclass
+class _Window:
+    start: float  # this second's start
+    lines: int = 0  # written in it
+    held: int = 0  # held back since the last line written
+
+
+def _bounded(message: str) -> str:
+    # Messages are bounded where they are made (`auth.shown`); this is the last line of defence.
+    return message if len(message) <= _MAX_LOGGED else message[:_MAX_LOGGED] + "..."
+
+
 class _Guard:
     """Authentication and the method's rule, run before the servicer sees the request; the
     caller is then `kvbridge.auth.current()` for checks that need stored state."""
 
-    def __init__(self, authenticator: auth.Authenticator, rule: auth.Rule, method: str) -> None:
+    def __init__(self, authenticator: auth.Authenticator, rule: auth.Rule, method: str,
+                 denials: _DenialLog, max_id_length: int) -> None:
         self.authenticator, self.rule, self.method = authenticator, rule, method
+        self.denials, self.max_id_length = denials, max_id_length
 
     async def authenticate(self, context: Ctx) -> auth.Principal:
         """First, before the request is even parsed: who is calling."""
@@ -102,13 +148,12 @@ class _Guard:
 
     async def authorize(self, principal: auth.Principal, request: Any, context: Ctx) -> None:
         try:
-            self.rule.apply(self.method, principal, request)
+            self.rule.apply(self.method, principal, request, self.max_id_length)
         except KvbridgeError as err:
             await self._deny(err, context, principal.name)
 
     async def _deny(self, err: KvbridgeError, context: Ctx, caller: str = "") -> None:
-        log.info("rpc_denied", method=self.method, reason=err.reason, error=err.message,
-                 caller=caller or None, peer=context.peer())
+        self.denials.write(self.method, err, caller, context.peer())
         await context.abort_with_status(to_status(err))
 
 
@@ -143,13 +188,17 @@ def _guarded_streaming(fn: Callable[[Any, Ctx], AsyncIterator[Any]], cls: Any, g
 
 def add_servicer(server: grpc.aio.Server, servicer: Any, messages: ModuleType,
                  service_name: str, *, authenticator: auth.Authenticator | None = None,
-                 rules: Mapping[str, auth.Rule] | None = None) -> None:
+                 rules: Mapping[str, auth.Rule] | None = None,
+                 max_id_length: int = auth.MAX_ID_LENGTH) -> None:
     """Register every method of `service_name` (from the `_pb2` module `messages`) on
     `server`, served by the same-named methods of `servicer`.
 
     With an enabled `authenticator`, every call is authenticated and checked against its
-    method's entry in `rules` (which must name every method) before the servicer runs."""
+    method's entry in `rules` (which must name every method) before the servicer runs; a
+    tenant or holder id a rule checks must be an id of at most `max_id_length` characters
+    (else INVALID_ARGUMENT, before any access decision)."""
     guarded = authenticator is not None and authenticator.enabled
+    denials = _DenialLog()
     service = messages.DESCRIPTOR.services_by_name[service_name]
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
     for method in service.methods:
@@ -162,7 +211,8 @@ def add_servicer(server: grpc.aio.Server, servicer: Any, messages: ModuleType,
             assert authenticator is not None
             if rules is None or method.name not in rules:
                 raise ValueError(f"{method.full_name}: no access rule")
-            guard = _Guard(authenticator, rules[method.name], method.name)
+            guard = _Guard(authenticator, rules[method.name], method.name, denials,
+                           max_id_length)
             if method.server_streaming:
                 handlers[method.name] = grpc.unary_stream_rpc_method_handler(
                     _guarded_streaming(fn, request_cls, guard), _identity,

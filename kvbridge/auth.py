@@ -38,15 +38,17 @@ import contextvars
 import dataclasses
 import fnmatch
 import hashlib
+import ipaddress
 import os
 import re
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from kvbridge.errors import PermissionDenied, Unauthenticated
+from kvbridge.errors import InvalidArgument, PermissionDenied, Unauthenticated
 
 ROLES = ("admin", "holder", "reader", "gateway", "router", "tenant")
 SCOPED_ROLES = {"holder": "holder", "tenant": "tenants"}  # role -> the scope it requires
@@ -56,6 +58,10 @@ TOKENS_FILE_ENV = "KVBRIDGE_AUTH_TOKENS_FILE"
 INSECURE_ENV = "KVBRIDGE_INSECURE"
 _MIN_TOKEN_LENGTH = 16
 _HASHED = re.compile(r"sha256:([0-9a-fA-F]{64})")
+# The longest id (tenant, holder) a rule checks, unless its server says otherwise: the default of
+# the services' own max_id_length.
+MAX_ID_LENGTH = 256
+_SHOWN_LENGTH = 64  # most characters of a caller's value an error or a log line repeats
 
 
 def _digest(token: str) -> bytes:
@@ -112,6 +118,8 @@ class TokenTable:
         if not entries:
             raise ValueError("the token table is empty")
         self._entries = dict(entries)
+        # (file, inline lines) it was loaded from (`load`): what `Authenticator.reload` reads.
+        self.origin: tuple[str, str] | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -191,7 +199,9 @@ class TokenTable:
             sources.append(TOKENS_ENV)
         if not sources:
             return None
-        return cls.parse(text, " + ".join(sources))
+        table = cls.parse(text, " + ".join(sources))
+        table.origin = (path, inline)
+        return table
 
 
 def bearer(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
@@ -208,10 +218,26 @@ def bearer(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
 
 class Authenticator:
     """Turns a call's metadata into a `Principal`: from the token table, or, in insecure local
-    mode (no table), everyone is `LOCAL_ADMIN`."""
+    mode (no table), everyone is `LOCAL_ADMIN`. A table from `TokenTable.load` can be read again
+    (`reload`, or every such authenticator on SIGHUP: `reload_tokens_on_sighup`)."""
 
     def __init__(self, table: TokenTable | None) -> None:
         self.table = table
+        if table is not None and table.origin is not None:
+            _RELOADABLE.add(self)
+
+    def reload(self) -> TokenTable:
+        """Read the token table again from where it was loaded and use it for every call from
+        now on (one assignment: a call sees the old table or the new, never a mix; nothing
+        else changes). ValueError, with the current table kept, when the new one is not valid
+        or there is none to reload (insecure local mode, a table not loaded from a source)."""
+        table = self.table
+        if table is None or table.origin is None:
+            raise ValueError("no token table loaded from a file to reload")
+        fresh = TokenTable.load(*table.origin)
+        assert fresh is not None  # the origin names a source
+        self.table = fresh
+        return fresh
 
     @property
     def enabled(self) -> bool:
@@ -227,6 +253,55 @@ class Authenticator:
         if principal is None:
             raise Unauthenticated("unknown token")
         return principal
+
+
+# Every authenticator over a loaded table, for `reload_tokens` (weak: a server that is gone drops
+# out by itself).
+_RELOADABLE: weakref.WeakSet[Authenticator] = weakref.WeakSet()
+
+
+def reload_tokens() -> list[tuple[str, TokenTable | ValueError]]:
+    """Reload every live authenticator's token table (`Authenticator.reload`); for each, its
+    source and the new table, or the ValueError for which it kept its old one."""
+    out: list[tuple[str, TokenTable | ValueError]] = []
+    for authenticator in list(_RELOADABLE):
+        path, inline = (authenticator.table and authenticator.table.origin) or ("", "")
+        source = " + ".join(x for x in (path, TOKENS_ENV if inline else "") if x)
+        try:
+            out.append((source, authenticator.reload()))
+        except ValueError as exc:
+            out.append((source, exc))
+    return out
+
+
+def reload_tokens_on_sighup(logger: Any, *others: tuple[str, Callable[[], object]]) -> None:
+    """From now on, SIGHUP reloads this process's token tables (`reload_tokens`), and calls
+    each of `others` (a name and a function that reads some other credentials again, such as
+    the gateway's API keys, raising ValueError or OSError, with the old ones kept, when it
+    cannot): a token is rotated by editing its file and sending SIGHUP, without a restart and
+    without losing any state. Each reload is logged on `logger`: `tokens_reloaded`, or
+    `tokens_reload_failed` (the old table stays). Call it from a server's `serve`, on its
+    event loop, once its server is built."""
+    import asyncio
+    import signal
+
+    def on_sighup() -> None:
+        for source, result in reload_tokens():
+            if isinstance(result, ValueError):
+                logger.error("tokens_reload_failed", source=source, error=str(result),
+                             kept="the previous token table")
+            else:
+                logger.info("tokens_reloaded", source=source, token_roles=result.roles())
+        for name, reload in others:
+            try:
+                reload()
+            except (ValueError, OSError) as exc:
+                logger.error("tokens_reload_failed", source=name, error=str(exc),
+                             kept=f"the previous {name}")
+            else:
+                logger.info("tokens_reloaded", source=name)
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, on_sighup)
 
 
 # The caller of the RPC being served (set by the handler wrapper; LOCAL_ADMIN when auth is off).
@@ -260,16 +335,23 @@ class Rule:
     check: Check | None = None
     tenant_field: str | None = None
 
-    def apply(self, method: str, principal: Principal, request: Any) -> None:
+    def apply(self, method: str, principal: Principal, request: Any,
+              max_id_length: int = MAX_ID_LENGTH) -> None:
+        """Raise PermissionDenied unless `principal` may make this call; InvalidArgument when a
+        tenant or holder id it checks is not an id (`check_identifier`, at `max_id_length`)."""
         if not principal.is_admin and principal.role not in self.roles:
             raise PermissionDenied(f"role {principal.role} may not call {method}",
                                    method=method, role=principal.role)
         if principal.is_admin:
             return
-        if self.tenant_field is not None:
-            deny_tenant(principal, getattr(request, self.tenant_field), self.tenant_field)
-        if self.check is not None:
-            self.check(principal, request)
+        limit = _ID_LIMIT.set(max_id_length)
+        try:
+            if self.tenant_field is not None:
+                deny_tenant(principal, getattr(request, self.tenant_field), self.tenant_field)
+            if self.check is not None:
+                self.check(principal, request)
+        finally:
+            _ID_LIMIT.reset(limit)
 
 
 def rule(*roles: str, check: Check | None = None, tenant_field: str | None = None) -> Rule:
@@ -279,16 +361,56 @@ def rule(*roles: str, check: Check | None = None, tenant_field: str | None = Non
     return Rule(frozenset(roles), check, tenant_field)
 
 
+# The id length limit of the rule being applied (`Rule.apply`).
+_ID_LIMIT: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "kvbridge_id_limit", default=MAX_ID_LENGTH)
+
+
+def check_identifier(field: str, value: str, max_length: int) -> None:
+    """InvalidArgument (with a bounded message) unless `value` is an id: 1..max_length
+    characters of printable ASCII without spaces (the registry's and router's id rule)."""
+    if 0 < len(value) <= max_length and value.isascii() and value.isprintable() \
+            and " " not in value:
+        return
+    if not value:
+        raise InvalidArgument(field, "is required")
+    if len(value) > max_length:
+        raise InvalidArgument(field, f"longer than {max_length} characters", length=len(value))
+    raise InvalidArgument(field, "must be printable ASCII without spaces")
+
+
+def shown(value: str) -> str:
+    """`value` as an error message or a log line may repeat it: quoted, and cut to a bounded
+    length (a caller's value is never echoed whole)."""
+    if len(value) <= _SHOWN_LENGTH:
+        return repr(value)
+    return f"{value[:_SHOWN_LENGTH]!r}... ({len(value)} characters)"
+
+
+def _cut(value: str) -> str:
+    """`value` for an error's metadata (trailers): at most a bounded length of it."""
+    return value if len(value) <= _SHOWN_LENGTH else value[:_SHOWN_LENGTH] + "..."
+
+
 def deny_tenant(principal: Principal, tenant: str, field: str = "tenant") -> None:
+    """PermissionDenied unless `principal` may touch `tenant`; first, InvalidArgument when a
+    tenant is named that is not an id (so that nothing unbounded reaches the refusal)."""
+    if tenant:
+        check_identifier(field, tenant, _ID_LIMIT.get())
     if not principal.may_tenant(tenant):
-        raise PermissionDenied(f"{principal.name} may not touch tenant {tenant!r}",
-                               field=field, tenant=tenant)
+        raise PermissionDenied(f"{principal.name} may not touch tenant {shown(tenant)}",
+                               field=field, tenant=_cut(tenant))
 
 
 def deny_holder(principal: Principal, holder_id: str, field: str = "holder_id") -> None:
-    if principal.role == "holder" and not principal.may_hold(holder_id):
-        raise PermissionDenied(f"{principal.name} may not act as holder {holder_id!r}",
-                               field=field, holder_id=holder_id)
+    """PermissionDenied unless `principal` (a holder) may act as `holder_id`; InvalidArgument
+    first when a holder id is named that is not an id."""
+    if principal.role == "holder":
+        if holder_id:
+            check_identifier(field, holder_id, _ID_LIMIT.get())
+        if not principal.may_hold(holder_id):
+            raise PermissionDenied(f"{principal.name} may not act as holder {shown(holder_id)}",
+                                   field=field, holder_id=_cut(holder_id))
 
 
 def check_holder_field(field: str = "holder_id") -> Check:
@@ -373,6 +495,44 @@ def require_secured(table: TokenTable | None, insecure: bool, service: str) -> N
             f"local machine only, run it with --insecure ({INSECURE_ENV}=1)")
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether a listen host names a loopback address ('localhost', 127.x, ::1)."""
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_exposed(logger: Any, service: str, listen: str, host: str,
+                    table: TokenTable | None, tls: TlsFiles) -> str | None:
+    """At a server's start: a loud warning (and the event's name) when it listens on `host`
+    beyond loopback unprotected: in insecure local mode (`insecure_mode_on_network`: anyone who
+    reaches it is an admin), or with tokens but no TLS (`tokens_without_tls`: bearer tokens
+    cross the network in the clear). None, and no warning, otherwise."""
+    if is_loopback_host(host):
+        return None
+    if table is None:
+        event = "insecure_mode_on_network"
+        logger.warning(event, service=service, listen=listen,
+                       risk="no authentication on a non-loopback address: every caller that "
+                            "reaches it is an admin",
+                       fix="give it --auth-tokens-file and --tls-cert/--tls-key, or listen on "
+                           "127.0.0.1")
+        return event
+    if not tls.cert:
+        event = "tokens_without_tls"
+        logger.warning(event, service=service, listen=listen,
+                       risk="bearer tokens cross the network in the clear on a non-loopback "
+                            "address",
+                       fix="add --tls-cert/--tls-key (and --tls-ca for clients), or listen on "
+                           "127.0.0.1")
+        return event
+    return None
+
+
 # ---- configuration ------------------------------------------------------------------------------
 
 def _setting(default: Any, help: str, env: str) -> Any:
@@ -387,7 +547,9 @@ class SecuritySettings:
 
     insecure: bool = _setting(
         False, "insecure local mode: run with no token table (every caller is an admin); "
-        "for a trusted local machine only. Without it a server refuses to start unauthenticated",
+        "for a trusted local machine only. Without it a server refuses to start "
+        "unauthenticated; with it on a non-loopback --listen, it warns loudly at start "
+        "(insecure_mode_on_network), as it does with tokens but no TLS (tokens_without_tls)",
         INSECURE_ENV)
     auth_tokens_file: str = _setting(
         "", "token table file: 'TOKEN ROLE [holder=IDS] [tenants=IDS] [name=LABEL]' lines, "

@@ -34,6 +34,10 @@ def auth_group() -> None:
     'authorization: Bearer TOKEN' (CLI: --token or KVBRIDGE_TOKEN; connector:
     kvbridge.token_env / token_file). Without a token table a server starts only with
     --insecure (KVBRIDGE_INSECURE=1), a trusted-local-machine mode where every caller is admin.
+
+    To rotate a token, edit the token file and send the registry SIGHUP: it reads the file again
+    and uses it from the next call on (state is kept; a file that does not parse is logged and
+    the old table kept). Check the file first with `kvbridge auth check FILE`.
     """
 
 

@@ -615,8 +615,8 @@ def test_quota_settings_are_checked(tmp_path: Path) -> None:
     bad.write_text("acme two 8\n")
     with pytest.raises(ValueError, match=r"q\.txt:1: expected 'TENANT MAX_LEASES MAX_BLOCKS'"):
         RegistryConfig(tenant_quota_file=str(bad))
-    with pytest.raises(ValueError, match="must not be negative"):
-        RegistryConfig(tenant_max_blocks=-1)
+    with pytest.raises(ValueError, match=r"must be 0 \(no limit\), positive, or -1"):
+        RegistryConfig(tenant_max_blocks=-2)
 
 
 def test_auth_cli_makes_tokens_a_server_accepts(tmp_path: Path) -> None:

@@ -31,6 +31,14 @@ def serve_command(**options: Any) -> None:
     URL keeps them in Redis, shared by every replica started with the same URL and namespace
     (each replica serves any RPC; start fails with exit status 1 if Redis is unreachable).
 
+    Security: with a token table, SIGHUP reads --auth-tokens-file again (rotate a token by
+    editing the file and sending SIGHUP; nothing else changes, and a file that does not parse
+    is logged as tokens_reload_failed and the old table kept). A registry with tokens caps
+    each tenant (--tenant-max-leases/--tenant-max-blocks, -1 by default: 100,000 leases and
+    10,000,000 blocks; 0: no limit). It starts on a non-loopback --listen all the same, but
+    warns loudly: insecure_mode_on_network with --insecure (every caller is an admin),
+    tokens_without_tls with tokens and no --tls-cert (tokens cross the network in clear).
+
     gRPC core: unless GRPC_EXPERIMENTS is set, runs with -event_engine_listener,
     -event_engine_client (gRPC's classic TCP endpoints: less CPU per call); set
     GRPC_EXPERIMENTS yourself, even empty, to choose otherwise.

@@ -8,6 +8,11 @@ from typing import ClassVar
 from kvbridge.auth import SecuritySettings
 from kvbridge.config import check_logging, setting
 
+# A registry with tokens caps each tenant by default (`tenant_max_leases`/`tenant_max_blocks`
+# left at -1): a tenth of the default max_leases, and 100 blocks a lease on average.
+SECURED_TENANT_MAX_LEASES = 100_000
+SECURED_TENANT_MAX_BLOCKS = 10_000_000
+
 
 @dataclasses.dataclass(frozen=True)
 class RegistryConfig(SecuritySettings):
@@ -54,18 +59,24 @@ class RegistryConfig(SecuritySettings):
     )
     max_leases: int = setting(1_000_000, "total leases (active and awaiting reclaim) held")
     tenant_max_leases: int = setting(
-        0, "most active leases one tenant may hold (0: no limit); past it the tenant's own "
-        "soonest-expiring unpinned leases are revoked to make room, never another tenant's")
+        -1, "most active leases one tenant may hold (0: no limit); past it the tenant's own "
+        "soonest-expiring unpinned leases are revoked to make room, never another tenant's. "
+        f"-1: {SECURED_TENANT_MAX_LEASES:,} on a registry with tokens, no limit in insecure "
+        "local mode")
     tenant_max_blocks: int = setting(
-        0, "most KV blocks one tenant's active leases may retain (0: no limit); enforced like "
-        "tenant_max_leases")
+        -1, "most KV blocks one tenant's active leases may retain (0: no limit); enforced like "
+        f"tenant_max_leases. -1: {SECURED_TENANT_MAX_BLOCKS:,} on a registry with tokens, no "
+        "limit in insecure local mode")
     tenant_quota_file: str = setting(
         "", "per-tenant quotas overriding the two above: 'TENANT MAX_LEASES MAX_BLOCKS' lines "
         "(0: no limit)")
     max_blocks_per_lease: int = setting(16384, "most KV blocks one lease may cover")
     max_id_length: int = setting(256, "longest id (tenant, conversation, holder, request)")
     max_batch: int = setting(10000, "most items in one RenewLeases call")
-    max_watchers: int = setting(256, "concurrent WatchLeases streams")
+    max_watchers: int = setting(256, "concurrent WatchLeases streams, all callers together")
+    max_watchers_per_principal: int = setting(
+        16, "concurrent WatchLeases streams of one caller (token); an admin is bounded by "
+        "max_watchers only")
     max_message_bytes: int = setting(8 * 1024 * 1024, "largest gRPC message accepted")
     expiry_batch: int = setting(20000, "most expirations processed per scheduler tick")
     expiry_tick_s: float = setting(
@@ -86,7 +97,8 @@ class RegistryConfig(SecuritySettings):
                     "default_max_lifetime_s", "max_lifetime_cap_s", "default_pin_ttl_s",
                     "max_pin_ttl_s", "default_holder_ttl_s", "min_holder_ttl_s",
                     "max_holder_ttl_s", "max_leases", "max_blocks_per_lease", "max_id_length",
-                    "max_batch", "max_watchers", "max_message_bytes", "expiry_batch",
+                    "max_batch", "max_watchers", "max_watchers_per_principal",
+                    "max_message_bytes", "expiry_batch",
                     "expiry_tick_s", "redis_events_maxlen")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -112,8 +124,17 @@ class RegistryConfig(SecuritySettings):
             raise ValueError("redis_namespace must be non-empty, without braces or spaces")
         check_logging(self.log_level, self.log_format)
         self.check_security()
-        if self.tenant_max_leases < 0 or self.tenant_max_blocks < 0:
-            raise ValueError("tenant_max_leases and tenant_max_blocks must not be negative")
+        if self.tenant_max_leases < -1 or self.tenant_max_blocks < -1:
+            raise ValueError("tenant_max_leases and tenant_max_blocks must be 0 (no limit), "
+                             "positive, or -1 (the default for the registry's mode)")
+        # -1: sane caps once callers are told apart by token (one tenant must not take the
+        # whole registry); none in insecure local mode, where every caller is an admin anyway.
+        # Resolved here, once: the lease table and the Redis store read the plain values.
+        secured = bool(self.auth_tokens_file or self.auth_tokens)
+        for name, cap in (("tenant_max_leases", SECURED_TENANT_MAX_LEASES),
+                          ("tenant_max_blocks", SECURED_TENANT_MAX_BLOCKS)):
+            if getattr(self, name) == -1:
+                object.__setattr__(self, name, cap if secured else 0)
         self.tenant_quotas()  # a bad quota file is an error at start
 
     def tenant_quotas(self) -> dict[str, tuple[int, int]]:

@@ -57,6 +57,7 @@ class RegistryServer:
     port: int
     health: health.aio.HealthServicer
     servicer: RegistryServicer
+    authenticator: auth.Authenticator
     metrics_port: int | None = None
     _scheduler: asyncio.Task[None] | None = None
     _stopping: bool = False
@@ -75,6 +76,12 @@ class RegistryServer:
         host, _ = split_hostport(self.config.listen)
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
+    def reload_tokens(self) -> auth.TokenTable:
+        """Read the token table file again and authenticate every call from now on with it
+        (leases, holders and pins are untouched); ValueError, with the old table kept, when
+        the new one is not valid. `serve` does this on SIGHUP."""
+        return self.authenticator.reload()
+
     async def start(self) -> None:
         if self.config.metrics_listen:  # first: if its port is taken, nothing is left running
             host, port = split_hostport(self.config.metrics_listen)
@@ -90,7 +97,10 @@ class RegistryServer:
                  event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0],
                  recovery_grace_s=self.config.effective_recovery_grace_s,
                  **grpc_env.describe(log),
-                 **auth.describe(self.config.token_table(), self.config.tls_files()))
+                 **auth.describe(self.authenticator.table, self.config.tls_files()))
+        host, _ = split_hostport(self.config.listen)
+        auth.warn_if_exposed(log, "registry", self.config.listen, host,
+                             self.authenticator.table, self.config.tls_files())
 
     async def _run_expiry(self) -> None:
         store, clock = self.store, self.store.clock
@@ -190,8 +200,9 @@ def _bind(config: RegistryConfig, store: LeaseStore) -> RegistryServer:
     # Requests are parsed by the handlers: bytes that are not the request message get
     # INVALID_ARGUMENT with a reason, not gRPC's UNKNOWN.
     servicer = RegistryServicer(store, metrics)
-    add_servicer(server, servicer, pb, "RegistryService",
-                 authenticator=auth.Authenticator(config.token_table()), rules=RULES)
+    authenticator = auth.Authenticator(config.token_table())
+    add_servicer(server, servicer, pb, "RegistryService", authenticator=authenticator,
+                 rules=RULES, max_id_length=config.max_id_length)
     health_servicer = health.aio.HealthServicer()
     add_health_and_reflection(
         server, health_servicer,
@@ -205,7 +216,8 @@ def _bind(config: RegistryConfig, store: LeaseStore) -> RegistryServer:
         raise OSError(f"cannot bind the registry to {config.listen}: {exc}") from exc
     if bound == 0:
         raise OSError(f"cannot bind the registry to {config.listen}")
-    return RegistryServer(config, store, metrics, server, bound, health_servicer, servicer)
+    return RegistryServer(config, store, metrics, server, bound, health_servicer, servicer,
+                          authenticator)
 
 
 async def _tame_gc(freeze_every: float, full_every: float) -> None:
@@ -231,12 +243,13 @@ async def _tame_gc(freeze_every: float, full_every: float) -> None:
 
 
 async def serve(config: RegistryConfig, *, ready: asyncio.Event | None = None) -> None:
-    """Run a registry until SIGTERM or SIGINT. ValueError when it would run unauthenticated
-    outside insecure local mode."""
+    """Run a registry until SIGTERM or SIGINT; on SIGHUP, read the token table file again.
+    ValueError when it would run unauthenticated outside insecure local mode."""
     auth.require_secured(config.token_table(), config.insecure, "registry")
     logs.configure(config.log_level, config.log_format)
     registry = await create_server(config)
     await registry.start()
+    auth.reload_tokens_on_sighup(log)  # a token is rotated without a restart
     gc_task = None
     if config.gc_freeze_interval_s > 0:
         gc_task = asyncio.create_task(

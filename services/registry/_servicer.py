@@ -16,7 +16,7 @@ import grpc
 import structlog
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from kvbridge import __version__, blockhash
+from kvbridge import __version__, auth, blockhash
 from kvbridge._grpc_status import STREAM_LIVE, to_status
 from kvbridge.errors import (
     CapacityExhausted,
@@ -109,6 +109,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         self.metrics = metrics
         self.clock = store.clock
         self._watch_enders: set[Callable[[KvbridgeError], None]] = set()
+        self._watchers_of: dict[auth.Principal, int] = {}  # open watch streams by caller
         self._watches_closed: KvbridgeError | None = None  # set by `close_watches`
         # Events lost upstream (a Redis that lost its stream): the watches end, so that their
         # watchers know of the gap and re-list, instead of going on as if nothing was missed.
@@ -399,6 +400,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                           context: Ctx
                           ) -> AsyncIterator[pb.WatchLeasesResponse]:
         cfg = self.store.config
+        caller = auth.current()
         try:
             for name in ("holder_id", "tenant"):
                 value = getattr(request, name)
@@ -408,6 +410,14 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                 raise Unavailable(self.store.not_serving)
             if self._watches_closed is not None:  # shutting down: a watch would be cut short
                 raise self._watches_closed
+            # Per caller first: one token's streams must not take every slot from the others
+            # (an admin is bounded by max_watchers alone).
+            if not caller.is_admin and \
+                    self._watchers_of.get(caller, 0) >= cfg.max_watchers_per_principal:
+                raise CapacityExhausted(
+                    f"too many watchers for {caller.name}: at most "
+                    f"{cfg.max_watchers_per_principal} a caller",
+                    limit=cfg.max_watchers_per_principal, scope="principal")
             if len(self._watch_enders) >= cfg.max_watchers:
                 raise CapacityExhausted("too many watchers", limit=cfg.max_watchers)
         except KvbridgeError as err:
@@ -438,6 +448,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                 queue.put_nowait(event)
 
         self._watch_enders.add(end)
+        self._watchers_of[caller] = self._watchers_of.get(caller, 0) + 1
         self.store.add_listener(listener, renewals=request.include_renewals)
         log.info("watch_started", holder=holder or "*", tenant=tenant or "*")
         try:
@@ -465,6 +476,11 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         finally:
             self.store.remove_listener(listener, renewals=request.include_renewals)
             self._watch_enders.discard(end)
+            left = self._watchers_of[caller] - 1
+            if left:
+                self._watchers_of[caller] = left
+            else:
+                del self._watchers_of[caller]
 
     def _events_lost(self, why: str) -> None:
         ended = self.end_watches(Unavailable(why))
