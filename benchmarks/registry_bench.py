@@ -58,6 +58,24 @@ def _identity(b: bytes) -> bytes:
     return b
 
 
+async def _flood_main(port: int, tenant: str) -> None:
+    """Another tenant's client looping ListLeases filtered by its own tenant, as fast as the
+    registry answers (refusals by the registry's rate limit included), until killed; prints
+    how many it made ("LISTED answered refused") every few hundred."""
+    client = AsyncRegistryClient(f"127.0.0.1:{port}", timeout=30, retries=0)
+    print("PORT 0", flush=True)
+    answered = refused = 0
+    while True:
+        try:
+            await client.list_leases(tenant=tenant, include_inactive=True, page_size=1000)
+            answered += 1
+        except KvbridgeError:
+            refused += 1
+            await asyncio.sleep(0)  # refused (rate limit): ask again at once
+        if (answered + refused) % 200 == 0:
+            print(f"LISTED {answered} {refused}", flush=True)
+
+
 async def _echo_main() -> None:
     """A trivial grpc.aio echo service (the baseline), printing its port."""
 
@@ -479,6 +497,9 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
                 f"{_pct(latencies['echo'], 0.99):.2f} ms"
                 + "".join(f"; {name} {rates['acquire_' + name][-1]:.0f} RPC/s, p99 "
                           f"{_pct(latencies['acquire_' + name], 0.99):.2f} ms" for name in sides))
+        if not registries.redis:
+            out.update(await _list_flood(client, registry.port, grant, acquire_probe,
+                                         probe_replies, check_hit, rate, duration, log))
         await client.close()
         await channel.close()
         for ch in raw_channels:
@@ -520,6 +541,58 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
     return out
 
 
+async def _list_flood(client: AsyncRegistryClient, port: int,
+                      grant: Callable[[int, str], Awaitable[str]],
+                      probe: Callable[[int], Awaitable[None]], replies: list[bytes],
+                      check_hit: Callable[[bytes], None], rate: float, duration: float,
+                      log: Callable[[str], None]) -> dict[str, Any]:
+    """AcquireRead p99 at `rate` while another tenant (100 leases of its own, among the
+    registry's many) loops ListLeases from a process of its own, and in the same run without
+    it: windows with the flood running and stopped (SIGSTOP) taken in turn."""
+    await _bounded(lambda i: grant(i, "flood"), 100, 16)
+    flood = _spawn([sys.executable, "-c",
+                    "from kvbridge import aio; from kvbridge.benchmarks.registry_bench import"
+                    f" _flood_main; aio.run(_flood_main({port}, 'flood'))"], env=_grpc_env())
+    counts = [0, 0]  # the flood's listings answered and refused, as it last printed them
+
+    def follow(stdout: Any = flood.popen.stdout) -> None:
+        for line in stdout:
+            if line.startswith("LISTED "):
+                counts[:] = [int(x) for x in line.split()[1:3]]
+
+    threading.Thread(target=follow, daemon=True).start()
+    base = 1 << 44
+    quiet: list[float] = []
+    flooded: list[float] = []
+    try:
+        for w in range(max(round(duration / 0.5), 2)):
+            flooding = w % 2 == 0
+            flood.popen.send_signal(signal.SIGCONT if flooding else signal.SIGSTOP)
+            await asyncio.sleep(0.05)  # the flood is (not) running when the window opens
+
+            def numbered(i: int, first: int = base + w * 1_000_000) -> Awaitable[None]:
+                return probe(first + i)
+
+            (flooded if flooding else quiet).extend(await _open_loop(numbered, rate, 0.5))
+    finally:
+        flood.popen.send_signal(signal.SIGCONT)  # a stopped process would not see the stop
+        flood.stop()
+    for reply in replies:
+        check_hit(reply)
+    replies.clear()
+    out = {"acquire_read_p99_ms_without_list_flood": round(_pct(quiet, 0.99), 3),
+           "acquire_read_p99_ms_under_list_flood": round(_pct(flooded, 0.99), 3),
+           "list_flood_answered": counts[0], "list_flood_refused": counts[1]}
+    out["list_flood_p99_ratio"] = round(out["acquire_read_p99_ms_under_list_flood"]
+                                        / out["acquire_read_p99_ms_without_list_flood"], 2)
+    log(f"  under a ListLeases flood: acquire-read p99 "
+        f"{out['acquire_read_p99_ms_under_list_flood']} ms against "
+        f"{out['acquire_read_p99_ms_without_list_flood']} ms without "
+        f"({out['list_flood_p99_ratio']}x; the flood's listings: {counts[0]} answered, "
+        f"{counts[1]} refused)")
+    return out
+
+
 _SIDE_NAMES = {"auth": "with bearer tokens"}
 
 
@@ -529,6 +602,8 @@ TARGETS = [
     ("renewals_per_s", ">=", 20000, "batched renewals/s"),
     ("bytes_per_lease", "<=", 2048, "resident bytes per 64-block lease"),
     ("expiry_late_p99_ms", "<=", 50, "expiry lateness p99 (ms)"),
+    ("list_flood_p99_ratio", "<=", 1.5,
+     "acquire-read p99 while another tenant loops ListLeases / without"),
 ]
 AUTH_TARGETS = [
     ("acquire_read_p99_ms_auth", "<=", 2.0,
