@@ -13,6 +13,7 @@ not NIXL's to track (they would be logged as reads of expired blocks).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -109,9 +110,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                                         layerwise=self.settings.layerwise_reads,
                                         read_cpus=parse_cpus(self.settings.read_cpus),
                                         pins=self.pin_guard)
-            # Without the guard the scheduler side plans no reads (`_reads_guarded`).
-            if not guard_worker(worker, self.pin_guard, self.sync_reads.pin_failure):
-                self.pin_guard = None
+            self.pin_guard = self._guard_reads(worker, self.pin_guard,
+                                               self.sync_reads.pin_failure)
             return
         if not self.settings.registry and not self.settings.router:
             log.warning("kvbridge_disabled", why="neither kvbridge.registry nor kvbridge.router "
@@ -181,6 +181,22 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         the blocks its leases name, and a woken one registers its KV cache anew, which
         kvbridge's reads (they carry no registration generation) would not notice."""
         return False
+
+    @staticmethod
+    def _guard_reads(worker: Any, guard: PinGuard,
+                     report: Callable[[str, str], None]) -> PinGuard | None:
+        """The worker's pin guard, installed; None where this vLLM's worker class lacks a name
+        it needs (the scheduler side, deciding from the same class, then plans no reads:
+        `_reads_guarded`). A live worker that lacks a name its class has would post reads
+        that nothing checks while the scheduler plans them: fail closed, refuse to start."""
+        if guard_worker(worker, guard, report):
+            return guard
+        if _vllm.usable(_vllm.PIN_GUARD):
+            raise RuntimeError(
+                "kvbridge: the read pin guard cannot be installed on this vLLM worker (a "
+                "name its class defines is missing on the instance), and reads would go "
+                "unchecked; run without kvbridge's connector on this vLLM")
+        return None
 
     # ---- scheduler side ---------------------------------------------------------------------
 

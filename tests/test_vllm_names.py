@@ -318,3 +318,32 @@ def test_sleep_mode_is_refused() -> None:
     from kvbridge.connector._connector import KVBridgeConnector
 
     assert KVBridgeConnector.supports_sleep_mode(SimpleNamespace()) is False
+
+
+def test_a_worker_that_cannot_take_the_pin_guard_its_class_allows_refuses_to_start() -> None:
+    """The scheduler plans reads from the installed worker class; a live worker lacking a
+    name that class has would post those reads unchecked: the worker refuses to start. Where
+    the class itself lacks the name, the worker runs without the guard (no reads planned)."""
+    pytest.importorskip("vllm", reason="the engine extra is not installed")
+    from nixl_fakes import WorkerBase
+
+    from kvbridge.connector._connector import KVBridgeConnector
+    from kvbridge.connector._pin_guard import PinGuard
+
+    class Worker(WorkerBase):
+        def _read_blocks_for_req(self, req_id: str, meta: Any) -> None: ...
+
+        def get_transfer_results(self) -> Any: ...
+
+        def _handle_failed_transfer(self, *args: Any, **kwargs: Any) -> bool:
+            return True
+
+    whole = Worker()
+    whole.xfer_stats.record_kv_expired_req = lambda: None  # type: ignore[attr-defined]
+    guard = PinGuard(2.0, boot="b")
+    assert KVBridgeConnector._guard_reads(whole, guard, lambda *_: None) is guard
+    lacking = Worker()
+    lacking.xfer_stats.record_kv_expired_req = lambda: None  # type: ignore[attr-defined]
+    del lacking._is_hma_required
+    with pytest.raises(RuntimeError, match="unchecked"):
+        KVBridgeConnector._guard_reads(lacking, PinGuard(2.0, boot="b"), lambda *_: None)
