@@ -48,7 +48,8 @@ from typing import Any
 
 import grpc
 
-from kvbridge.errors import InvalidArgument, PermissionDenied, Unauthenticated
+from kvbridge.errors import PermissionDenied, Unauthenticated
+from kvbridge.ids import check_identifier
 
 ROLES = ("admin", "holder", "reader", "gateway", "router", "tenant")
 SCOPED_ROLES = {"holder": "holder", "tenant": "tenants"}  # role -> the scope it requires
@@ -364,19 +365,6 @@ def rule(*roles: str, check: Check | None = None, tenant_field: str | None = Non
 # The id length limit of the rule being applied (`Rule.apply`).
 _ID_LIMIT: contextvars.ContextVar[int] = contextvars.ContextVar(
     "kvbridge_id_limit", default=MAX_ID_LENGTH)
-
-
-def check_identifier(field: str, value: str, max_length: int) -> None:
-    """InvalidArgument (with a bounded message) unless `value` is an id: 1..max_length
-    characters of printable ASCII without spaces (the registry's and router's id rule)."""
-    if 0 < len(value) <= max_length and value.isascii() and value.isprintable() \
-            and " " not in value:
-        return
-    if not value:
-        raise InvalidArgument(field, "is required")
-    if len(value) > max_length:
-        raise InvalidArgument(field, f"longer than {max_length} characters", length=len(value))
-    raise InvalidArgument(field, "must be printable ASCII without spaces")
 
 
 def shown(value: str) -> str:

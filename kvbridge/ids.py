@@ -7,6 +7,23 @@ from __future__ import annotations
 
 import hashlib
 
+from kvbridge.errors import InvalidArgument
+
+
+def check_identifier(field: str, value: str, max_length: int) -> None:
+    """InvalidArgument naming `field` unless `value` is an id: 1..max_length characters of
+    printable ASCII without spaces (safe in logs, metrics labels, Redis keys and headers).
+    The one id rule of every service and of the access checks before them."""
+    # The common case first, in C string methods (every read checks four ids).
+    if 0 < len(value) <= max_length and value.isascii() and value.isprintable() \
+            and " " not in value:
+        return
+    if not value:
+        raise InvalidArgument(field, "is required")
+    if len(value) > max_length:
+        raise InvalidArgument(field, f"longer than {max_length} characters", length=len(value))
+    raise InvalidArgument(field, "must be printable ASCII without spaces")
+
 
 def derived_id(prefix: str, scope: str, request_id: str) -> str:
     """A stable id for a retried request: the same (scope, request id) gives the same id."""

@@ -9,25 +9,11 @@ from collections.abc import Sequence
 
 from kvbridge import blockhash
 from kvbridge.errors import InvalidArgument
+from kvbridge.ids import check_identifier
 
 __all__ = ["InvalidArgument", "blocks", "duration", "hashes", "identifier", "in_range", "text"]
 
-# Printable ASCII without spaces: safe in logs, metrics labels, Redis keys and headers.
-_ID = re.compile(r"[\x21-\x7e]+")
-
-
-def identifier(field: str, value: str, max_length: int) -> None:
-    # The common case first, in C string methods (every read checks four ids): ASCII, printable
-    # (0x20-0x7e) and no space is exactly _ID.
-    if 0 < len(value) <= max_length and value.isascii() and value.isprintable() \
-            and " " not in value:
-        return
-    if not value:
-        raise InvalidArgument(field, "is required")
-    if len(value) > max_length:
-        raise InvalidArgument(field, f"longer than {max_length} characters", length=len(value))
-    if _ID.fullmatch(value) is None:
-        raise InvalidArgument(field, "must be printable ASCII without spaces")
+identifier = check_identifier
 
 
 _TEXT = re.compile(r"[\x20-\x7e]*")
