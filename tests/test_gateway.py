@@ -415,15 +415,18 @@ async def test_prefill_that_fails_mid_turn_is_retried_on_the_other(
 
 async def test_prefill_failing_on_every_instance_returns_its_error(
         registry_server: RegistryServer, tmp_path: Path) -> None:
-    """Retries run out (one, by default): the client gets the last engine's own 5xx answer."""
+    """Retries run out (one, by default): the client gets the last engine's status, with a
+    message of the gateway's own (never what the engine said) naming the request id."""
     s = await make_stack(registry_server, tmp_path, engines=(
         ("prefill", "p0"), ("prefill", "p1"), ("decode", "d0")))
     try:
         faults = ["500", "500"]
         s.engines["p0"].faults = s.engines["p1"].faults = faults
-        status, _, body = await post(s, "/v1/completions",
-                                     {"model": MODEL, "prompt": "hi", "max_tokens": 1})
-        assert status == 500 and body["error"]["message"] == "fake 500", body
+        status, headers, body = await post(s, "/v1/completions",
+                                           {"model": MODEL, "prompt": "hi", "max_tokens": 1})
+        assert status == 500 and "fake" not in body["error"]["message"], body
+        request_id = {k.lower(): v for k, v in headers.items()}["x-request-id"]
+        assert request_id.startswith("req-") and request_id in body["error"]["message"]
         assert not faults and not s.engines["d0"].received
         assert await _metric(s, 'kvbridge_gateway_retries_total{role="prefill"} 1.0')
         # Both gone mid-request: a 502 that says so.

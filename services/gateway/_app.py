@@ -6,15 +6,24 @@ request with prefill's `kv_transfer_params` and streams its response back unchan
 tenant comes from the API key, never from the request, so one tenant cannot name another's
 conversation. What happened (instances, reuse, timings) is in the `X-Kvbridge-*` response
 headers and in one log line per request.
+
+Every response carries `X-Request-Id`, also in the request's log lines. An engine's own reply
+reaches the client only when it is the answer (decode's completion, a JSON object or an event
+stream) or an OpenAI-style 4xx error object (its message, type and code, nothing else); any
+other reply (a 5xx, a body that is not JSON, a connection error) is logged with the request id
+and the client gets a generic error naming that id, so that the gateway never shows a client
+what some other server said.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import json
 import re
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -42,6 +51,11 @@ log = structlog.get_logger("kvbridge.gateway")
 _ID = re.compile(r"[\x21-\x7e]{1,256}")
 CONVERSATION_HEADER = "X-Conversation-Id"
 _RECENT_CONVERSATIONS = 100_000
+REQUEST_ID_HEADER = "X-Request-Id"
+_ENGINE_MESSAGE_CHARS = 1000  # of an engine's 4xx error message passed to the client
+_LOGGED_BODY_CHARS = 2000  # of an engine's bad reply kept in the log
+_REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("kvbridge_request_id",
+                                                                  default="")
 _OUTCOME_FIELDS = ("kvbridge_decision", "kvbridge_reused_tokens", "kvbridge_recomputed_tokens",
                    "kvbridge_lookup_ms", "kvbridge_transfer_ms", "kvbridge_mismatch_block",
                    "kvbridge_read_source", "kvbridge_load")
@@ -51,9 +65,10 @@ class HttpError(Exception):
     """An OpenAI-style error response."""
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 code: str | None = None) -> None:
+                 code: str | None = None, *, close: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.code = status, message, kind, code
+        self.close = close  # close the connection after answering
 
     def response(self) -> web.Response:
         return web.json_response({"error": {"message": self.message, "type": self.kind,
@@ -102,6 +117,33 @@ class Tenants:
             raise HttpError(401, "invalid or missing API key", "authentication_error",
                             "invalid_api_key")
         return tenant
+
+
+def check_turn_body(body: dict[str, Any], chat: bool) -> None:
+    """HttpError 400 for the shapes the gateway itself reads and cannot take (the engine judges
+    the rest): chat `messages` a list of objects whose `content` is a string, null or a list of
+    objects with string `text`."""
+    if not chat:
+        return
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise HttpError(400, "messages must be a list of message objects", code="bad_messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise HttpError(400, f"messages[{i}] must be an object", code="bad_messages")
+        content = message.get("content")
+        if content is None or isinstance(content, str):
+            continue
+        if not isinstance(content, list):
+            raise HttpError(400, f"messages[{i}].content must be a string or a list of parts",
+                            code="bad_messages")
+        for j, part in enumerate(content):
+            if not isinstance(part, dict):
+                raise HttpError(400, f"messages[{i}].content[{j}] must be an object",
+                                code="bad_messages")
+            if "text" in part and not isinstance(part["text"], str | None):
+                raise HttpError(400, f"messages[{i}].content[{j}].text must be a string",
+                                code="bad_messages")
 
 
 def estimate_prompt_tokens(body: dict[str, Any], chat: bool) -> int:
@@ -153,6 +195,7 @@ class _Turn:
     tenant: str
     conversation: str
     model: str
+    request_id: str = ""
     started: float = field(default_factory=time.perf_counter)
     prefill: str = ""
     decode: str = ""
@@ -166,7 +209,8 @@ class _Turn:
     attempts: int = 0
 
     def headers(self) -> dict[str, str]:
-        out = {"X-Kvbridge-Prefill-Instance": self.prefill,
+        out = {REQUEST_ID_HEADER: self.request_id,
+               "X-Kvbridge-Prefill-Instance": self.prefill,
                "X-Kvbridge-Decode-Instance": self.decode,
                "X-Kvbridge-Decode-Reason": self.decode_reason,
                "X-Kvbridge-Route-Ms": f"{self.route_ms:.1f}",
@@ -186,14 +230,60 @@ class _Turn:
 
 class _EngineDown(Exception):
     """An engine failed a turn before anything was sent to the client: unreachable, gone
-    mid-request (connection lost), or a prefill that answered 5xx. `reply` is that 5xx answer,
-    returned to the client as it came when no other instance is left to try."""
+    mid-request (connection lost), or a prefill that answered 5xx (`status`). `str()` is for
+    the log only: it may hold what the engine said."""
 
-    def __init__(self, role: str, instance_id: str, error: str,
-                 reply: tuple[int, dict[str, Any]] | None = None) -> None:
-        what = "failed" if reply is not None else "unreachable"
+    def __init__(self, role: str, instance_id: str, error: str, status: int | None = None
+                 ) -> None:
+        what = "failed" if status is not None else "unreachable"
         super().__init__(f"{role} instance {instance_id} {what}: {error}")
-        self.role, self.instance_id, self.reply = role, instance_id, reply
+        self.role, self.instance_id, self.status = role, instance_id, status
+
+    def client_error(self, request_id: str) -> HttpError:
+        """What the client is told: no more than which instance failed, and how."""
+        if self.status is not None:
+            return HttpError(self.status, f"{self.role} instance {self.instance_id} failed "
+                             f"(HTTP {self.status}); request id {request_id}", "engine_error",
+                             "engine_error")
+        return HttpError(502, f"{self.role} instance {self.instance_id} unreachable; request "
+                         f"id {request_id}", "engine_error", "engine_unreachable")
+
+
+def engine_error(status: int, text: str, role: str, instance: str, request_id: str
+                 ) -> web.Response:
+    """The client's answer for an engine's error reply (status >= 400): a 4xx OpenAI-style
+    error object (`{"error": {"message", "type", ...}}`, or vLLM's `{"object": "error",
+    "message", "type", ...}`) keeps its message (bounded), type and code; anything else is
+    logged and replaced by a generic error naming the request id."""
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        data = None
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(data, dict) and data.get("object") == "error":
+        error = data  # vLLM's {"object": "error", "message": ..., "type": ..., "code": ...}
+    if (400 <= status < 500 and isinstance(error, dict)
+            and isinstance(error.get("message"), str) and isinstance(error.get("type"), str)):
+        kind, code = error.get("type"), error.get("code")
+        return web.json_response({"error": {
+            "message": error["message"][:_ENGINE_MESSAGE_CHARS],
+            "type": str(kind)[:64],
+            "param": None,
+            "code": code if isinstance(code, int) or (isinstance(code, str) and len(code) <= 64)
+            else None}}, status=status)
+    log.warning("engine_bad_reply", request_id=request_id, role=role, instance=instance,
+                status=status, body=text[:_LOGGED_BODY_CHARS])
+    return HttpError(status if 400 <= status < 600 else 502,
+                     f"{role} instance {instance} failed (HTTP {status}); request id "
+                     f"{request_id}", "engine_error", "engine_error").response()
+
+
+def _json_object(text: str) -> dict[str, Any] | None:
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 class Gateway:
@@ -244,13 +334,27 @@ class Gateway:
     def _endpoint(self, name: str, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                   ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
         async def wrapped(request: web.Request) -> web.StreamResponse:
+            request_id = "req-" + uuid.uuid4().hex[:20]
+            _REQUEST_ID.set(request_id)  # each request runs in its own task (context)
             try:
                 response = await handler(request)
             except HttpError as err:
-                log.info("request_refused", endpoint=name, status=err.status, error=err.message)
+                log.info("request_refused", endpoint=name, status=err.status, error=err.message,
+                         request_id=request_id)
                 response = err.response()
+                if err.close:  # answer, then read no more of what the client sends
+                    response.headers[REQUEST_ID_HEADER] = request_id
+                    response.force_close()
+                    await response.prepare(request)
+                    await response.write_eof()
+                    if request.transport is not None:
+                        request.transport.close()
+            except RecursionError:  # a body nested deeper than Python's recursion limit
+                response = HttpError(400, "request body is nested too deeply").response()
             except web.HTTPException as err:  # aiohttp's own (e.g. body too large)
                 response = HttpError(err.status, err.reason or "bad request").response()
+            if not response.prepared:
+                response.headers[REQUEST_ID_HEADER] = request_id
             self.metrics.requests.labels(name, str(response.status)).inc()
             return response
 
@@ -258,13 +362,19 @@ class Gateway:
 
     async def _json_body(self, request: web.Request) -> dict[str, Any]:
         try:
-            raw = await request.read()
+            async with asyncio.timeout(self.config.body_timeout_s):
+                raw = await request.read()
         except web.HTTPRequestEntityTooLarge as err:
             raise HttpError(413, f"request body larger than {self.config.max_body_bytes} "
                                  "bytes") from err
+        except TimeoutError:
+            raise HttpError(408, f"request body not received within "
+                                 f"{self.config.body_timeout_s:g} s", close=True) from None
         try:
             body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        except RecursionError:
+            raise HttpError(400, "request body is not valid JSON: nested too deeply") from None
+        except ValueError as err:  # bad JSON or UTF-8, an integer of too many digits
             raise HttpError(400, f"request body is not valid JSON: {err}") from None
         if not isinstance(body, dict):
             raise HttpError(400, "request body must be a JSON object")
@@ -298,7 +408,8 @@ class Gateway:
             raise HttpError(400, "model is required", code="missing_model")
         if "kv_transfer_params" in body:
             raise HttpError(400, "kv_transfer_params is set by the gateway, not by clients")
-        turn = _Turn(tenant, conversation, model)
+        check_turn_body(body, chat)
+        turn = _Turn(tenant, conversation, model, _REQUEST_ID.get())
         if conversation and self.registry is not None:
             waited = time.perf_counter()
             await self._await_previous_lease(tenant, conversation)
@@ -315,14 +426,13 @@ class Gateway:
                     return response
                 except _EngineDown as down:
                     if turn.attempts > self.config.retries:
-                        if down.reply is not None:
-                            return web.json_response(down.reply[1], status=down.reply[0])
-                        raise HttpError(502, str(down), "engine_error",
-                                        "engine_unreachable") from None
+                        log.warning("engine_failed", role=down.role, instance=down.instance_id,
+                                    error=str(down), request_id=turn.request_id)
+                        raise down.client_error(turn.request_id) from None
                     self.metrics.retries.labels(down.role).inc()
                     log.warning("engine_failed_retrying", role=down.role,
                                 instance=down.instance_id, error=str(down), tenant=tenant,
-                                conversation=conversation or None)
+                                conversation=conversation or None, request_id=turn.request_id)
                     excluded.append(down.instance_id)
         finally:
             self._log_turn(turn, path)
@@ -368,8 +478,8 @@ class Gateway:
             "do_remote_decode": True, "do_remote_prefill": False, **prefill_key})
         start = time.perf_counter()
         try:
-            status, prefill = await self._post_json(route.prefill.http_url + path,
-                                                    prefill_body, "prefill", turn.prefill)
+            prefill = await self._post_json(route.prefill.http_url + path, prefill_body,
+                                            "prefill", turn)
         except _EngineDown:
             # The engine never took the request, died with it, or failed it: give its pinned
             # read back now rather than hold decode's blocks until the pin runs out (a prefill
@@ -380,8 +490,9 @@ class Gateway:
             raise
         turn.prefill_ms = (time.perf_counter() - start) * 1000
         self.metrics.prefill.observe(turn.prefill_ms / 1000)
-        if status >= 400:
-            return web.json_response(prefill, status=status)
+        if isinstance(prefill, web.Response):  # its error, as the client may see it
+            prefill.headers.update(turn.headers())
+            return prefill
         params = prefill.get("kv_transfer_params")
         if not isinstance(params, dict):
             raise HttpError(502, f"prefill instance {turn.prefill} returned no "
@@ -399,13 +510,30 @@ class Gateway:
             raise _EngineDown("decode", turn.decode, str(err) or type(err).__name__) from None
         turn.decode_headers_ms = (time.perf_counter() - sent) * 1000
         async with upstream:
-            headers = {"Content-Type": upstream.headers.get("Content-Type",
-                                                            "application/json"),
-                       **turn.headers()}
-            if not body.get("stream") or upstream.status >= 400:
+            content_type = upstream.headers.get("Content-Type", "")
+            headers = {"Content-Type": content_type or "application/json", **turn.headers()}
+            streamed = bool(body.get("stream")) and upstream.status < 400
+            if not streamed:
                 data = await upstream.read()
                 turn.ttft_ms = (time.perf_counter() - turn.started) * 1000
+                text = data.decode("utf-8", "replace")
+                if upstream.status >= 400 or not _json_object(text):
+                    error = engine_error(upstream.status if upstream.status >= 400 else 502,
+                                         text, "decode", turn.decode, turn.request_id)
+                    error.headers.update(turn.headers())
+                    return error
                 return web.Response(body=data, status=upstream.status, headers=headers)
+            if not content_type.startswith("text/event-stream"):
+                text = (await upstream.read()).decode("utf-8", "replace")
+                log.warning("engine_bad_reply", request_id=turn.request_id, role="decode",
+                            instance=turn.decode, status=upstream.status,
+                            content_type=content_type[:100], body=text[:_LOGGED_BODY_CHARS])
+                error = HttpError(502, f"decode instance {turn.decode} answered a stream "
+                                  f"request without an event stream; request id "
+                                  f"{turn.request_id}", "engine_error",
+                                  "bad_engine_response").response()
+                error.headers.update(turn.headers())
+                return error
             response = web.StreamResponse(status=upstream.status, headers=headers)
             await response.prepare(request)
             first = True
@@ -417,32 +545,32 @@ class Gateway:
             await response.write_eof()
             return response
 
-    async def _post_json(self, url: str, body: dict[str, Any], role: str, instance: str
-                         ) -> tuple[int, dict[str, Any]]:
-        """POST a prefill request. A request the engine cannot take or finish (connection
-        refused or lost, as when the engine dies mid-request; a timeout; a 5xx answer) raises
+    async def _post_json(self, url: str, body: dict[str, Any], role: str, turn: _Turn
+                         ) -> dict[str, Any] | web.Response:
+        """POST a prefill request: its JSON object, or for a 4xx the client's answer
+        (`engine_error`). A request the engine cannot take or finish (connection refused or
+        lost, as when the engine dies mid-request; a timeout; a 5xx answer) raises
         `_EngineDown`: nothing has reached the client yet, so another instance may serve it."""
         assert self.session is not None
+        instance = turn.prefill
         try:
             async with self.session.post(url, json=body) as resp:
-                text = await resp.text()
+                text = await resp.text(errors="replace")
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
             raise _EngineDown(role, instance, str(err) or type(err).__name__) from None
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
-            data = None
         if resp.status >= 500:
-            reply = (resp.status, data if isinstance(data, dict) else {"error": {
-                "message": f"{role} instance {instance} answered HTTP {resp.status}: "
-                           f"{text[:200]!r}", "type": "engine_error", "param": None,
-                "code": "engine_error"}})
-            raise _EngineDown(role, instance, f"HTTP {resp.status}: {text[:200]!r}", reply)
-        if not isinstance(data, dict):
+            raise _EngineDown(role, instance, f"HTTP {resp.status}: "
+                              f"{text[:_LOGGED_BODY_CHARS]!r}", resp.status)
+        if resp.status >= 400:
+            return engine_error(resp.status, text, role, instance, turn.request_id)
+        data = _json_object(text)
+        if data is None:
+            log.warning("engine_bad_reply", request_id=turn.request_id, role=role,
+                        instance=instance, status=resp.status, body=text[:_LOGGED_BODY_CHARS])
             raise HttpError(502, f"{role} instance {instance} answered HTTP {resp.status} "
-                                 f"without a JSON object: {text[:200]!r}", "engine_error",
-                            "bad_engine_response")
-        return resp.status, data
+                                 f"without a JSON object; request id {turn.request_id}",
+                            "engine_error", "bad_engine_response")
+        return data
 
     def _log_turn(self, turn: _Turn, path: str) -> None:
         total_ms = (time.perf_counter() - turn.started) * 1000
@@ -452,7 +580,8 @@ class Gateway:
             self.metrics.ttft.observe(turn.ttft_ms / 1000)
             self.metrics.reused.inc(reused)
             self.metrics.recomputed.inc(recomputed)
-        log.info("turn", path=path, tenant=turn.tenant, conversation=turn.conversation or None,
+        log.info("turn", path=path, request_id=turn.request_id, tenant=turn.tenant,
+                 conversation=turn.conversation or None,
                  model=turn.model, prefill=turn.prefill or None, decode=turn.decode or None,
                  decode_reason=turn.decode_reason or None,
                  decision=turn.outcome.get("kvbridge_decision"),

@@ -32,6 +32,10 @@ def serve_command(**options: Any) -> None:
     Tenant: from "Authorization: Bearer API_KEY" (see --api-keys-file).
     Conversations: POST /v1/conversations/ID/keepalive keeps a paused conversation's KV;
     DELETE /v1/conversations/ID frees it.
+    HTTPS with --http-tls-cert/--http-tls-key. Slow clients: headers within
+    --header-timeout-s, bodies within --body-timeout-s, at most --max-connections open.
+    Engine failures reach clients as generic errors naming the X-Request-Id (details in the
+    log).
 
     gRPC core: unless GRPC_EXPERIMENTS is set, runs with -event_engine_listener,
     -event_engine_client (gRPC's classic TCP endpoints: less CPU per call); set

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import ClassVar
 
 from kvbridge.auth import INSECURE_ENV, TOKEN_ENV, TlsFiles
@@ -30,6 +31,21 @@ class GatewayConfig:
     connect_timeout_s: float = setting(
         10.0, "longest to wait for a connection to an engine before trying another instance")
     max_body_bytes: int = setting(8 * 1024 * 1024, "largest request body accepted")
+    header_timeout_s: float = setting(
+        10.0, "longest a client may take to send a request's headers (from connecting, or from "
+        "its first byte after a previous request); past it the connection is closed")
+    body_timeout_s: float = setting(
+        30.0, "longest a client may take to send a request's body; past it the request gets a "
+        "408 and the connection is closed")
+    keepalive_timeout_s: float = setting(
+        75.0, "idle time after which a kept-alive client connection is closed")
+    max_connections: int = setting(
+        1024, "open client connections at most; past it a new connection gets a 503 and is "
+              "closed")
+    http_tls_cert: str = setting(
+        "", "PEM certificate: serve the HTTP API over TLS (HTTPS). Apart from --tls-cert, "
+        "which is the gateway's client certificate towards the router and registry")
+    http_tls_key: str = setting("", "PEM private key of --http-tls-cert")
     lease_wait_s: float = setting(
         0.3, "when a conversation's next turn arrives this soon after its previous turn ended "
         "and the conversation has no lease yet (decode grants it in the background), wait up "
@@ -61,7 +77,8 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         for name in ("route_timeout_s", "request_timeout_s", "connect_timeout_s",
-                     "max_body_bytes", "pin_ttl_s"):
+                     "max_body_bytes", "pin_ttl_s", "header_timeout_s", "body_timeout_s",
+                     "keepalive_timeout_s", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.lease_wait_s <= 5.0:
@@ -73,6 +90,12 @@ class GatewayConfig:
         check_logging(self.log_level, self.log_format)
         if self.client_tls() is not None:
             TlsFiles(self.tls_cert, self.tls_key, self.tls_ca).validate(server=False)
+        if bool(self.http_tls_cert) != bool(self.http_tls_key):
+            raise ValueError("http_tls_cert and http_tls_key go together")
+        for name in ("http_tls_cert", "http_tls_key"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{name}: no file {path}")
 
     def client_tls(self) -> TlsFiles | None:
         """TLS for the gateway's calls to the router and registry: on when tls_ca is set."""

@@ -7,13 +7,16 @@ from dataclasses import dataclass
 
 import structlog
 from aiohttp import web
+from prometheus_client import Gauge
 
 from kvbridge import aio, grpc_env, logs
 from kvbridge.clients._registry import AsyncRegistryClient
 from kvbridge.clients._router import AsyncRouterClient
 from kvbridge.services.gateway._app import Gateway, Tenants
 from kvbridge.services.gateway._config import GatewayConfig
+from kvbridge.services.gateway._http import ConnectionGuard, server_tls
 from kvbridge.services.registry._server import split_hostport
+from kvbridge.services.router._urls import is_loopback_host
 
 log = structlog.get_logger("kvbridge.gateway")
 
@@ -24,13 +27,17 @@ class GatewayServer:
     gateway: Gateway
     runner: web.AppRunner
     port: int
+    listener: asyncio.Server
+    guard: ConnectionGuard
 
     @property
     def url(self) -> str:
         host, _ = split_hostport(self.config.listen)
-        return f"http://{host}:{self.port}"
+        scheme = "https" if self.config.http_tls_cert else "http"
+        return f"{scheme}://{host}:{self.port}"
 
     async def stop(self) -> None:
+        self.listener.close()
         await self.runner.cleanup()
         log.info("gateway_stopped")
 
@@ -44,24 +51,38 @@ async def start_gateway(config: GatewayConfig) -> GatewayServer:
     registry = (AsyncRegistryClient(config.registry, timeout=2.0, token=token, tls=tls)
                 if config.registry else None)
     gateway = Gateway(config, router, registry, tenants)
-    runner = web.AppRunner(gateway.app(), access_log=None, handle_signals=False)
+    guard = ConnectionGuard(config.max_connections, config.header_timeout_s)
+    app = gateway.app()
+    app.middlewares.append(guard.middleware)
+    Gauge("kvbridge_gateway_connections", "Open client connections",
+          registry=gateway.metrics.registry).set_function(lambda: guard.open)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                           keepalive_timeout=config.keepalive_timeout_s)
     await runner.setup()
+    assert runner.server is not None
     host, port = split_hostport(config.listen)
-    site = web.TCPSite(runner, host, port)
+    https = server_tls(config.http_tls_cert, config.http_tls_key)
     try:
-        await site.start()
+        listener = await asyncio.get_running_loop().create_server(
+            guard.factory(runner.server), host, port, ssl=https,
+            ssl_handshake_timeout=config.header_timeout_s if https else None)
     except OSError:
         await runner.cleanup()
         raise
-    server = site._server
-    assert server is not None
-    bound = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-    result = GatewayServer(config, gateway, runner, int(bound))
+    bound = listener.sockets[0].getsockname()[1]
+    result = GatewayServer(config, gateway, runner, int(bound), listener, guard)
     log.info("gateway_started", url=result.url, router=config.router,
-             registry=config.registry or None,
+             registry=config.registry or None, https="on" if https else "off",
+             max_connections=config.max_connections,
+             header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s,
              **grpc_env.describe(log),
              auth="open (any bearer token names its own tenant)" if tenants.open_mode
              else f"{len(tenants.keys or {})} API key(s)")
+    if not https and not is_loopback_host(host) and not tenants.open_mode:
+        log.warning("api_keys_without_tls", listen=config.listen,
+                    risk="API keys cross the network in the clear on a non-loopback address",
+                    fix="add --http-tls-cert/--http-tls-key, or terminate TLS in front of the "
+                        "gateway")
     return result
 
 
