@@ -395,3 +395,49 @@ def test_https_settings_are_validated(tmp_path: Path) -> None:
         GatewayConfig(http_tls_cert=str(tmp_path / "x.pem"))
     with pytest.raises(ValueError, match="no file"):
         GatewayConfig(http_tls_cert=str(tmp_path / "x.pem"), http_tls_key=str(tmp_path / "k"))
+
+
+# ==== engine names resolved at call time =========================================================
+
+
+class _Dns:
+    """A resolver answering fixed addresses (what a rebinding DNS would say)."""
+
+    def __init__(self, *addresses: str) -> None:
+        self.addresses = addresses
+
+    async def resolve(self, host: str, port: int = 0, family: int = socket.AF_INET
+                      ) -> list[dict[str, Any]]:
+        return [{"hostname": host, "host": a, "port": port, "family": family, "proto": 0,
+                 "flags": 0} for a in self.addresses]
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_engine_names_never_resolve_to_metadata_addresses() -> None:
+    """The router checks a name when the engine registers; a DNS answer that changes later
+    (rebinding) could still point the gateway at 169.254.169.254. Its resolver refuses."""
+    from kvbridge.services.gateway._http import EngineResolver
+
+    rebound = EngineResolver(_Dns("169.254.169.254", "fe80::1"))  # type: ignore[arg-type]
+    with pytest.raises(OSError, match="refused"):
+        await rebound.resolve("engine.example", 8000)
+    mixed = EngineResolver(_Dns("169.254.169.254", "10.0.0.7"))  # type: ignore[arg-type]
+    assert [r["host"] for r in await mixed.resolve("engine.example", 8000)] == ["10.0.0.7"]
+
+
+async def test_engines_named_by_host_name_are_served(registry_server: RegistryServer) -> None:
+    s = await make_stack(registry_server, engines=False)
+    try:
+        for role, name in (("prefill", "p0"), ("decode", "d0")):
+            engine = Engine(role, name)
+            await engine.start()
+            s.engines[name] = engine
+            s.router.table.register(InstanceSpec(
+                name, Role.PREFILL if role == "prefill" else Role.DECODE,
+                f"http://localhost:{engine.port}", f"engine-{name}", MODEL))
+        got, _, answer = await s.post("/v1/completions", COMPLETION)
+        assert got == 200, answer
+    finally:
+        await close(s)

@@ -45,6 +45,7 @@ from kvbridge.errors import InvalidArgument, KvbridgeError, NoInstance
 from kvbridge.registry.v1 import registry_pb2 as reg_pb
 from kvbridge.router.v1 import router_pb2 as router_pb
 from kvbridge.services.gateway._config import GatewayConfig
+from kvbridge.services.gateway._http import EngineResolver
 
 log = structlog.get_logger("kvbridge.gateway")
 
@@ -321,6 +322,7 @@ class Gateway:
 
     async def _start(self, app: web.Application) -> None:
         self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(resolver=EngineResolver()),
             timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s,
                                           connect=self.config.connect_timeout_s))
 

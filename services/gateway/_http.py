@@ -12,12 +12,21 @@ kept-alive connections close after aiohttp's `keepalive_timeout`.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
+import socket
 import ssl
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
+from aiohttp.abc import AbstractResolver
+from aiohttp.resolver import DefaultResolver
+
+from kvbridge.services.router._urls import always_refused
+
+if TYPE_CHECKING:
+    from aiohttp.abc import ResolveResult
 
 log = structlog.get_logger("kvbridge.gateway")
 
@@ -136,6 +145,30 @@ class _GuardedConnection(asyncio.Protocol):
                         header_timeout_s=self._guard.header_timeout_s)
         if self._transport is not None:
             self._transport.close()
+
+
+class EngineResolver(AbstractResolver):
+    """Name resolution for the gateway's calls to engines: never an address that the router's
+    engine URL policy always refuses (link-local/cloud metadata, unspecified, multicast), even
+    when a name resolved elsewhere as the engine registered (DNS rebinding). IP-literal URLs
+    are not resolved: the router has checked them for good."""
+
+    def __init__(self, inner: AbstractResolver | None = None) -> None:
+        self._inner = inner or DefaultResolver()
+
+    async def resolve(self, host: str, port: int = 0,
+                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+        results = await self._inner.resolve(host, port, family)
+        kept = [r for r in results if not always_refused(ipaddress.ip_address(r["host"]))]
+        if not kept:
+            log.warning("engine_address_refused", host=host[:64],
+                        addresses=[r["host"] for r in results][:8])
+            raise OSError(f"{host[:64]} resolves only to refused (link-local, metadata, "
+                          "unspecified or multicast) addresses")
+        return kept
+
+    async def close(self) -> None:
+        await self._inner.close()
 
 
 def server_tls(cert: str, key: str) -> ssl.SSLContext | None:
