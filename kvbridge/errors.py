@@ -126,6 +126,12 @@ class TenantQuotaExceeded(KvbridgeError):
     reason = "TENANT_QUOTA_EXCEEDED"
 
 
+class RateLimited(KvbridgeError):
+    """The caller made more calls of this kind than its rate allows: retry after a while."""
+
+    reason = "RATE_LIMITED"
+
+
 # The one mapping from domain errors to gRPC codes (etcd v3rpc/util.go style).
 STATUS_CODES: dict[type[KvbridgeError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
@@ -143,6 +149,7 @@ STATUS_CODES: dict[type[KvbridgeError], grpc.StatusCode] = {
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     TenantQuotaExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    RateLimited: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Recovering: grpc.StatusCode.FAILED_PRECONDITION,
     KvbridgeError: grpc.StatusCode.INTERNAL,
 }

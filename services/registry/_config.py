@@ -77,6 +77,15 @@ class RegistryConfig(SecuritySettings):
     max_watchers_per_principal: int = setting(
         16, "concurrent WatchLeases streams of one caller (token); an admin is bounded by "
         "max_watchers only")
+    list_rate_per_principal: float = setting(
+        20.0, "ListLeases calls not narrowed to one conversation, and WatchLeases opens, one "
+        "caller (token) may make per second, with bursts of list_burst_per_principal; past it "
+        "RESOURCE_EXHAUSTED (0: no limit). Lookups of one conversation (gateway, router) are "
+        "not limited")
+    list_burst_per_principal: int = setting(
+        40, "burst of list_rate_per_principal")
+    max_holders_per_principal: int = setting(
+        1024, "live holders one caller (token) may register; an admin is not limited")
     max_message_bytes: int = setting(8 * 1024 * 1024, "largest gRPC message accepted")
     expiry_batch: int = setting(20000, "most expirations processed per scheduler tick")
     expiry_tick_s: float = setting(
@@ -98,6 +107,7 @@ class RegistryConfig(SecuritySettings):
                     "max_pin_ttl_s", "default_holder_ttl_s", "min_holder_ttl_s",
                     "max_holder_ttl_s", "max_leases", "max_blocks_per_lease", "max_id_length",
                     "max_batch", "max_watchers", "max_watchers_per_principal",
+                    "list_burst_per_principal", "max_holders_per_principal",
                     "max_message_bytes", "expiry_batch",
                     "expiry_tick_s", "redis_events_maxlen")
         for name in positive:
@@ -120,6 +130,8 @@ class RegistryConfig(SecuritySettings):
         if self.backend == "redis" and not self.redis_url:
             raise ValueError("backend redis needs redis_url (--redis-url or "
                              "KVBRIDGE_REGISTRY_REDIS_URL)")
+        if self.list_rate_per_principal < 0:
+            raise ValueError("list_rate_per_principal must not be negative")
         if not self.redis_namespace or any(c in self.redis_namespace for c in "{} \t\n"):
             raise ValueError("redis_namespace must be non-empty, without braces or spaces")
         check_logging(self.log_level, self.log_format)

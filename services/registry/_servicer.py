@@ -21,11 +21,14 @@ from kvbridge._grpc_status import STREAM_LIVE, to_status
 from kvbridge.errors import (
     CapacityExhausted,
     DeadlineExceeded,
+    HolderNotFound,
     KvbridgeError,
     LeaseNotFound,
+    RateLimited,
     Recovering,
     Unavailable,
 )
+from kvbridge.ratelimit import RateLimiter
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
 from kvbridge.services.registry import _access
@@ -110,6 +113,12 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         self.clock = store.clock
         self._watch_enders: set[Callable[[KvbridgeError], None]] = set()
         self._watchers_of: dict[auth.Principal, int] = {}  # open watch streams by caller
+        cfg = store.config
+        # Listings that walk a tenant's (or everyone's) leases, and watch opens, by caller.
+        self._listing = RateLimiter(cfg.list_rate_per_principal, cfg.list_burst_per_principal,
+                                    store.clock)
+        # Holder ids each caller registered (pruned of lost ones when it reaches its cap).
+        self._holders_of: dict[str, set[str]] = {}
         self._watches_closed: KvbridgeError | None = None  # set by `close_watches`
         # Events lost upstream (a Redis that lost its stream): the watches end, so that their
         # watchers know of the gap and re-list, instead of going on as if nothing was missed.
@@ -174,7 +183,10 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                      s.epoch, _seconds(s.age, f"held_leases[{i}].age"))
             for i, s in enumerate(request.held_leases)
         ]
+        owned = await self._holders_of_caller(request.holder_id)
         reg = await self.store.register_holder(spec, held)
+        if owned is not None:
+            owned.add(request.holder_id)
         cfg = self.store.config
         return pb.RegisterHolderResponse(
             holder=self._holder(reg.holder),
@@ -184,6 +196,42 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                 max_blocks_per_lease=cfg.max_blocks_per_lease),
             restored_lease_ids=reg.restored, reclaimable_lease_ids=reg.reclaimable,
         )
+
+    async def _holders_of_caller(self, holder_id: str) -> set[str] | None:
+        """The live holder ids the caller registered, when it may register `holder_id`
+        (None: an admin, not counted); CapacityExhausted when that would pass
+        max_holders_per_principal (each registry replica counts its own callers)."""
+        caller = auth.current()
+        if caller.is_admin:
+            return None
+        cap = self.store.config.max_holders_per_principal
+        owned = self._holders_of.setdefault(caller.name, set())
+        if holder_id in owned or len(owned) < cap:
+            return owned
+        for hid in list(owned):  # at the cap: forget the ones no longer registered
+            try:
+                await self.store.get_holder(hid)
+            except HolderNotFound:
+                owned.discard(hid)
+        if len(owned) >= cap:
+            raise CapacityExhausted(f"{caller.name} has {cap} live holders registered: "
+                                    f"deregister one first", limit=cap, scope="principal")
+        return owned
+
+    def _limit_listing(self, method: str) -> None:
+        """RateLimited when the caller is past list_rate_per_principal."""
+        caller = auth.current().name
+        wait = self._listing.allow(caller)
+        if wait:
+            raise RateLimited(f"{method}: {caller} is over its rate of "
+                              f"{self._listing.rate:g} a second; retry in {wait:.2f} s",
+                              limit=self._listing.rate, retry_after_s=round(wait, 3))
+
+    @staticmethod
+    def _caller() -> str:
+        """The caller's name for keying its pins ("" in insecure local mode)."""
+        caller = auth.current()
+        return "" if caller is auth.LOCAL_ADMIN else caller.name
 
     @_rpc
     async def HeartbeatHolder(self, request: pb.HeartbeatHolderRequest,
@@ -285,6 +333,8 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         size = _page(request.page_size)
         if request.page_token:
             check.identifier("page_token", request.page_token, self.store.config.max_id_length)
+        if not request.conversation_id:  # walks a tenant's leases, a holder's, or everyone's
+            self._limit_listing("ListLeases")
         found = await self.store.list_leases(
             request.tenant, request.conversation_id, request.holder_id,
             request.include_inactive, request.page_token, size + 1)
@@ -309,7 +359,8 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                           context: Ctx) -> pb.AcquireReadResponse:
         read = await self.store.acquire_read(
             request.tenant, request.conversation_id, request.block_hashes, request.min_tokens,
-            _seconds(request.pin_ttl, "pin_ttl"), request.reader_id, request.request_id)
+            _seconds(request.pin_ttl, "pin_ttl"), request.reader_id, request.request_id,
+            self._caller())
         self.metrics.read(read.miss)
         return self._read_response(read, pb.AcquireReadResponse())
 
@@ -317,7 +368,8 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     async def PinLease(self, request: pb.PinLeaseRequest, context: Ctx) -> pb.PinLeaseResponse:
         read = await self.store.pin_lease(
             request.tenant, request.conversation_id, request.min_tokens,
-            _seconds(request.pin_ttl, "pin_ttl"), request.reader_id, request.request_id)
+            _seconds(request.pin_ttl, "pin_ttl"), request.reader_id, request.request_id,
+            self._caller())
         self.metrics.read(read.miss)
         out = pb.PinLeaseResponse()
         self._read_response(read, out.read)
@@ -410,6 +462,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                 raise Unavailable(self.store.not_serving)
             if self._watches_closed is not None:  # shutting down: a watch would be cut short
                 raise self._watches_closed
+            self._limit_listing("WatchLeases")
             # Per caller first: one token's streams must not take every slot from the others
             # (an admin is bounded by max_watchers alone).
             if not caller.is_admin and \
