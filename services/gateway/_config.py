@@ -38,7 +38,8 @@ class GatewayConfig:
         30.0, "longest a client may take to send a request's body; past it the request gets a "
         "408 and the connection is closed")
     keepalive_timeout_s: float = setting(
-        75.0, "idle time after which a kept-alive client connection is closed")
+        15.0, "idle time after which a kept-alive client connection is closed (clients such as "
+        "the OpenAI SDK drop theirs after 5 s)")
     max_connections: int = setting(
         1024, "open client connections at most; past it a new connection gets a 503 and is "
               "closed")
