@@ -367,12 +367,14 @@ async def test_a_token_is_rotated_by_reloading_the_file(tmp_path: Path) -> None:
 
 
 class Serving:
-    """`kvbridge registry serve` in a subprocess, its JSON log lines read as they come."""
+    """`kvbridge SERVICE serve` (the registry by default) in a subprocess, its JSON log lines
+    read as they come."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, service: str = "registry") -> None:
+        metrics = ("--metrics-listen", "") if service != "gateway" else ()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge.cli", "registry", "serve", "--listen",
-             "127.0.0.1:0", "--metrics-listen", "", "--log-format", "json", *args],
+            [sys.executable, "-m", "kvbridge.cli", service, "serve", "--listen",
+             "127.0.0.1:0", *metrics, "--log-format", "json", *args],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "KVBRIDGE_REGISTRY_GC_FREEZE_INTERVAL_S": "0"})
         self.lines: list[dict[str, Any]] = []
@@ -400,7 +402,7 @@ class Serving:
                 pytest.fail(f"no {name} line in {timeout}s")
             event = found()
         if event is None:
-            pytest.fail(f"the registry exited ({self.proc.returncode}) before {name}")
+            pytest.fail(f"the service exited ({self.proc.returncode}) before {name}")
         return event
 
     def stop(self) -> None:

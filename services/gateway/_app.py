@@ -83,19 +83,29 @@ class Tenants:
     'anonymous'."""
 
     def __init__(self, keys_file: str = "") -> None:
-        self.keys: dict[str, str] | None = None
-        if keys_file:
-            self.keys = {}
-            for n, line in enumerate(Path(keys_file).read_text().splitlines(), 1):
-                line = line.strip()
-                if not line or line.startswith("#"):
-                    continue
-                parts = line.split()
-                if len(parts) != 2 or not _ID.fullmatch(parts[1]):
-                    raise ValueError(f"{keys_file}:{n}: expected 'API_KEY TENANT'")
-                self.keys[parts[0]] = parts[1]
-            if not self.keys:
-                raise ValueError(f"{keys_file}: no API keys")
+        self.keys_file = keys_file
+        self.keys: dict[str, str] | None = self._read(keys_file) if keys_file else None
+
+    def reload(self) -> None:
+        """Read the keys file again and swap the keys in at once (SIGHUP: a key is rotated
+        without a restart); ValueError or OSError, the old keys kept, when it cannot."""
+        if self.keys_file:
+            self.keys = self._read(self.keys_file)
+
+    @staticmethod
+    def _read(keys_file: str) -> dict[str, str]:
+        keys = {}
+        for n, line in enumerate(Path(keys_file).read_text().splitlines(), 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            parts = line.split()
+            if len(parts) != 2 or not _ID.fullmatch(parts[1]):
+                raise ValueError(f"{keys_file}:{n}: expected 'API_KEY TENANT'")
+            keys[parts[0]] = parts[1]
+        if not keys:
+            raise ValueError(f"{keys_file}: no API keys")
+        return keys
 
     @property
     def open_mode(self) -> bool:

@@ -9,14 +9,14 @@ import structlog
 from aiohttp import web
 from prometheus_client import Gauge
 
-from kvbridge import aio, grpc_env, logs
+from kvbridge import aio, auth, grpc_env, logs
+from kvbridge.auth import is_loopback_host
 from kvbridge.clients._registry import AsyncRegistryClient
 from kvbridge.clients._router import AsyncRouterClient
 from kvbridge.services.gateway._app import Gateway, Tenants
 from kvbridge.services.gateway._config import GatewayConfig
 from kvbridge.services.gateway._http import ConnectionGuard, server_tls
 from kvbridge.services.registry._server import split_hostport
-from kvbridge.services.router._urls import is_loopback_host
 
 log = structlog.get_logger("kvbridge.gateway")
 
@@ -96,6 +96,8 @@ async def serve(config: GatewayConfig, *, ready: asyncio.Event | None = None) ->
             "--insecure (KVBRIDGE_INSECURE=1): any bearer token then names its own tenant")
     logs.configure(config.log_level, config.log_format)
     server = await start_gateway(config)
+    # Tokens towards the router and registry are the gateway's own; its API keys are reread.
+    auth.reload_tokens_on_sighup(log, ("api_keys", server.gateway.tenants.reload))
     if ready is not None:
         ready.set()
     await aio.wait_for_stop_signal()

@@ -26,7 +26,6 @@ from kvbridge.services.router._access import RULES
 from kvbridge.services.router._config import RouterConfig
 from kvbridge.services.router._policy import InstanceTable
 from kvbridge.services.router._servicer import RouterMetrics, RouterServicer
-from kvbridge.services.router._urls import is_loopback_host
 
 log = structlog.get_logger("kvbridge.router")
 
@@ -68,7 +67,9 @@ class RouterServer:
                  **grpc_env.describe(log),
                  engine_urls=self.servicer.urls.describe(),
                  **auth.describe(self.config.token_table(), self.config.tls_files()))
-        warn_if_exposed(self.config)
+        host, _ = split_hostport(self.config.listen)
+        auth.warn_if_exposed(log, "router", self.config.listen, host,
+                             self.config.token_table(), self.config.tls_files())
 
     async def _run_expiry(self) -> None:
         while True:  # instances are also expired lazily on every call; this logs losses soon
@@ -88,27 +89,6 @@ class RouterServer:
             self._http.shutdown()  # type: ignore[attr-defined]
             self._http.server_close()  # type: ignore[attr-defined]
         log.info("router_stopped")
-
-
-def warn_if_exposed(config: RouterConfig) -> None:
-    """A loud warning when the router listens beyond loopback unprotected: in insecure local mode
-    (anyone may register engines and read routes), or with tokens but no TLS (tokens cross the
-    network in the clear)."""
-    host, _ = split_hostport(config.listen)
-    if is_loopback_host(host):
-        return
-    if config.token_table() is None:
-        log.warning("insecure_mode_on_network", listen=config.listen,
-                    risk="no authentication on a non-loopback address: anyone who reaches it "
-                         "can register engines, take turns and read routes",
-                    fix="give it --auth-tokens-file and --tls-cert/--tls-key, or listen on "
-                        "127.0.0.1")
-    elif not config.tls_cert:
-        log.warning("tokens_without_tls", listen=config.listen,
-                    risk="bearer tokens cross the network in the clear on a non-loopback "
-                         "address",
-                    fix="add --tls-cert/--tls-key (and --tls-ca for clients), or listen on "
-                        "127.0.0.1")
 
 
 async def create_server(config: RouterConfig, *, clock: Clock | None = None) -> RouterServer:
@@ -146,6 +126,7 @@ async def serve(config: RouterConfig, *, ready: asyncio.Event | None = None) -> 
     logs.configure(config.log_level, config.log_format)
     router = await create_server(config)
     await router.start()
+    auth.reload_tokens_on_sighup(log)  # a token is rotated without a restart
     if ready is not None:
         ready.set()
     await aio.wait_for_stop_signal()

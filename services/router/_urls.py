@@ -27,6 +27,7 @@ import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from kvbridge.auth import is_loopback_host
 from kvbridge.errors import InvalidArgument
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -39,17 +40,6 @@ _PATTERN = re.compile(r"[a-z0-9*?._-]+")
 _NETLOC = re.compile(r"(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9._-]+)(:[0-9]{1,5})?")
 _PATH = re.compile(r"[A-Za-z0-9._~/!$&'()*+,;=:@-]*")
 _RESOLVE_TIMEOUT_S = 2.0
-
-
-def is_loopback_host(host: str) -> bool:
-    """Whether a listen host names a loopback address ('localhost', 127.x, ::1)."""
-    host = host.strip("[]").lower()
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _plain(address: Address) -> Address:
