@@ -345,3 +345,14 @@ def redis_server() -> Iterator[RedisProcess]:
 @pytest.fixture
 def redis_namespace() -> str:
     return "t-" + uuid.uuid4().hex[:12]
+
+
+async def serve_http(app: Any) -> tuple[Any, int]:
+    """Serve an aiohttp `app` on a free 127.0.0.1 port: (its runner, to clean up; the port)."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]

@@ -17,6 +17,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from conftest import serve_http
 
 from kvbridge.clients import AsyncRegistryClient
 from kvbridge.clock import FakeClock, boot_id, monotonic
@@ -49,11 +50,7 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_post("/v1/chat/completions", self.handle)
         app.router.add_get("/health", self.health)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.runner, self.port = await serve_http(app)
 
     async def stop(self) -> None:
         assert self.runner is not None

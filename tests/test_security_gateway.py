@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from conftest import serve_http
 from structlog.testing import capture_logs
 
 from kvbridge.clock import FakeClock
@@ -49,11 +50,7 @@ class Engine:
         app = web.Application()
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_post("/v1/chat/completions", self.handle)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.runner, self.port = await serve_http(app)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.received.append(await request.json())
