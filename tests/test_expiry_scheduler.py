@@ -38,7 +38,8 @@ async def _ticks_in(seconds: float, **settings: Any) -> int:
 async def _run_scheduler(seconds: float, **settings: Any) -> _AlwaysDue:
     config = RegistryConfig(insecure=True, **settings)
     store = _AlwaysDue(config)
-    server = RegistryServer(config, store, None, None, 0, None, None)  # type: ignore[arg-type]
+    server = RegistryServer(config, store, None, None, 0, None, None,  # type: ignore[arg-type]
+                            None)
     task = asyncio.create_task(server._run_expiry())
     await asyncio.sleep(seconds)
     server._stopping = True
