@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import grpc
+import pytest
 
 # The figures issue 2 names, and the echo's measured in the same run for scale.
 REQUIRED = ("acquire_read_p50_ms", "acquire_read_p99_ms", "max_rps", "renewals_per_s",
@@ -17,6 +18,7 @@ REQUIRED = ("acquire_read_p50_ms", "acquire_read_p99_ms", "max_rps", "renewals_p
             "list_flood_p99_ratio")
 
 
+@pytest.mark.slow  # a benchmark subprocess: ~15 s
 def test_short_registry_bench_prints_every_figure() -> None:
     run = subprocess.run(
         [sys.executable, "-m", "kvbridge.cli", "--log-level", "error", "bench", "registry",

@@ -7,7 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow  # a benchmark subprocess: ~15 s
 def test_short_soak_loses_nothing() -> None:
     run = subprocess.run(
         [sys.executable, "-m", "kvbridge.cli", "--log-level", "error", "bench", "soak",
