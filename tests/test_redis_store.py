@@ -103,3 +103,121 @@ async def test_a_store_on_redis_py_replaces_a_connection_redis_closed(
     finally:
         await store.close()
         server.stop()
+
+
+async def test_a_redis_that_lost_its_functions_gets_them_again_and_the_call_runs(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """A Redis that lost the library (restarted without persistence, FUNCTION FLUSH, a
+    failover to a replica without it) answers "Function not found": the call did not run, so
+    the library is loaded again and the call sent again, alone or in a batch."""
+    import redis.asyncio as aioredis
+    from test_store_contract import grant_spec, holder
+
+    from kvbridge.clock import SystemClock
+    from kvbridge.services.registry import RegistryConfig, _redis
+    from kvbridge.services.registry._model import MissReason
+
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace)
+    store = _redis.RedisStore(config, SystemClock(), recovering=False)
+    client = aioredis.Redis.from_url(redis_server.url)
+    await store.start()
+    try:
+        await client.function_flush()
+        await store.register_holder(holder(ttl=300.0))  # alone
+        lease = (await store.grant(grant_spec(kv, kv.tokens(8)))).lease
+        await client.function_flush()
+        prompt = kv.prompt_hashes(kv.tokens(8))
+        reads = await asyncio.gather(*(store.acquire_read("t1", "c1", prompt)
+                                       for _ in range(3)))  # one batch
+        assert [(r.miss, r.lease.lease_id if r.lease else None) for r in reads] == [
+            (MissReason.HIT, lease.lease_id)] * 3
+        assert (await store.get_lease(lease.lease_id)).pin_count == 3  # each ran once
+    finally:
+        await client.aclose()
+        await store.close()
+
+
+async def test_replicas_of_other_versions_keep_their_own_functions(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """The library and its functions are named by state layout and source digest: loading
+    another version's library leaves this one's functions in place, and the reverse."""
+    import redis.asyncio as aioredis
+    from test_store_contract import holder
+
+    from kvbridge.clock import SystemClock
+    from kvbridge.services.registry import RegistryConfig, _redis
+    from kvbridge.services.registry._redis_lua import library
+
+    mine = library()
+    assert mine.name.startswith(f"kvbridge_l{_redis.LAYOUT}_")
+    assert all(f.startswith(f"kvb{_redis.LAYOUT}_") and f.endswith("_" + op)
+               for op, f in mine.functions.items())
+    other = mine.source.replace(mine.name, "kvbridge_l0_other").replace(
+        mine.functions["grant"].removesuffix("grant"), "kvb0_other_")
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace)
+    store = _redis.RedisStore(config, SystemClock(), recovering=False)
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await client.function_load(other)
+        await store.start()
+        await store.register_holder(holder(ttl=300.0))
+        names = {dict(zip(lib[::2], lib[1::2], strict=True))[b"library_name"]
+                 for lib in await client.function_list()}
+        assert {mine.name.encode(), b"kvbridge_l0_other"} <= names
+    finally:
+        await client.aclose()
+        await store.close()
+
+
+async def test_a_redis_without_functions_is_refused_with_a_clear_error(
+        redis_server: Any, redis_namespace: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis before 7.0 has no FUNCTION command: the store refuses to start, saying so."""
+    import redis.asyncio as aioredis
+
+    from kvbridge.clock import SystemClock
+    from kvbridge.services.registry import RegistryConfig, _redis
+
+    async def no_functions(self: Any, code: str, replace: bool = False) -> Any:
+        raise ResponseError("unknown command 'FUNCTION', with args beginning with: 'LOAD'")
+
+    async def info(self: Any, section: str = "") -> dict[str, Any]:
+        return {"redis_version": "6.2.14"}
+
+    monkeypatch.setattr(aioredis.Redis, "function_load", no_functions)
+    monkeypatch.setattr(aioredis.Redis, "info", info)
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace)
+    store = _redis.RedisStore(config, SystemClock(), recovering=False)
+    with pytest.raises(OSError, match=r"Redis 6\.2\.14 has no functions.*Redis 7\.0 or newer"):
+        await store.start()
+
+
+def test_the_lua_takes_every_shared_value_from_python() -> None:
+    """The values both sides must agree on come from Python (the generated preamble): every
+    enum member and refusal reason is defined there, the Lua uses no such name the preamble
+    lacks and writes no value of its own, and every refusal maps to its own domain error."""
+    import re
+    from importlib import resources
+
+    from kvbridge.errors import KvbridgeError
+    from kvbridge.services.registry import RegistryConfig
+    from kvbridge.services.registry._model import EventType, HolderState, LeaseState, MissReason
+    from kvbridge.services.registry._redis_lua import _FILES, Refusal, _constants
+    from kvbridge.services.registry._redis_replies import refusal
+
+    preamble = _constants()
+    defined = set(re.findall(r"\b([A-Z][A-Z0-9_]+)\b(?=[^=\n]*=)", preamble))
+    for prefix, members in (("", LeaseState), ("H_", HolderState),
+                            ("MISS_", MissReason), ("EV_", EventType), ("ERR_", Refusal)):
+        assert {prefix + m.name for m in members} <= defined
+    lua = "".join((resources.files("kvbridge.services.registry") / "lua" / f).read_text()
+                  for f in _FILES)
+    used = set(re.findall(r"\b((?:H|MISS|EV|ERR|S)_[A-Z_]+)\b", lua))
+    assert used <= defined, used - defined
+    assert not re.search(r"\{'ERR', '", lua)  # refusals by name, never a literal
+    assert not re.search(r"emit\(\d", lua)  # event types by name
+    for reason in Refusal:
+        if reason is not Refusal.HOLDER_CONFLICT:  # mapped with its layout by the caller
+            assert type(refusal(RegistryConfig(), reason)) is not KvbridgeError, reason

@@ -1690,7 +1690,7 @@ async def test_redis_replayed_grants_and_reads_change_nothing(redis_server: Any,
 
 
 class _CutAfterRun:
-    """A TCP proxy to Redis that, the first time a script call of `command` passes, lets Redis
+    """A TCP proxy to Redis that, the first time a function call of `command` passes, lets Redis
     run it and then drops the connection instead of passing the reply on: a connection lost
     while reading the reply of a call Redis ran."""
 
@@ -1743,7 +1743,9 @@ async def test_redis_script_call_is_never_sent_again_after_redis_may_have_run_it
         redis_server: Any, redis_namespace: str, kv: Any) -> None:
     """A connection lost after a grant reached Redis fails the call (Unavailable: the caller
     fails open) instead of resending it: the lease Redis granted stays one live lease."""
-    proxy = _CutAfterRun(redis_server.port, b"grant")
+    from kvbridge.services.registry._redis_lua import library
+
+    proxy = _CutAfterRun(redis_server.port, library().function("grant").encode())
     port = await proxy.start()
     store = RedisStore(_redis_config(f"redis://127.0.0.1:{port}/0", redis_namespace),
                        SystemClock(), recovering=False)

@@ -1,0 +1,249 @@
+-- kvbridge registry: the shared state in Redis, as one Redis Functions library.
+--
+-- This file: the call context and the helpers every operation shares. The operations are in
+-- holders.lua, leases.lua, reads.lua and tick.lua; `_redis_lua.py` loads them as one library
+-- after a generated preamble (the enum values, refusal reasons, sizes and function names,
+-- from the Python source), so that each rule and constant is written once.
+--
+-- Every function is called with one key, `<prefix>events` (every key starts with `<prefix>`,
+-- a Redis Cluster hash tag `{namespace}:`, so a fleet's keys live in one slot), and its own
+-- arguments followed by the call context (CONTEXT_ARGS of them, see `begin`). Replies start
+-- with 'OK' and the stamp (see `stamp`), or 'ERR' and a refusal reason. Floats are returned
+-- as strings (a Lua number in a reply is truncated to an integer).
+
+-- Per call, set by `begin` (functions may not set globals; these are the library's own).
+local EV, P, MAXLEN  -- the event stream key, the key prefix, the stream's MAXLEN
+local NOW            -- the fleet's time for this call (the clock below, plus the tests' `off`)
+local BASE, RAW, STEPPED, GEN, FIX  -- the clock check (see `begin`)
+-- Until when nothing is reported reclaimable (math.huge: not looked up, see `begin`).
+local HOLD_UNTIL
+
+local function F(x) return string.format('%.6f', x) end
+
+-- Start a call: read the call context (the last CONTEXT_ARGS arguments: the stream's MAXLEN,
+-- the recovery grace, the caller's clock check) and set the call's time. Returns how many
+-- arguments are the function's own (args[1] .. args[n]).
+--
+-- The fleet's clock: Redis's TIME plus `fix`, which undoes steps of Redis's own clock (an NTP
+-- step, a failover to a host whose clock differs). A step forward would end pins early (a
+-- lease reclaimed while prefill still reads it); one back would let a pin outlive its holder's
+-- hard deadline. The caller sends its monotonic reading as sent, the bounds it knows of (this
+-- clock - its monotonic clock; empty before its first reply) and the generation of the fix
+-- they were learned under; bounds learned under an older fix are not checked against (the
+-- caller learns them anew). A clock outside the bounds by more than CLOCK_STEP has stepped
+-- (back: certainly; forward: or the call waited that long): this call then runs at the
+-- earliest time it can have run, the caller's reading plus the lower bound (so its deadlines
+-- are off by at most the bounds' spread, under a millisecond on a quick link), and its reply
+-- says so: the caller confirms a step with its round trip and stores the fix (`clockfix`,
+-- which bumps `gen`). `off` and `tstep` are for tests only: `off` moves every replica's time
+-- forward (as if time passed), `tstep` steps Redis's clock.
+--
+-- State that starts empty (a new namespace, or a Redis that lost its data) may be a restarted
+-- one: readers may hold pins from before. Nothing is reported reclaimable for the grace. A
+-- read (`hot`, the hot path) neither starts state nor reports reclaimable leases: it skips
+-- this, and anything it might ask is held back.
+local function begin(keys, args, hot)
+  local n = #args - CONTEXT_ARGS
+  EV = keys[1]
+  P = string.sub(EV, 1, -7)
+  MAXLEN = args[n + 1]
+  local grace = tonumber(args[n + 2])
+  local sent, lo, hi, gen = args[n + 3], args[n + 4], args[n + 5], args[n + 6]
+  local clk = redis.call('HMGET', P .. 'clock', 'fix', 'off', 'tstep', 'gen')
+  GEN = clk[4] or '0'
+  FIX = tonumber(clk[1] or '0')
+  local t = redis.call('TIME')
+  RAW = tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(clk[3] or '0') + FIX
+  BASE, STEPPED = RAW, false
+  if lo ~= '' and gen == GEN then
+    sent = tonumber(sent)
+    local lo_t, hi_t = sent + tonumber(lo), sent + tonumber(hi)
+    if RAW < lo_t - CLOCK_STEP or RAW > hi_t + CLOCK_STEP then
+      BASE, STEPPED = lo_t, true
+    end
+  end
+  NOW = BASE + tonumber(clk[2] or '0')
+  HOLD_UNTIL = math.huge
+  if not hot then
+    if redis.call('EXISTS', P .. 'started') == 0 then
+      redis.call('SET', P .. 'started', F(NOW))
+      redis.call('SET', P .. 'hold_until', F(NOW + grace))
+    end
+    HOLD_UNTIL = tonumber(redis.call('GET', P .. 'hold_until') or '0')
+  end
+  return n
+end
+
+-- A reply's first field after OK: NOW, the clock without `off`, the fix's generation, and
+-- after a step the clock as Redis had it.
+local function stamp()
+  if STEPPED then
+    return string.format('%.6f %.6f %s %.6f', NOW, BASE, GEN, RAW)
+  end
+  return string.format('%.6f %.6f %s', NOW, BASE, GEN)
+end
+
+local function emit(etype, lid, tenant, conv, hid, epoch, lateness)
+  redis.call('XADD', EV, 'MAXLEN', '~', MAXLEN, '*', 't', etype, 'l', lid, 'tn', tenant,
+             'c', conv, 'h', hid, 'e', epoch, 'w', F(NOW), 'lt', F(lateness))
+end
+
+-- RECLAIMABLE (f: the lease's t c h e), or, within the recovery grace (when heartbeats report
+-- nothing reclaimable: pins from before may be live), owed: the first tick after it sends one
+-- for every dead lease no pin holds then (so, until that tick, this one is owed too).
+local function emit_reclaimable(lid, f)
+  if HOLD_UNTIL == math.huge then  -- a read, which did not look it up
+    HOLD_UNTIL = tonumber(redis.call('GET', P .. 'hold_until') or '0')
+  end
+  if NOW < HOLD_UNTIL or redis.call('EXISTS', P .. 'owed') == 1 then
+    redis.call('SET', P .. 'owed', '1')
+  else
+    -- Sent now, so not again from the queue of owed ones (a lease pinned when it was queued)
+    redis.call('ZREM', P .. 'paying', lid)
+    emit(EV_RECLAIMABLE, lid, f[1], f[2], f[3], f[4], 0)
+  end
+end
+
+-- Leases whose hash a key-evicting Redis dropped (see the docs) are skipped by kill and
+-- forget below rather than failing the call: an error there would fail every tick, and no
+-- pin, lease or holder would expire again.
+local function kill(lid, state, lateness)
+  local L = P .. 'l:' .. lid
+  local f = redis.call('HMGET', L, 't', 'c', 'h', 'e', 'k', 'b')
+  if not f[1] then
+    redis.call('ZREM', P .. 'lexp', lid)
+    return false
+  end
+  redis.call('HSET', L, 's', state)
+  redis.call('ZREM', P .. 'lexp', lid)
+  redis.call('SREM', P .. 'ha:' .. f[3], lid)
+  if redis.call('SREM', P .. 'ta:' .. f[1], lid) == 1 then
+    -- A tenant with no active lease left leaves the hash (it would grow with every tenant).
+    if redis.call('HINCRBY', P .. 'tb', f[1], -tonumber(f[6])) <= 0 then
+      redis.call('HDEL', P .. 'tb', f[1])
+    end
+  end
+  redis.call('SADD', P .. 'hd:' .. f[3], lid)
+  redis.call('SADD', P .. 'td:' .. f[1], lid)
+  emit(DEAD_EVENT[state], lid, f[1], f[2], f[3], f[4], lateness)
+  if tonumber(f[5]) == 0 then emit_reclaimable(lid, f) end
+  return true
+end
+
+local function lose_holder(hid)
+  redis.call('HSET', P .. 'h:' .. hid, 's', H_LOST, 'la', F(NOW))
+  redis.call('ZREM', P .. 'holders', hid)
+  redis.call('ZADD', P .. 'lost', F(NOW), hid)
+  local active = redis.call('SMEMBERS', P .. 'ha:' .. hid)
+  for _, lid in ipairs(active) do
+    if not kill(lid, HOLDER_LOST, 0) then redis.call('SREM', P .. 'ha:' .. hid, lid) end
+  end
+  return #active
+end
+
+-- The holder's state after applying a missed TTL; nil when unknown.
+local function holder_state(hid)
+  local f = redis.call('HMGET', P .. 'h:' .. hid, 's', 'x')
+  if not f[1] then return nil end
+  local s = tonumber(f[1])
+  if s ~= H_LOST and tonumber(f[2]) <= NOW then
+    lose_holder(hid)
+    s = H_LOST
+  end
+  return s
+end
+
+-- The lease's state after applying a deadline that passed; nil when unknown.
+local function refresh(lid)
+  local f = redis.call('HMGET', P .. 'l:' .. lid, 's', 'h', 'x')
+  if not f[1] then return nil end
+  local s = tonumber(f[1])
+  if s == ACTIVE then
+    if holder_state(f[2]) == H_LOST then return HOLDER_LOST end
+    local x = tonumber(f[3])
+    if x <= NOW then
+      kill(lid, EXPIRED, NOW - x)
+      return EXPIRED
+    end
+  end
+  return s
+end
+
+local function forget(lid)
+  local L = P .. 'l:' .. lid
+  local f = redis.call('HMGET', L, 't', 'c', 'h', 'e', 'b')
+  if not f[1] then
+    redis.call('ZREM', P .. 'leases', lid)
+    return
+  end
+  redis.call('SREM', P .. 'hd:' .. f[3], lid)
+  redis.call('SREM', P .. 'td:' .. f[1], lid)
+  redis.call('HINCRBY', P .. 'h:' .. f[3], 'rb', -tonumber(f[5]))
+  redis.call('DEL', L)
+  redis.call('ZREM', P .. 'leases', lid)
+  local C = P .. 'c:' .. f[1] .. ' ' .. f[2]
+  if redis.call('GET', C) == lid then redis.call('DEL', C) end
+  emit(EV_RECLAIMED, lid, f[1], f[2], f[3], f[4], 0)
+end
+
+local function pins_of(lid)
+  return tonumber(redis.call('HGET', P .. 'l:' .. lid, 'k') or '0')
+end
+
+local function unpin(lid)
+  local L = P .. 'l:' .. lid
+  local state = redis.call('HGET', L, 's')  -- every lease has one: nil when it is gone
+  if not state then return end
+  local k = redis.call('HINCRBY', L, 'k', -1)
+  if k == 0 and tonumber(state) ~= ACTIVE then
+    emit_reclaimable(lid, redis.call('HMGET', L, 't', 'c', 'h', 'e'))
+  end
+end
+
+-- Dead leases no pin holds: the holder may free them. Sorted, for stable replies.
+local function reclaimable_of(hid)
+  local out = {}
+  if NOW < HOLD_UNTIL then return out end
+  for _, lid in ipairs(redis.call('SMEMBERS', P .. 'hd:' .. hid)) do
+    if pins_of(lid) == 0 then out[#out + 1] = lid end
+  end
+  table.sort(out)
+  return out
+end
+
+local LF = {'t', 'c', 'h', 'r', 'p', 'n', 'e', 'i', 'm', 'ct', 'x', 's', 'k'}
+-- The lease as replies carry it; `f`: its LF fields when the caller has read them already.
+local function lease_enc(lid, f)
+  f = f or redis.call('HMGET', P .. 'l:' .. lid, unpack(LF))
+  table.insert(f, 1, lid)
+  return f
+end
+
+local HF = {'host', 'port', 'tp', 'bs', 'fp', 'ttl', 'x', 'ver', 's', 'rb'}
+local function holder_enc(hid, f)
+  f = f or redis.call('HMGET', P .. 'h:' .. hid, unpack(HF))
+  table.insert(f, 1, hid)
+  f[#f + 1] = redis.call('SCARD', P .. 'ha:' .. hid)
+  return f
+end
+
+-- Store a new ACTIVE lease (the caller schedules or kills it); returns its expire time.
+local function add_lease(lid, hid, tenant, conv, rrid, payload, tokens, blocks, epoch, idle,
+                         life, created)
+  local x = math.min(NOW + idle, created + life)
+  redis.call('HSET', P .. 'l:' .. lid, 't', tenant, 'c', conv, 'h', hid, 'r', rrid,
+             'p', payload, 'n', tokens, 'b', blocks, 'e', epoch, 'i', F(idle), 'm', F(life),
+             'ct', F(created), 'x', F(x), 's', ACTIVE, 'k', 0)
+  redis.call('ZADD', P .. 'leases', 0, lid)
+  redis.call('SADD', P .. 'ha:' .. hid, lid)
+  redis.call('HINCRBY', P .. 'h:' .. hid, 'rb', blocks)
+  redis.call('SADD', P .. 'ta:' .. tenant, lid)
+  redis.call('HINCRBY', P .. 'tb', tenant, blocks)
+  return x
+end
+
+-- Register an operation under this library version's name for it (FUNCTION_PREFIX), so that
+-- replicas of other versions sharing the Redis keep theirs.
+local function expose(name, fn)
+  redis.register_function(FUNCTION_PREFIX .. name, fn)
+end
