@@ -179,6 +179,20 @@ async def test_a_squatted_engine_id_goes_to_the_engine_its_scope_names(
     assert len(await callers["gateway"].instances()) == 2
 
 
+async def test_a_holder_cannot_take_over_a_prefill_by_its_instance_id(
+        callers: dict[str, Caller]) -> None:
+    """From review: a holder token takes over only a squatter of an engine id its own scope
+    names. Re-registering another principal's prefill instance id with an engine id the holder
+    is entitled to must not displace that prefill."""
+    await callers["reader"].register("prefill-1", pb.ROLE_PREFILL)
+    before = await callers["gateway"].instances()
+    await refused(callers["decode1"].register("prefill-1", pb.ROLE_DECODE,
+                                              engine_id="decode-1"),
+                  grpc.StatusCode.PERMISSION_DENIED, "INSTANCE_OWNED")
+    assert await callers["gateway"].instances() == before
+    await callers["reader"].heartbeat("prefill-1")  # still its owner's
+
+
 async def test_a_tenant_scoped_engine_serves_only_its_tenants(
         callers: dict[str, Caller]) -> None:
     """The audit's hijack: globex's turn (with its pinned read) went to the engine an

@@ -167,8 +167,10 @@ class InstanceTable:
         self.expire()
         may_displace = entitled(owner, spec.engine_id)
         previous = self._instances.get(spec.instance_id)
+        # Another principal's instance of this id is taken over only from a squatter of an
+        # engine id the caller itself is entitled to (not whatever id the caller now names).
         if previous is not None and not previous.managed_by(owner) and not (
-                may_displace and previous.squatted):
+                entitled(owner, previous.spec.engine_id) and previous.squatted):
             raise InstanceOwned(f"instance {spec.instance_id!r} belongs to another principal",
                                 instance_id=spec.instance_id)
         displaced: list[Instance] = []
