@@ -157,6 +157,39 @@ async def test_an_engines_reply_never_reaches_the_client(
                and e.get("request_id") == request_id for e in logs), logs
 
 
+@pytest.mark.parametrize(("role", "stream"), [("prefill", False), ("decode", False),
+                                            ("decode", True)])
+async def test_an_engines_redirect_is_never_followed(stack: Stack, role: str,
+                                                     stream: bool) -> None:
+    """From review: aiohttp follows redirects by default, so an engine answering 307 to an
+    internal address (cloud metadata, a loopback service) had the gateway fetch it and hand
+    its JSON to the client. The gateway now talks only to the address it routed to."""
+    internal = Engine("decode", "internal", reply=(200, "application/json",
+                                                   json.dumps({"secret": SECRET})))
+    await internal.start()
+    stack.engines["internal"] = internal  # closed with the stack
+    location = f"http://127.0.0.1:{internal.port}/v1/completions"
+    engine = stack.engines["p0" if role == "prefill" else "d0"]
+
+    async def redirecting(request: web.Request) -> web.StreamResponse:
+        engine.received.append(await request.json())
+        raise web.HTTPTemporaryRedirect(location)
+
+    engine.handle = redirecting  # type: ignore[method-assign]
+    assert engine.runner is not None
+    await engine.runner.cleanup()
+    await engine.start()  # the same engine, now redirecting, on a new port
+    stack.router.table.register(InstanceSpec(
+        engine.name, Role.PREFILL if role == "prefill" else Role.DECODE,
+        f"http://127.0.0.1:{engine.port}", f"engine-{engine.name}", MODEL))
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1, "stream": stream})
+    got, headers, answer = await stack.post("/v1/completions", body.encode())
+    assert got == 502, answer
+    assert SECRET not in json.dumps(answer) and SECRET not in json.dumps(headers)
+    assert "location" not in headers
+    assert engine.received and internal.received == []  # asked, and never followed
+
+
 async def test_an_engines_4xx_error_object_keeps_only_its_message(stack: Stack) -> None:
     """vLLM's own validation errors (a prompt too long) are the client's answer: message, type
     and code pass, bounded; nothing else of the reply does."""

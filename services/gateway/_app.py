@@ -55,6 +55,22 @@ _RECENT_CONVERSATIONS = 100_000
 REQUEST_ID_HEADER = "X-Request-Id"
 _ENGINE_MESSAGE_CHARS = 1000  # of an engine's 4xx error message passed to the client
 _LOGGED_BODY_CHARS = 2000  # of an engine's bad reply kept in the log
+# Most of an engine's (non-streamed) reply the gateway reads: past it, the engine is at fault.
+_MAX_ENGINE_REPLY = 64 * 2**20
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_reply(resp: aiohttp.ClientResponse) -> bytes:
+    """An engine's whole reply, up to `_MAX_ENGINE_REPLY` (`_TooLarge` past it)."""
+    data = bytearray()
+    async for chunk in resp.content.iter_chunked(2**16):
+        data += chunk
+        if len(data) > _MAX_ENGINE_REPLY:
+            raise _TooLarge(f"reply longer than {_MAX_ENGINE_REPLY} bytes")
+    return bytes(data)
 _REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("kvbridge_request_id",
                                                                   default="")
 _OUTCOME_FIELDS = ("kvbridge_decision", "kvbridge_reused_tokens", "kvbridge_recomputed_tokens",
@@ -253,7 +269,8 @@ class _EngineDown(Exception):
     def client_error(self, request_id: str) -> HttpError:
         """What the client is told: no more than which instance failed, and how."""
         if self.status is not None:
-            return HttpError(self.status, f"{self.role} instance {self.instance_id} failed "
+            status = self.status if self.status >= 500 else 502  # (a redirect: never passed on)
+            return HttpError(status, f"{self.role} instance {self.instance_id} failed "
                              f"(HTTP {self.status}); request id {request_id}", "engine_error",
                              "engine_error")
         return HttpError(502, f"{self.role} instance {self.instance_id} unreachable; request "
@@ -517,26 +534,33 @@ class Gateway:
         assert self.session is not None
         sent = time.perf_counter()
         try:
-            upstream = await self.session.post(route.decode.http_url + path, json=decode_body)
+            # Never to another address than the one routed to: an engine's redirect is an error.
+            upstream = await self.session.post(route.decode.http_url + path, json=decode_body,
+                                               allow_redirects=False)
         except (TimeoutError, aiohttp.ClientConnectionError) as err:
             raise _EngineDown("decode", turn.decode, str(err) or type(err).__name__) from None
         turn.decode_headers_ms = (time.perf_counter() - sent) * 1000
         async with upstream:
             content_type = upstream.headers.get("Content-Type", "")
             headers = {"Content-Type": content_type or "application/json", **turn.headers()}
-            streamed = bool(body.get("stream")) and upstream.status < 400
+            streamed = bool(body.get("stream")) and upstream.status < 300
             if not streamed:
-                data = await upstream.read()
+                status = upstream.status
+                try:
+                    data = await _read_reply(upstream)
+                except _TooLarge as err:  # an engine at fault: the generic answer below
+                    data, status = str(err).encode(), 502
                 turn.ttft_ms = (time.perf_counter() - turn.started) * 1000
                 text = data.decode("utf-8", "replace")
-                if upstream.status >= 400 or not _json_object(text):
-                    error = engine_error(upstream.status if upstream.status >= 400 else 502,
-                                         text, "decode", turn.decode, turn.request_id)
+                if status >= 300 or not _json_object(text):
+                    error = engine_error(status if status >= 400 else 502, text, "decode",
+                                         turn.decode, turn.request_id)
                     error.headers.update(turn.headers())
                     return error
-                return web.Response(body=data, status=upstream.status, headers=headers)
+                return web.Response(body=data, status=status, headers=headers)
             if not content_type.startswith("text/event-stream"):
-                text = (await upstream.read()).decode("utf-8", "replace")
+                text = (await upstream.content.read(_LOGGED_BODY_CHARS)).decode("utf-8",
+                                                                                "replace")
                 log.warning("engine_bad_reply", request_id=turn.request_id, role="decode",
                             instance=turn.decode, status=upstream.status,
                             content_type=content_type[:100], body=text[:_LOGGED_BODY_CHARS])
@@ -553,7 +577,15 @@ class Gateway:
                 if first:
                     turn.ttft_ms = (time.perf_counter() - turn.started) * 1000
                     first = False
-                await response.write(chunk)
+                try:  # a client that stops reading must not hold a slot and decode for ever
+                    async with asyncio.timeout(self.config.body_timeout_s):
+                        await response.write(chunk)
+                except TimeoutError:
+                    log.warning("client_too_slow", request_id=turn.request_id,
+                                waited_s=self.config.body_timeout_s)
+                    if request.transport is not None:
+                        request.transport.close()
+                    return response
             await response.write_eof()
             return response
 
@@ -566,10 +598,14 @@ class Gateway:
         assert self.session is not None
         instance = turn.prefill
         try:
-            async with self.session.post(url, json=body) as resp:
-                text = await resp.text(errors="replace")
-        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as err:
+            async with self.session.post(url, json=body, allow_redirects=False) as resp:
+                text = (await _read_reply(resp)).decode("utf-8", "replace")
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
+                _TooLarge) as err:
             raise _EngineDown(role, instance, str(err) or type(err).__name__) from None
+        if 300 <= resp.status < 400:  # never followed: it could point anywhere
+            raise _EngineDown(role, instance, f"HTTP {resp.status} redirect to "
+                              f"{resp.headers.get('Location', '')[:200]!r}", resp.status)
         if resp.status >= 500:
             raise _EngineDown(role, instance, f"HTTP {resp.status}: "
                               f"{text[:_LOGGED_BODY_CHARS]!r}", resp.status)
