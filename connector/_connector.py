@@ -75,6 +75,11 @@ class _NotificationFilter:
         return out
 
 
+def _unreported(req_id: str, why: str) -> None:
+    """Where no synchronous reads run, a read the pin guard fails needs no reason recorded
+    (NIXL reports it failed, and the request recomputes)."""
+
+
 class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any) -> None:
@@ -106,12 +111,15 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                                 owners=[_vllm.AGENT]):
                     _vllm.set_nixl_agent(worker, _NotificationFilter(agent))
             self.pin_guard = PinGuard(self.settings.pin_margin_s, boot=self._boot_id)
-            self.sync_reads = SyncReads(worker, self.settings.sync_read_timeout_s,
-                                        layerwise=self.settings.layerwise_reads,
-                                        read_cpus=parse_cpus(self.settings.read_cpus),
-                                        pins=self.pin_guard)
-            self.pin_guard = self._guard_reads(worker, self.pin_guard,
-                                               self.sync_reads.pin_failure)
+            # Without the names synchronous reads need, every read stays NIXL's own
+            # (asynchronous): the worker step then only passes the pins on to the guard.
+            if _vllm.usable(_vllm.SYNC_READS, _vllm.worker_objects(worker)):
+                self.sync_reads = SyncReads(worker, self.settings.sync_read_timeout_s,
+                                            layerwise=self.settings.layerwise_reads,
+                                            read_cpus=parse_cpus(self.settings.read_cpus),
+                                            pins=self.pin_guard)
+            report = self.sync_reads.pin_failure if self.sync_reads is not None else None
+            self.pin_guard = self._guard_reads(worker, self.pin_guard, report or _unreported)
             return
         if not self.settings.registry and not self.settings.router:
             log.warning("kvbridge_disabled", why="neither kvbridge.registry nor kvbridge.router "
@@ -130,12 +138,19 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             raise ValueError("kvbridge on a decode engine (kv_consumer) needs kvbridge.registry: "
                              "it registers as a holder and grants leases there")
         live = {_vllm.SCHEDULER: scheduler}
+        # Checked whatever else this vLLM lacks: upstream's own fixed-TTL read-back must not run
+        # beside (or instead of) kvbridge's leases on a decode engine.
+        if transfer.kv_role == "kv_consumer" and _vllm.reads_back_itself(scheduler):
+            raise ValueError(
+                "kvbridge retains decode KV under leases itself: set "
+                "bidirectional_kv_xfer to false on decode engines (kv_consumer)")
+        if getattr(vllm_config.model_config, "enable_sleep_mode", False):
+            # A sleeping engine drops its KV and a woken one registers it anew, which leases
+            # (decode) and reads (prefill) would not notice: vLLM 0.33 asks
+            # `supports_sleep_mode`, 0.32 does not.
+            raise ValueError("kvbridge does not support vLLM's sleep mode (--enable-sleep-mode)")
         if transfer.kv_role in ("kv_consumer", "kv_both") and _vllm.usable(_vllm.RETENTION,
                                                                              live):
-            if _vllm.bidirectional(scheduler) and transfer.kv_role == "kv_consumer":
-                raise ValueError(
-                    "kvbridge retains decode KV under leases itself: set "
-                    "bidirectional_kv_xfer to false on decode engines (kv_consumer)")
             assert client is not None
             nixl_host, nixl_port = _vllm.side_channel(scheduler)
             self.decode = DecodeRetention(
@@ -322,6 +337,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         if self.sync_reads is None:
+            if self.pin_guard is not None:  # installed: it has the names it reads here
+                self.pin_guard.update(_vllm.connector_metadata(self))
             super().start_load_kv(forward_context, **kwargs)
             return
         self.sync_reads.finish()  # a step that ended without wait_for_save (cannot happen)

@@ -288,6 +288,13 @@ def bidirectional(scheduler: Any) -> bool:
     return bool(scheduler.is_bidirectional_kv_xfer_enabled)
 
 
+def reads_back_itself(scheduler: Any) -> bool:
+    """Whether NIXL's own D->P read-back (upstream's fixed-TTL retention) is on, checked on
+    any vLLM that has the flag, whatever other names it lacks: kvbridge refuses to run beside
+    it on a decode engine."""
+    return bool(getattr(scheduler, "is_bidirectional_kv_xfer_enabled", False))
+
+
 def recompute_threshold(scheduler: Any) -> int:
     """Reuse: NIXL's `kv_recompute_threshold` (fewer reusable tokens: recompute)."""
     return int(scheduler.kv_recompute_threshold)
