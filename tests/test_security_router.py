@@ -238,7 +238,14 @@ async def test_insecure_mode_keeps_todays_behaviour() -> None:
     ("", "127.0.0.1", "http://localhost:8000/engine", True),
     ("", "127.0.0.1", "http://10.1.2.3:8000", False),  # local mode: loopback only
     ("", "127.0.0.1", "http://[::1]:8000", True),
-    ("", "0.0.0.0", "http://10.1.2.3:8000", True),  # a networked router: any host
+    ("", "0.0.0.0", "http://10.1.2.3:8000", True),  # a networked router: any host ...
+    ("", "0.0.0.0", "http://127.0.0.1:6379", False),  # ... but its own host's services
+    ("", "0.0.0.0", "http://localhost:8000", False),
+    ("*", "0.0.0.0", "http://127.0.0.1:8000", True),  # unless asked for
+    ("*", "0.0.0.0", "http://[fd00:ec2::254]/latest", False),  # AWS metadata over IPv6
+    ("*", "0.0.0.0", "http://100.100.100.200/latest", False),  # Alibaba Cloud metadata
+    ("*", "0.0.0.0", "http://[64:ff9b::a9fe:a9fe]/", False),  # NAT64 of 169.254.169.254
+    ("*", "0.0.0.0", "http://[2002:a9fe:a9fe::1]/", False),  # 6to4 of 169.254.169.254
     ("", "0.0.0.0", "http://169.254.169.254/latest/meta-data", False),  # metadata: never
     ("*", "0.0.0.0", "http://169.254.169.254", False),
     ("169.254.0.0/16", "0.0.0.0", "http://169.254.169.254", False),

@@ -7,12 +7,14 @@ of host names (exact, or `*`-patterns such as `*.engines.internal`) and CIDRs (`
 `fd00::/8`); `*` alone allows any host. An URL is accepted when its host matches a name in the
 list, or every address its host resolves to (now, at registration) lies in a listed CIDR.
 Empty (the default) means: loopback addresses only when the router itself listens on a loopback
-address (a local stack), else any host.
+address (a local stack), else any host but loopback ones (the gateway's own host).
 
 Always refused, whatever the list says: link-local addresses (169.254.0.0/16, where clouds serve
-instance metadata and credentials, and fe80::/10), unspecified, multicast and broadcast
-addresses, hosts that do not resolve, URLs with credentials (`user@`), a query or a fragment,
-and hosts or ports that are not plain (no backslashes, no percent-escapes). The name is
+instance metadata and credentials, and fe80::/10) and the other metadata addresses
+(fd00:ec2::254, 100.100.100.200), unspecified, multicast and broadcast addresses, also inside an
+IPv6 address (IPv4-mapped, NAT64, 6to4), hosts that do not resolve, URLs with credentials
+(`user@`), a query or a fragment, and hosts or ports that are not plain (no backslashes, no
+percent-escapes). The name is
 resolved once, here; a name whose DNS answer changes later (rebinding) is only as safe as that
 DNS: list CIDRs rather than names where engines' names are not under the operator's control.
 """
@@ -42,18 +44,31 @@ _PATH = re.compile(r"[A-Za-z0-9._~/!$&'()*+,;=:@-]*")
 _RESOLVE_TIMEOUT_S = 2.0
 
 
+# Instance metadata services outside the link-local ranges (AWS over IPv6, Alibaba Cloud).
+_METADATA = frozenset({ipaddress.ip_address("fd00:ec2::254"),
+                       ipaddress.ip_address("100.100.100.200")})
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
 def _plain(address: Address) -> Address:
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
+    """The IPv4 address an IPv6 one carries (IPv4-mapped, NAT64, 6to4), else itself: the
+    address a connection to it reaches."""
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return address.ipv4_mapped
+        if address in _NAT64:
+            return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+        if address.sixtofour is not None:
+            return address.sixtofour
     return address
 
 
 def always_refused(address: Address) -> bool:
-    """Addresses no engine URL may name: link-local (cloud metadata), unspecified, multicast,
-    broadcast."""
-    address = _plain(address)
-    return (address.is_link_local or address.is_unspecified or address.is_multicast
-            or address == ipaddress.IPv4Address("255.255.255.255"))
+    """Addresses no engine URL may name: link-local and other metadata addresses,
+    unspecified, multicast, broadcast (also as carried inside an IPv6 address)."""
+    plain = _plain(address)
+    return any(a.is_link_local or a.is_unspecified or a.is_multicast or a in _METADATA
+               or a == ipaddress.IPv4Address("255.255.255.255") for a in (address, plain))
 
 
 @dataclass(frozen=True)
@@ -64,6 +79,7 @@ class EngineUrlPolicy:
     any_host: bool
     names: tuple[str, ...] = ()
     networks: tuple[Network, ...] = ()
+    loopback: bool = True  # with any_host: whether loopback hosts count (not by default)
 
     @classmethod
     def parse(cls, allow: str, listen_host: str) -> EngineUrlPolicy:
@@ -71,7 +87,9 @@ class EngineUrlPolicy:
         a router listening on `listen_host`."""
         entries = [e.strip().lower() for e in allow.split(",") if e.strip()]
         if not entries:
-            return cls(False, (), LOOPBACK) if is_loopback_host(listen_host) else cls(True)
+            if is_loopback_host(listen_host):
+                return cls(False, (), LOOPBACK)
+            return cls(True, loopback=False)
         names: list[str] = []
         networks: list[Network] = []
         for entry in entries:
@@ -90,7 +108,8 @@ class EngineUrlPolicy:
 
     def describe(self) -> str:
         if self.any_host:
-            return "any host (link-local and metadata addresses refused)"
+            return ("any host" + ("" if self.loopback else " but loopback")
+                    + " (link-local and metadata addresses refused)")
         return ",".join([*self.names, *(str(n) for n in self.networks)])
 
     async def check(self, url: str) -> None:
@@ -126,6 +145,12 @@ class EngineUrlPolicy:
                                       f"{address}: link-local, metadata, unspecified or "
                                       "multicast addresses are never engines")
         if self.any_host:
+            # By default a router reached beyond loopback never sends turns to its own host's
+            # services (a loopback engine there is listed: --engine-url-allow 127.0.0.0/8).
+            if not self.loopback and any(_plain(a).is_loopback for a in addresses):
+                raise InvalidArgument("http_url", f"host {host[:64]} is (or resolves to) a "
+                                      "loopback address, which this router's policy (any host "
+                                      "but loopback) refuses; list it in --engine-url-allow")
             return
         if literal is None and any(fnmatch.fnmatchcase(host.rstrip("."), p)
                                    for p in self.names):
