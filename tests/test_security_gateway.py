@@ -60,7 +60,8 @@ class Engine:
             return web.Response(status=status, text=text, content_type=content_type)
         if self.role == "prefill":
             return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": {
-                "do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1]}})
+                "do_remote_prefill": True, "remote_engine_id": f"engine-{self.name}",
+                "remote_block_ids": [1]}})
         return web.json_response({"choices": [{"index": 0, "text": "ok"}]})
 
 
@@ -188,6 +189,19 @@ async def test_an_engines_redirect_is_never_followed(stack: Stack, role: str,
     assert SECRET not in json.dumps(answer) and SECRET not in json.dumps(headers)
     assert "location" not in headers
     assert engine.received and internal.received == []  # asked, and never followed
+
+
+async def test_a_prefill_that_names_another_engines_kv_is_refused(stack: Stack) -> None:
+    """From review: the prefill's kv_transfer_params tell decode whose KV to read; a prefill
+    (registered by a tenant-scoped token) naming another engine would have decode read that
+    engine's KV into this turn. Only the routed prefill's own engine id is passed on."""
+    stack.engines["p0"].reply = (200, "application/json", json.dumps({
+        "choices": [{"text": "x"}], "kv_transfer_params": {
+            "do_remote_prefill": True, "remote_engine_id": "engine-d0",
+            "remote_block_ids": [1]}}))
+    got, headers, answer = await stack.post("/v1/completions", COMPLETION)
+    assert got == 502 and headers["x-request-id"] in answer["error"]["message"]
+    assert stack.engines["d0"].received == []
 
 
 async def test_an_engines_4xx_error_object_keeps_only_its_message(stack: Stack) -> None:

@@ -527,6 +527,16 @@ class Gateway:
             raise HttpError(502, f"prefill instance {turn.prefill} returned no "
                                  "kv_transfer_params: is it a kvbridge/NIXL kv_producer?",
                             "engine_error", "bad_prefill_response")
+        # Decode reads this turn's KV from the engine the params name: only the routed
+        # prefill's own (an engine's word must not send decode to another engine's KV).
+        engine = route.prefill.engine_id
+        if engine and params.get("remote_engine_id") != engine:
+            log.warning("engine_bad_reply", request_id=turn.request_id, role="prefill",
+                        instance=turn.prefill, expected_engine=engine,
+                        named_engine=str(params.get("remote_engine_id"))[:_LOGGED_BODY_CHARS])
+            raise HttpError(502, f"prefill instance {turn.prefill} named another engine's KV; "
+                                 f"request id {turn.request_id}", "engine_error",
+                            "bad_prefill_response")
         turn.outcome = {k: params.pop(k) for k in _OUTCOME_FIELDS if k in params}
 
         # Decode: read prefill's KV and generate, streamed back as it comes.
