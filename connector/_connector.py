@@ -81,6 +81,9 @@ def _unreported(req_id: str, why: str) -> None:
 
 
 class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
+    # Whether this vLLM has the names synchronous reads use (the scheduler side asks once).
+    _sync_names: bool | None = None
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any) -> None:
         check_vllm_version()
@@ -302,7 +305,9 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         if not self.settings.sync_reads or self._prefix_caching:
             return False
         scheduler = _vllm.nixl_scheduler(self)
-        if not _vllm.usable(_vllm.SYNC_READS, {_vllm.SCHEDULER: scheduler}):
+        if self._sync_names is None:  # the scheduler is this connector's for good: once
+            self._sync_names = _vllm.usable(_vllm.SYNC_READS, {_vllm.SCHEDULER: scheduler})
+        if not self._sync_names:
             return False
         if _vllm.uses_host_buffer(scheduler) or len(_vllm.kv_cache_groups(self)) != 1:
             return False
