@@ -321,3 +321,22 @@ async def test_an_exposed_router_warns_at_startup(overrides: dict[str, Any],
         await server.stop(0)
     warnings = [e["event"] for e in logs if e["log_level"] == "warning"]
     assert warnings == ([event] if event else [])
+
+
+def test_a_reloaded_tokens_new_scope_keeps_its_instances() -> None:
+    """From review: ownership compared the whole token entry, so after a SIGHUP that changed a
+    token's tenants its own engines got INSTANCE_OWNED until they lapsed. The same name and
+    role still own them; a heartbeat brings the owner's scope (which routing reads) up to
+    date."""
+    from kvbridge.auth import Principal
+    from kvbridge.services.router._policy import InstanceSpec, InstanceTable, Load, Role
+
+    table = InstanceTable(RouterConfig(listen="127.0.0.1:0", insecure=True), FakeClock())
+    before = Principal("engines", "reader", tenants=("acme",))
+    after = Principal("engines", "reader", tenants=("acme", "globex"))
+    table.register(InstanceSpec("p0", Role.PREFILL, "http://127.0.0.1:8000", "p0", "m"),
+                   before)
+    instance = table.heartbeat("p0", Load(), after)
+    assert instance.owner == after and instance.managed_by(before)
+    with pytest.raises(Exception, match="belongs to another"):
+        table.heartbeat("p0", Load(), Principal("engines", "holder", holders=("p0",)))

@@ -99,7 +99,10 @@ class Instance:
     owner: Principal = LOCAL_ADMIN  # who registered it
 
     def managed_by(self, caller: Principal) -> bool:
-        return caller.is_admin or caller == self.owner
+        """An admin, or the token that registered it: the same name and role (its scopes may
+        have changed since, with a token file reloaded)."""
+        return caller.is_admin or (caller.name, caller.role) == (self.owner.name,
+                                                                 self.owner.role)
 
     @property
     def squatted(self) -> bool:
@@ -213,6 +216,8 @@ class InstanceTable:
             raise InstanceNotFound(f"no instance {instance_id!r}: register again",
                                    instance_id=instance_id)
         self._check_owner(instance, caller)
+        if not caller.is_admin:
+            instance.owner = caller  # its scopes as they are now (routing reads them)
         instance.load = load
         instance.routed = instance.routed_tokens = 0
         instance.expire_at = self.clock.monotonic() + instance.ttl
