@@ -264,6 +264,8 @@ async def test_insecure_mode_keeps_todays_behaviour() -> None:
     ("10.0.0.0/8", "0.0.0.0", "http://11.0.0.1:8000", False),
     ("10.0.0.0/8", "0.0.0.0", "http://localhost:8000", False),
     ("*.engines.internal,127.0.0.0/8", "0.0.0.0", "http://localhost:8000", True),
+    # A listed name is taken as named (its record may not be published yet here).
+    ("*.engines.internal", "0.0.0.0", "http://p0.engines.internal:8000", True),
 ])
 async def test_engine_url_policy(allow: str, listen: str, url: str, ok: bool) -> None:
     policy = EngineUrlPolicy.parse(allow, listen)

@@ -5,7 +5,8 @@ SSRF, when that word is a lie).
 The policy (`--engine-url-allow`, `KVBRIDGE_ROUTER_ENGINE_URL_ALLOW`) is a comma-separated list
 of host names (exact, or `*`-patterns such as `*.engines.internal`) and CIDRs (`10.0.0.0/8`,
 `fd00::/8`); `*` alone allows any host. An URL is accepted when its host matches a name in the
-list, or every address its host resolves to (now, at registration) lies in a listed CIDR.
+list (taken as named, not looked up here), or every address its host resolves to (now, at
+registration) lies in a listed CIDR.
 Empty (the default) means: loopback addresses only when the router itself listens on a loopback
 address (a local stack), else any host but loopback ones (the gateway's own host).
 
@@ -138,6 +139,12 @@ class EngineUrlPolicy:
             literal = None
         if literal is None and not _NAME.fullmatch(host):
             raise InvalidArgument("http_url", f"bad host name {host[:64]!r}")
+        if literal is None and not self.any_host and any(
+                fnmatch.fnmatchcase(host.rstrip("."), p) for p in self.names):
+            # A name the operator listed is trusted as named: not looked up here (the router's
+            # DNS view may differ from the gateway's, or lag a new pod's record); the gateway
+            # still refuses metadata addresses whenever it resolves the name.
+            return
         addresses = [literal] if literal is not None else await _resolve(host, port or 80)
         for address in addresses:
             if always_refused(address):
@@ -151,9 +158,6 @@ class EngineUrlPolicy:
                 raise InvalidArgument("http_url", f"host {host[:64]} is (or resolves to) a "
                                       "loopback address, which this router's policy (any host "
                                       "but loopback) refuses; list it in --engine-url-allow")
-            return
-        if literal is None and any(fnmatch.fnmatchcase(host.rstrip("."), p)
-                                   for p in self.names):
             return
         if all(any(_plain(a) in n for n in self.networks) for a in addresses):
             return
