@@ -50,6 +50,9 @@ log = structlog.get_logger("kvbridge.holder")
 ReclaimCallback = Callable[[list[str]], None]
 GrantResolvedCallback = Callable[[str, "pb.Lease | None"], None]
 DEFAULT_MAX_PIN_TTL = 30.0
+# Held leases a registration sends in one call until the registry says its own limit
+# (`RegistryLimits.max_held_leases_per_call`; the registry's default).
+DEFAULT_HELD_PER_CALL = 512
 # A grant that names no maximum lifetime gets the registry's default, which the holder does not
 # know: an unresolved one is bounded by the longest lifetime a registry allows by default.
 UNKNOWN_MAX_LIFETIME = 86400.0
@@ -142,6 +145,7 @@ class HolderSession:
         self.on_grant_resolved = on_grant_resolved
         self.clock = clock or SystemClock()
         self.max_pin_ttl = DEFAULT_MAX_PIN_TTL
+        self.held_per_call = DEFAULT_HELD_PER_CALL
         self.registered = False
         self.last_ok: float | None = None
         self._held: dict[str, HeldLease] = {}
@@ -187,17 +191,26 @@ class HolderSession:
         now = self.clock.monotonic()
         with self._lock:
             held = [lease.snapshot(now) for lease in self._held.values()]
+        # More held leases than one call may carry go in pages: the first call lists every id
+        # (the registry revokes what it does not list), the later ones only restore.
+        per_call = self.held_per_call
+        ids = [s.lease_id for s in held] if len(held) > per_call else []
+        restored: set[str] = set()
         try:
-            resp = self.client.register_holder(**self._register_args,  # type: ignore[arg-type]
-                                               held_leases=held)
+            for start in range(0, max(len(held), 1), per_call):
+                resp = self.client.register_holder(
+                    **self._register_args,  # type: ignore[arg-type]
+                    held_leases=held[start:start + per_call],
+                    held_lease_ids=ids if start == 0 else (), restore_only=start > 0)
+                restored.update(resp.restored_lease_ids)
         except KvbridgeError as err:
             log.warning("holder_register_failed", holder=self.holder_id, error=str(err))
             self.registered = False
             return False
+        self.held_per_call = resp.limits.max_held_leases_per_call or DEFAULT_HELD_PER_CALL
         self.max_pin_ttl = seconds(resp.limits.max_pin_ttl) or DEFAULT_MAX_PIN_TTL
         self.registered = True
         self.last_ok = self.clock.monotonic()
-        restored = set(resp.restored_lease_ids)
         with self._lock:
             rejected = [lid for lid in self._held if lid not in restored]
         log.info("holder_registered", holder=self.holder_id, held=len(held),

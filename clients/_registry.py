@@ -42,11 +42,13 @@ class _Requests:
     def register_holder(holder_id: str, nixl_host: str, nixl_port: int, block_size: int,
                         engine_fingerprint: str, tp_size: int = 1, ttl: float = 0.0,
                         held_leases: Sequence[pb.LeaseSnapshot] = (),
-                        software_version: str = "") -> pb.RegisterHolderRequest:
+                        software_version: str = "", held_lease_ids: Sequence[str] = (),
+                        restore_only: bool = False) -> pb.RegisterHolderRequest:
         return pb.RegisterHolderRequest(
             holder_id=holder_id, nixl_host=nixl_host, nixl_port=nixl_port, tp_size=tp_size,
             block_size=block_size, engine_fingerprint=engine_fingerprint,
-            ttl=duration(ttl), held_leases=held_leases, software_version=software_version)
+            ttl=duration(ttl), held_leases=held_leases, software_version=software_version,
+            held_lease_ids=held_lease_ids, restore_only=restore_only)
 
     @staticmethod
     def grant_lease(holder_id: str, tenant: str, conversation_id: str, remote_request_id: str,
@@ -103,10 +105,14 @@ class RegistryClient(SyncClient):
     def register_holder(self, holder_id: str, nixl_host: str, nixl_port: int, block_size: int,
                         engine_fingerprint: str, tp_size: int = 1, ttl: float = 0.0,
                         held_leases: Sequence[pb.LeaseSnapshot] = (), software_version: str = "",
-                        *, timeout: float | None = None) -> pb.RegisterHolderResponse:
+                        held_lease_ids: Sequence[str] = (), restore_only: bool = False, *,
+                        timeout: float | None = None) -> pb.RegisterHolderResponse:
+        """Register (again) as a holder. A holder that retains more leases than one call may
+        carry (`RegistryLimits.max_held_leases_per_call`) sends them in pages: the first call
+        with every id in `held_lease_ids`, the later ones with `restore_only`."""
         req = _Requests.register_holder(holder_id, nixl_host, nixl_port, block_size,
                                         engine_fingerprint, tp_size, ttl, held_leases,
-                                        software_version)
+                                        software_version, held_lease_ids, restore_only)
         return self._call("RegisterHolder", req, idempotent=True, timeout=timeout)
 
     def get_server_info(self, *, timeout: float | None = None) -> pb.GetServerInfoResponse:
@@ -260,11 +266,13 @@ class AsyncRegistryClient(AsyncClient):
     async def register_holder(self, holder_id: str, nixl_host: str, nixl_port: int,
                               block_size: int, engine_fingerprint: str, tp_size: int = 1,
                               ttl: float = 0.0, held_leases: Sequence[pb.LeaseSnapshot] = (),
-                              software_version: str = "", *,
-                              timeout: float | None = None) -> pb.RegisterHolderResponse:
+                              software_version: str = "", held_lease_ids: Sequence[str] = (),
+                              restore_only: bool = False, *, timeout: float | None = None
+                              ) -> pb.RegisterHolderResponse:
+        """See `RegistryClient.register_holder`."""
         req = _Requests.register_holder(holder_id, nixl_host, nixl_port, block_size,
                                         engine_fingerprint, tp_size, ttl, held_leases,
-                                        software_version)
+                                        software_version, held_lease_ids, restore_only)
         return await self._call("RegisterHolder", req, idempotent=True, timeout=timeout)
 
     async def get_server_info(self, *, timeout: float | None = None

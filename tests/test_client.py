@@ -443,6 +443,17 @@ def test_session_hard_deadline_frees_when_registry_is_gone(sync_client, kv, engi
         session.close(deregister=False)
 
 
+def _reregister(session: HolderSession, registry) -> None:
+    """Heartbeat until the session has found the restarted (empty) registry and registered
+    again with its held leases (HOLDER_NOT_FOUND -> re-register)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        session.heartbeat_once()
+        if registry.call(lambda: registry.table.counts()["holders"]):
+            return
+        time.sleep(0.02)
+
+
 def test_session_reregisters_after_registry_restart_and_restores_leases(
         kv, engine, holder_clock, threaded_registry):
     channel = grpc.insecure_channel(threaded_registry.target, options=_FAST_RECONNECT)
@@ -456,12 +467,7 @@ def test_session_reregisters_after_registry_restart_and_restores_leases(
         threaded_registry.restart_fresh()  # same port, empty state
         assert threaded_registry.call(lambda: threaded_registry.table.counts()) == {
             "leases_active": 0, "leases_total": 0, "holders": 0, "pins": 0}
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            session.heartbeat_once()  # HOLDER_NOT_FOUND -> re-register with held leases
-            if threaded_registry.call(lambda: threaded_registry.table.counts()["holders"]):
-                break
-            time.sleep(0.02)
+        _reregister(session, threaded_registry)
         restored = client.get_lease(lease.lease_id)
         assert restored.state == pb.LEASE_STATE_ACTIVE
         assert (restored.tenant, restored.conversation_id, restored.epoch) == ("t1", "c1", 1)
@@ -472,6 +478,32 @@ def test_session_reregisters_after_registry_restart_and_restores_leases(
         # Readers find it again on the new registry.
         read = client.acquire_read("t1", "c1", kv.prompt_hashes(tokens))
         assert read.miss_reason == pb.MISS_REASON_UNSPECIFIED and read.matched_tokens == 8
+    finally:
+        session.close(deregister=False)
+        client.close()
+
+
+def test_session_restores_many_held_leases_in_pages(kv, engine, holder_clock,
+                                                    threaded_registry):
+    """Issue 32, item 4: a holder that retains more leases than one RegisterHolder call may
+    carry re-registers in pages, each call listing every id: all are restored, none revoked,
+    and the session learns the registry's page size."""
+    channel = grpc.insecure_channel(threaded_registry.target, options=_FAST_RECONNECT)
+    client = RegistryClient(threaded_registry.target, timeout=1.0, channel=channel)
+    session = make_session(client, kv, engine, holder_clock)
+    session.start()
+    try:
+        assert session.held_per_call == 512  # the registry's default, from its reply
+        leases = [session_grant(session, kv, f"c{i}", 8) for i in range(7)]
+        session.held_per_call = 3  # seven leases: three calls of 3, 3 and 1
+        threaded_registry.restart_fresh()  # same port, empty state
+        _reregister(session, threaded_registry)
+        counts = threaded_registry.call(lambda: threaded_registry.table.counts())
+        assert counts["leases_active"] == 7 and counts["leases_total"] == 7
+        for lease in leases:
+            assert client.get_lease(lease.lease_id).state == pb.LEASE_STATE_ACTIVE
+        assert engine.freed == [] and len(session.held()) == 7
+        assert session.held_per_call == 512
     finally:
         session.close(deregister=False)
         client.close()

@@ -1226,3 +1226,56 @@ def test_a_lost_holder_with_a_pinned_lease_is_kept_until_the_pin_ends(clock: Fak
     clock.advance(pin_ttl + 0.5)
     table.tick()
     assert table.counts()["leases_total"] == 0
+
+
+def test_held_leases_come_in_pages_with_every_id(clock: FakeClock) -> None:
+    """Issue 32, item 4: one RegisterHolder restores at most max_held_leases_per_call held
+    leases; a holder with more sends pages, each listing every id it retains, so that no page
+    revokes a lease another page carries; a page may not carry a lease its ids leave out."""
+    table = make_table(clock, holders=(), max_held_leases_per_call=2)
+    specs = [gspec(toks(4), conv=f"c{i}") for i in range(5)]
+    snaps = [snap(g, f"l-{i}") for i, g in enumerate(specs)]
+    ids = [x.lease_id for x in snaps]
+    with pytest.raises(InvalidArgument) as caught:
+        table.register_holder(hspec(), snaps[:3])
+    assert caught.value.metadata["field"] == "held_leases"
+    assert table.holders() == []  # refused: nothing changed
+    for start in range(0, 5, 2):
+        reg = table.register_holder(hspec(), snaps[start:start + 2], ids)
+        assert reg.restored == ids[start:start + 2]
+    assert table.counts()["leases_active"] == 5
+    with pytest.raises(InvalidArgument) as caught:
+        table.register_holder(hspec(), snaps[:1], ids[1:])
+    assert caught.value.metadata["field"] == "held_leases[0].lease_id"
+    # A page whose ids leave one out: that one is revoked (the holder no longer has it).
+    table.register_holder(hspec(), snaps[:2], ids[:4])
+    assert table.get_lease("l-4").state is LeaseState.REVOKED
+    assert table.counts()["leases_active"] == 4
+
+
+def test_reregistrations_leave_one_deadline_entry_per_holder(clock: FakeClock) -> None:
+    """From review: every re-registration added a wheel entry that was rescheduled for ever;
+    a holder looping RegisterHolder grew the table's memory and every tick's work."""
+    table = make_table(clock, holders=(), min_holder_ttl_s=1.0)
+    for i in range(1000):
+        table.register_holder(hspec(ttl=30.0 if i % 2 else 20.0))
+    assert len(table._holder_expiry) <= 2
+    for _ in range(15):
+        clock.advance(10.0)
+        table.heartbeat(H)
+        table.tick()
+    assert len(table._holder_expiry) == 1 and [h.holder_id for h in table.holders()] == [H]
+
+
+def test_a_lapsed_holder_that_held_nothing_is_forgotten_at_once(clock: FakeClock) -> None:
+    """From review: lapsed holders were kept for the whole retention (about a day) even with
+    nothing to free, so a token re-creating holders piled them up."""
+    table = make_table(clock, holders=(), min_holder_ttl_s=1.0)
+    table.register_holder(hspec("empty", ttl=1.0))
+    table.register_holder(hspec("holding", ttl=1.0))
+    table.grant(gspec(toks(4), holder="holding"))
+    clock.advance(1.5)
+    table.tick()
+    table.tick()
+    assert "empty" not in table._holders and "holding" in table._holders
+    assert table.counts()["leases_total"] == 1  # the lost lease waits for the retention

@@ -280,6 +280,55 @@ async def test_grant_retry_never_returns_another_holders_lease(
     assert (await b.store.get_lease(planted)).holder.holder_id == "h1"
 
 
+async def test_a_tenants_live_pins_are_capped(make_backend: Factory, kv: Any) -> None:
+    """Issue 32, item 14: a tenant holds at most tenant_max_pins live pins; a read past it is
+    refused (TENANT_QUOTA_EXCEEDED: prefill recomputes) with nothing pinned, another tenant
+    reads on, and a released or ended pin makes room again."""
+    b = await make_backend(tenant_max_pins=2)
+    await b.store.register_holder(holder(ttl=300.0))
+    for tenant in ("t1", "t2"):
+        await b.store.grant(grant_spec(kv, kv.tokens(8), tenant=tenant))
+    prompt = kv.prompt_hashes(kv.tokens(8))
+    first = await b.store.acquire_read("t1", "c1", prompt, pin_ttl=5.0)
+    await b.store.pin_lease("t1", "c1", pin_ttl=30.0)
+    with pytest.raises(errors.TenantQuotaExceeded):
+        await b.store.acquire_read("t1", "c1", prompt, pin_ttl=5.0)
+    assert (await b.store.get_lease(first.lease.lease_id)).pin_count == 2  # type: ignore[union-attr]
+    assert (await b.store.acquire_read("t2", "c1", prompt)).pin is not None
+    assert first.pin is not None and await b.store.release_read(first.pin.pin_id)
+    second = await b.store.acquire_read("t1", "c1", prompt, pin_ttl=5.0)
+    assert second.pin is not None
+    await b.advance(6.0)  # the 5 s pin ends
+    await b.store.tick()
+    assert (await b.store.acquire_read("t1", "c1", prompt)).pin is not None
+
+
+async def test_held_leases_come_in_pages(make_backend: Factory, kv: Any) -> None:
+    """Issue 32, item 4: one registration restores at most max_held_leases_per_call held
+    leases. A holder with more sends pages: the first lists every id it retains (what it does
+    not list is revoked), the later ones only restore; nothing another page carries is
+    revoked, and a later page cannot carry ids."""
+    b = await make_backend(max_held_leases_per_call=2)
+    snaps = [Snapshot(f"l-{i}", grant_spec(kv, kv.tokens(8), conversation=f"c{i}",
+                                             first_block=10 * i), 1, 0.0) for i in range(5)]
+    ids = [x.lease_id for x in snaps]
+    with pytest.raises(errors.InvalidArgument) as caught:
+        await b.store.register_holder(holder(ttl=300.0), snaps[:3])
+    assert caught.value.metadata["field"] == "held_leases"
+    await b.store.register_holder(holder(ttl=300.0), [], ["l-old"])  # a lease of before
+    await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="gone"))
+    first = await b.store.register_holder(holder(ttl=300.0), snaps[:2], ids)
+    assert first.restored == ids[:2]
+    for start in (2, 4):
+        page = await b.store.register_holder(holder(ttl=300.0), snaps[start:start + 2],
+                                             restore_only=True)
+        assert page.restored == ids[start:start + 2]
+    active = await b.store.list_leases(holder_id="h1")
+    assert sorted(x.lease_id for x in active) == ids  # "gone" (not listed) was revoked
+    with pytest.raises(errors.InvalidArgument):
+        await b.store.register_holder(holder(ttl=300.0), snaps[:1], ids, restore_only=True)
+
+
 async def test_duplicate_block_ids_are_refused(b: Backend, kv: Any) -> None:
     """Issue 32: a lease naming one block twice ([7, 7]) is refused, state unchanged."""
     await b.store.register_holder(holder(ttl=300.0))

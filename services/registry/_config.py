@@ -12,6 +12,8 @@ from kvbridge.config import check_logging, setting
 # left at -1): a tenth of the default max_leases, and 100 blocks a lease on average.
 SECURED_TENANT_MAX_LEASES = 100_000
 SECURED_TENANT_MAX_BLOCKS = 10_000_000
+# ... and its live pins (reads in flight): far more than a tenant's prefill engines read at once.
+SECURED_TENANT_MAX_PINS = 10_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,12 +69,19 @@ class RegistryConfig(SecuritySettings):
         -1, "most KV blocks one tenant's active leases may retain (0: no limit); enforced like "
         f"tenant_max_leases. -1: {SECURED_TENANT_MAX_BLOCKS:,} on a registry with tokens, no "
         "limit in insecure local mode")
+    tenant_max_pins: int = setting(
+        -1, "most live pins (reads in flight) one tenant may hold (0: no limit); a read past "
+        f"it is refused, and prefill recomputes. -1: {SECURED_TENANT_MAX_PINS:,} on a registry "
+        "with tokens, no limit in insecure local mode")
     tenant_quota_file: str = setting(
         "", "per-tenant quotas overriding the two above: 'TENANT MAX_LEASES MAX_BLOCKS' lines "
         "(0: no limit)")
     max_blocks_per_lease: int = setting(16384, "most KV blocks one lease may cover")
     max_id_length: int = setting(256, "longest id (tenant, conversation, holder, request)")
     max_batch: int = setting(10000, "most items in one RenewLeases call")
+    max_held_leases_per_call: int = setting(
+        512, "most held leases one RegisterHolder call restores (a holder that retains more "
+        "sends them in pages): bounds the time one call holds the registry")
     max_watchers: int = setting(256, "concurrent WatchLeases streams, all callers together")
     max_watchers_per_principal: int = setting(
         16, "concurrent WatchLeases streams of one caller (token); an admin is bounded by "
@@ -106,9 +115,9 @@ class RegistryConfig(SecuritySettings):
                     "default_max_lifetime_s", "max_lifetime_cap_s", "default_pin_ttl_s",
                     "max_pin_ttl_s", "default_holder_ttl_s", "min_holder_ttl_s",
                     "max_holder_ttl_s", "max_leases", "max_blocks_per_lease", "max_id_length",
-                    "max_batch", "max_watchers", "max_watchers_per_principal",
-                    "list_burst_per_principal", "max_holders_per_principal",
-                    "max_message_bytes", "expiry_batch",
+                    "max_batch", "max_held_leases_per_call", "max_watchers",
+                    "max_watchers_per_principal", "list_burst_per_principal",
+                    "max_holders_per_principal", "max_message_bytes", "expiry_batch",
                     "expiry_tick_s", "redis_events_maxlen")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -136,15 +145,17 @@ class RegistryConfig(SecuritySettings):
             raise ValueError("redis_namespace must be non-empty, without braces or spaces")
         check_logging(self.log_level, self.log_format)
         self.check_security()
-        if self.tenant_max_leases < -1 or self.tenant_max_blocks < -1:
-            raise ValueError("tenant_max_leases and tenant_max_blocks must be 0 (no limit), "
-                             "positive, or -1 (the default for the registry's mode)")
+        if min(self.tenant_max_leases, self.tenant_max_blocks, self.tenant_max_pins) < -1:
+            raise ValueError("tenant_max_leases, tenant_max_blocks and tenant_max_pins must be "
+                             "0 (no limit), positive, or -1 (the default for the registry's "
+                             "mode)")
         # -1: sane caps once callers are told apart by token (one tenant must not take the
         # whole registry); none in insecure local mode, where every caller is an admin anyway.
         # Resolved here, once: the lease table and the Redis store read the plain values.
         secured = bool(self.auth_tokens_file or self.auth_tokens)
         for name, cap in (("tenant_max_leases", SECURED_TENANT_MAX_LEASES),
-                          ("tenant_max_blocks", SECURED_TENANT_MAX_BLOCKS)):
+                          ("tenant_max_blocks", SECURED_TENANT_MAX_BLOCKS),
+                          ("tenant_max_pins", SECURED_TENANT_MAX_PINS)):
             if getattr(self, name) == -1:
                 object.__setattr__(self, name, cap if secured else 0)
         self.tenant_quotas()  # a bad quota file is an error at start

@@ -157,9 +157,10 @@ class Read:
 # all backends refuse the same bad input the same way.
 
 
-def check_registration(cfg: RegistryConfig, spec: HolderSpec, snapshots: Sequence[Snapshot]
-                       ) -> float:
-    """Check a holder registration; return the holder's TTL."""
+def check_registration(cfg: RegistryConfig, spec: HolderSpec, snapshots: Sequence[Snapshot],
+                       held_ids: Sequence[str] = (), restore_only: bool = False) -> float:
+    """Check a holder registration (`held_ids`: every id it retains, when `snapshots` is the
+    first page of them; `restore_only`: a later page); return the holder's TTL."""
     check.identifier("holder_id", spec.holder_id, cfg.max_id_length)
     check.identifier("nixl_host", spec.nixl_host, cfg.max_id_length)
     check.in_range("nixl_port", spec.nixl_port, 0, 65535)
@@ -170,9 +171,26 @@ def check_registration(cfg: RegistryConfig, spec: HolderSpec, snapshots: Sequenc
     check.duration("ttl", ttl, cfg.min_holder_ttl_s, cfg.max_holder_ttl_s)
     if spec.version:
         check.text("software_version", spec.version, 128)
+    if len(snapshots) > cfg.max_held_leases_per_call:
+        raise check.InvalidArgument(
+            "held_leases", f"at most {cfg.max_held_leases_per_call} a call: send the rest in "
+            "further calls, every one with all the ids in held_lease_ids",
+            count=len(snapshots))
+    if restore_only and held_ids:
+        raise check.InvalidArgument("held_lease_ids", "not with restore_only (a later page)")
+    if len(held_ids) > cfg.max_leases:
+        raise check.InvalidArgument("held_lease_ids", f"at most {cfg.max_leases}")
+    all_ids = set(held_ids)
+    if len(all_ids) != len(held_ids):
+        raise check.InvalidArgument("held_lease_ids", "duplicate lease id")
+    for i, lease_id in enumerate(held_ids):
+        check.identifier(f"held_lease_ids[{i}]", lease_id, cfg.max_id_length)
     seen: set[str] = set()
     for i, snap in enumerate(snapshots):
         check.identifier(f"held_leases[{i}].lease_id", snap.lease_id, cfg.max_id_length)
+        if all_ids and snap.lease_id not in all_ids:
+            raise check.InvalidArgument(f"held_leases[{i}].lease_id",
+                                        "not listed in held_lease_ids")
         if snap.lease_id in seen:
             raise check.InvalidArgument(f"held_leases[{i}].lease_id", "duplicate lease id")
         seen.add(snap.lease_id)
@@ -187,6 +205,12 @@ def held_of_another_holder(lease_id: str, index: int) -> NotLeaseHolder:
     (a holder could otherwise plant the id another holder's retried grant will look up)."""
     return NotLeaseHolder(f"held lease {lease_id!r} belongs to another holder",
                           lease_id=lease_id, field=f"held_leases[{index}].lease_id")
+
+
+def pins_exceeded(tenant: str, limit: int) -> TenantQuotaExceeded:
+    """A read refused: its tenant holds `limit` live pins already (prefill recomputes)."""
+    return TenantQuotaExceeded(f"tenant {tenant!r} holds {limit} live pins (reads in flight), "
+                               "its quota", tenant=tenant, max_pins=limit)
 
 
 def check_heartbeat(cfg: RegistryConfig, holder_id: str, acked: Sequence[str]) -> None:
@@ -279,9 +303,10 @@ class LeaseTable:
         self._holders: dict[str, Holder] = {}
         self._leases: dict[str, Lease] = {}
         self._conversations: dict[str, dict[str, Lease]] = {}  # tenant -> conversation -> lease
-        # tenant -> dead leases not yet freed: with the conversations' current leases, every
-        # lease of a tenant, so that listing one tenant costs what that tenant has.
-        self._dead_of_tenant: dict[str, dict[str, Lease]] = {}
+        # tenant -> conversation -> dead leases not yet freed (by id): with the conversations'
+        # current leases, every lease of a tenant, so that listing one tenant (or one of its
+        # conversations) costs what that tenant (or conversation) has.
+        self._dead_of_tenant: dict[str, dict[str, dict[str, Lease]]] = {}
         self._pins: dict[str, Pin] = {}
         self._pin_id = pin_id_maker(secrets.token_bytes(16))  # keyed pin ids (kvbridge.ids)
         self._expiry: ExpiryWheel[Lease] = ExpiryWheel()  # lazily rescheduled on renewal
@@ -308,6 +333,7 @@ class LeaseTable:
         self._quotas_on = bool(self._quotas or config.tenant_max_leases
                                or config.tenant_max_blocks)
         self._tenant_usage: dict[str, list[int]] = {}
+        self._tenant_pins: dict[str, int] = {}  # live pins by tenant (tenant_max_pins)
 
     # ---- listeners --------------------------------------------------------------------------
 
@@ -331,11 +357,16 @@ class LeaseTable:
 
     # ---- holders ----------------------------------------------------------------------------
 
-    def register_holder(self, spec: HolderSpec, held: Iterable[Snapshot] = ()) -> Registration:
-        """Register or re-register a holder; restore `held` leases this registry does not know."""
+    def register_holder(self, spec: HolderSpec, held: Iterable[Snapshot] = (),
+                        held_ids: Sequence[str] = (), restore_only: bool = False
+                        ) -> Registration:
+        """Register or re-register a holder; restore `held` leases this registry does not
+        know; revoke its active leases it does not list (in `held_ids` when given: every id
+        it retains, `held` being the first page of them), unless `restore_only` (a later
+        page)."""
         cfg = self.config
         snapshots = list(held)
-        ttl = check_registration(cfg, spec, snapshots)
+        ttl = check_registration(cfg, spec, snapshots, held_ids, restore_only)
 
         now = self.clock.monotonic()
         holder = self._holders.get(spec.holder_id)
@@ -374,14 +405,17 @@ class LeaseTable:
             holder.version = spec.version
             holder.ttl, holder.expire_at = ttl, now + ttl
             holder.state = HolderState.ACTIVE
-        # (Again on re-registration: its TTL may be shorter now; a stale entry is skipped.)
-        self._holder_expiry.add(holder, holder.expire_at)
+        # Scheduled once; again only when a re-registration brings its deadline forward
+        # (a shorter TTL): the later entry is then stale and dropped when it comes due.
+        if holder.scheduled is None or holder.expire_at < holder.scheduled:
+            self._holder_expiry.add(holder, holder.expire_at)
+            holder.scheduled = holder.expire_at
 
         # The holder is the source of truth for its memory: an active lease it no longer
         # lists (say the engine restarted) must never be read again.
-        held_ids = {snap.lease_id for snap in snapshots}
-        for lease in self._active_of(holder):
-            if lease.lease_id not in held_ids:
+        listed = set(held_ids) if held_ids else {snap.lease_id for snap in snapshots}
+        for lease in () if restore_only else self._active_of(holder):
+            if lease.lease_id not in listed:
                 self._kill(lease, LeaseState.REVOKED)
         restored: list[str] = []
         for snap in snapshots:
@@ -484,12 +518,15 @@ class LeaseTable:
     def _lose_holder(self, holder: Holder, now: float) -> None:
         holder.state = HolderState.LOST
         holder.lost_at = now
-        self._lost_expiry.add(holder, now + self._retention())
+        holder.scheduled = None
         lost = self._active_of(holder)
         for lease in lost:
             self._kill(lease, LeaseState.HOLDER_LOST)
         log.warning("holder_lost", holder=holder.holder_id, leases_lost=len(lost),
                     late_ms=round((now - holder.expire_at) * 1000, 1))
+        # Kept until its own hard deadline has freed what it held; one that held nothing is
+        # forgotten at the next tick (lapsed holders must not pile up for a day).
+        self._lost_expiry.add(holder, now + self._retention() if holder.dead_leases else now)
 
     # ---- leases -----------------------------------------------------------------------------
 
@@ -601,8 +638,9 @@ class LeaseTable:
             convs = self._conversations.get(tenant, {})
             current = [convs[conversation_id]] if conversation_id in convs else (
                 [] if conversation_id else list(convs.values()))
-            dead = list(self._dead_of_tenant.get(tenant, {}).values()) \
-                if include_inactive else []
+            dead_convs = self._dead_of_tenant.get(tenant, {}) if include_inactive else {}
+            dead = [x for conv in ([dead_convs.get(conversation_id, {})] if conversation_id
+                                   else dead_convs.values()) for x in conv.values()]
             source = {x.lease_id: x for x in (*current, *dead)}.values()
         else:
             source = self._leases.values()
@@ -689,8 +727,12 @@ class LeaseTable:
                            lease.max_expire_at + cfg.max_pin_ttl_s)
             if deadline <= now:
                 return Read(MissReason.EXPIRED, k, lease)
+            pins = self._tenant_pins.get(lease.tenant, 0)
+            if cfg.tenant_max_pins and pins >= cfg.tenant_max_pins:
+                raise pins_exceeded(lease.tenant, cfg.tenant_max_pins)
             pin = Pin(pin_id or "p-" + secrets.token_hex(8), lease, deadline)
             self._pins[pin.pin_id] = pin
+            self._tenant_pins[lease.tenant] = pins + 1
             lease.pin_count += 1
             self._pin_expiry.add(pin, deadline)
         # A read is conversation activity: keep the lease for the turn that follows.
@@ -707,6 +749,11 @@ class LeaseTable:
         return True
 
     def _unpin(self, lease: Lease) -> None:
+        left = self._tenant_pins[lease.tenant] - 1
+        if left:
+            self._tenant_pins[lease.tenant] = left
+        else:
+            del self._tenant_pins[lease.tenant]
         lease.pin_count -= 1
         if lease.reclaimable:
             self._emit_reclaimable(lease)
@@ -850,7 +897,8 @@ class LeaseTable:
         holder.lease_count -= 1
         del holder.active[lease.lease_id]
         holder.dead_leases[lease.lease_id] = lease
-        self._dead_of_tenant.setdefault(lease.tenant, {})[lease.lease_id] = lease
+        self._dead_of_tenant.setdefault(lease.tenant, {}).setdefault(
+            lease.conversation_id, {})[lease.lease_id] = lease
         self._emit(_DEAD_EVENT[state], lease, lateness)
         if lease.pin_count == 0:
             self._emit_reclaimable(lease)
@@ -859,11 +907,14 @@ class LeaseTable:
         """The holder freed the blocks: drop every trace of the lease."""
         holder = lease.holder
         holder.dead_leases.pop(lease.lease_id, None)
-        dead = self._dead_of_tenant.get(lease.tenant)
-        if dead is not None:
+        convs_dead = self._dead_of_tenant.get(lease.tenant)
+        dead = convs_dead.get(lease.conversation_id) if convs_dead is not None else None
+        if convs_dead is not None and dead is not None:
             dead.pop(lease.lease_id, None)
             if not dead:
-                del self._dead_of_tenant[lease.tenant]
+                del convs_dead[lease.conversation_id]
+                if not convs_dead:
+                    del self._dead_of_tenant[lease.tenant]
         holder.retained_blocks -= lease.block_count
         self._leases.pop(lease.lease_id, None)
         convs = self._conversations.get(lease.tenant)
@@ -906,18 +957,19 @@ class LeaseTable:
     def _expire_holders(self, now: float) -> None:
         for holder in self._holder_expiry.due(now, len(self._holder_expiry)):
             if holder.state is HolderState.LOST or self._holders.get(holder.holder_id) \
-                    is not holder:
-                continue  # lost already (its retention is scheduled), or forgotten
+                    is not holder or holder.scheduled is None or holder.scheduled > now:
+                continue  # lost or forgotten since, or a stale entry (its current one is later)
             if holder.expire_at <= now:
                 self._lose_holder(holder, now)
             else:  # heartbeats moved its deadline since it was scheduled
                 self._holder_expiry.add(holder, holder.expire_at)
+                holder.scheduled = holder.expire_at
         for holder in self._lost_expiry.due(now, len(self._lost_expiry)):
             if holder.state is not HolderState.LOST or self._holders.get(holder.holder_id) \
                     is not holder:
                 continue  # registered again since, or forgotten
             end = holder.lost_at + self._retention()
-            if now <= end:  # lost again since, or due this very instant: strictly after
+            if holder.dead_leases and now <= end:  # lost again since, or due at this instant
                 self._lost_expiry.add(holder, end + _RETENTION_STEP)
                 continue
             if any(lease.pin_count for lease in holder.dead_leases.values()):

@@ -54,9 +54,8 @@ class EventType(enum.IntEnum):
 class Holder:
     __slots__ = (
         "active", "block_size", "dead_leases", "expire_at", "fingerprint", "holder_id",
-        "lease_count",
-        "lost_at", "nixl_host", "nixl_port", "retained_blocks", "state", "tp_size", "ttl",
-        "version",
+        "lease_count", "lost_at", "nixl_host", "nixl_port", "retained_blocks", "scheduled",
+        "state", "tp_size", "ttl", "version",
     )
 
     def __init__(
@@ -79,6 +78,7 @@ class Holder:
         # heartbeat cost what the holder has, not what the registry has. (`active` is kept by
         # the in-memory table only; a Redis store's Holder carries the count.)
         self.lease_count = 0
+        self.scheduled: float | None = None  # its deadline in the in-memory table's wheel
         self.active: dict[str, Lease] = {}
         self.dead_leases: dict[str, Lease] = {}
         self.retained_blocks = 0

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import secrets
 from array import array
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, NoReturn
 
 import redis.asyncio as aioredis
@@ -232,11 +232,12 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
 
     # ---- holders ----------------------------------------------------------------------------
 
-    async def register_holder(self, spec: HolderSpec,
-                              held: Iterable[Snapshot] = ()) -> Registration:
+    async def register_holder(self, spec: HolderSpec, held: Iterable[Snapshot] = (),
+                              held_ids: Sequence[str] = (), restore_only: bool = False
+                              ) -> Registration:
         cfg = self.config
         snapshots = list(held)
-        ttl = check_registration(cfg, spec, snapshots)
+        ttl = check_registration(cfg, spec, snapshots, held_ids, restore_only)
         args: list[Any] = ["register", spec.holder_id, spec.nixl_host, spec.nixl_port,
                            spec.tp_size, spec.block_size, spec.fingerprint, ttl, spec.version,
                            cfg.max_leases, len(snapshots)]
@@ -247,6 +248,7 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
                      g.hashes + array("I", g.block_ids).tobytes(), g.token_count,
                      len(g.block_ids), snap.epoch, snap.age, idle, life,
                      *cfg.quota_of(g.tenant, self._quotas)]
+        args += [1 if restore_only else 0, len(held_ids), *held_ids]
         reply = await self._run(*args)
         if reply[0] == b"ERR":
             reason = _s(reply[1])
@@ -426,9 +428,11 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
             pin_id = "p-" + secrets.token_hex(8)
         ttl = min(pin_ttl or cfg.default_pin_ttl_s, cfg.max_pin_ttl_s)
         reply = await self._run("read", mode, tenant, conversation_id, hashes, min_tokens, ttl,
-                                pin_id, 1 if request_id else 0, cfg.max_pin_ttl_s)
+                                pin_id, 1 if request_id else 0, cfg.max_pin_ttl_s,
+                                cfg.tenant_max_pins)
         if reply[0] == b"ERR":
-            raise refusal(self.config, _s(reply[1]), request_id=request_id, what="read")
+            raise refusal(self.config, _s(reply[1]), request_id=request_id, what="read",
+                          tenant=tenant)
         miss = MissReason(reply[2])
         if len(reply) == 6:
             return Read(miss, 0, None)

@@ -17,6 +17,7 @@ from kvbridge.errors import (
     TenantQuotaExceeded,
 )
 from kvbridge.services.registry._config import RegistryConfig
+from kvbridge.services.registry._core import pins_exceeded
 from kvbridge.services.registry._model import Holder, HolderState, Lease, LeaseState
 from kvbridge.services.registry._redis_lua import Refusal
 
@@ -51,7 +52,7 @@ def lease_with_holder(lease: list[Any], holder: list[Any], base: float) -> Lease
 
 
 def refusal(config: RegistryConfig, reason: str, *, holder: str = "", lease_id: str = "",
-            request_id: str = "", what: str = "") -> KvbridgeError:
+            request_id: str = "", what: str = "", tenant: str = "") -> KvbridgeError:
     """The domain error for a function's refusal (HOLDER_CONFLICT, and NOT_LEASE_HOLDER of a
     registration, carry more and are mapped by their caller)."""
     if reason == Refusal.HOLDER_NOT_FOUND:
@@ -70,6 +71,8 @@ def refusal(config: RegistryConfig, reason: str, *, holder: str = "", lease_id: 
         return TenantQuotaExceeded(
             "the tenant is at its quota and its other leases are pinned (or this lease "
             "alone exceeds its block quota)", holder=holder)
+    if reason == Refusal.TENANT_PINS_EXCEEDED:
+        return pins_exceeded(tenant, config.tenant_max_pins)
     if reason == Refusal.REQUEST_ID_REUSED:
         return IdempotencyConflict(f"request_id {request_id!r} was used for another {what}",
                                    request_id=request_id)

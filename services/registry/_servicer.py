@@ -184,16 +184,25 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             for i, s in enumerate(request.held_leases)
         ]
         owned = await self._holders_of_caller(request.holder_id)
-        reg = await self.store.register_holder(spec, held)
-        if owned is not None:
-            owned.add(request.holder_id)
+        # Counted before the store is awaited, so that concurrent registrations see it.
+        counting = owned if owned is not None and request.holder_id not in owned else None
+        if counting is not None:
+            counting.add(request.holder_id)
+        try:
+            reg = await self.store.register_holder(spec, held, request.held_lease_ids,
+                                                   request.restore_only)
+        except BaseException:
+            if counting is not None:
+                counting.discard(request.holder_id)
+            raise
         cfg = self.store.config
         return pb.RegisterHolderResponse(
             holder=self._holder(reg.holder),
             limits=pb.RegistryLimits(
                 max_pin_ttl=_duration(cfg.max_pin_ttl_s),
                 heartbeat_interval=_duration(reg.holder.ttl / 3),
-                max_blocks_per_lease=cfg.max_blocks_per_lease),
+                max_blocks_per_lease=cfg.max_blocks_per_lease,
+                max_held_leases_per_call=cfg.max_held_leases_per_call),
             restored_lease_ids=reg.restored, reclaimable_lease_ids=reg.reclaimable,
         )
 

@@ -54,10 +54,13 @@ class LeaseStore(Protocol):
 
     # ---- holders ----------------------------------------------------------------------------
 
-    async def register_holder(self, spec: HolderSpec,
-                              held: Sequence[Snapshot] = ()) -> Registration:
+    async def register_holder(self, spec: HolderSpec, held: Sequence[Snapshot] = (),
+                              held_ids: Sequence[str] = (), restore_only: bool = False
+                              ) -> Registration:
         """Register or re-register a holder; restore the `held` leases the store does not know;
-        revoke the holder's active leases it no longer lists."""
+        revoke the holder's active leases it no longer lists (`held_ids`, when given: every id
+        it retains, `held` being the first page of them), unless `restore_only` (a later
+        page: restore, revoke nothing)."""
         ...
 
     async def heartbeat(self, holder_id: str,
@@ -194,9 +197,10 @@ class MemoryStore:
     async def close(self) -> None:
         pass
 
-    async def register_holder(self, spec: HolderSpec,
-                              held: Iterable[Snapshot] = ()) -> Registration:
-        return self.table.register_holder(spec, held)
+    async def register_holder(self, spec: HolderSpec, held: Iterable[Snapshot] = (),
+                              held_ids: Sequence[str] = (), restore_only: bool = False
+                              ) -> Registration:
+        return self.table.register_holder(spec, held, held_ids, restore_only)
 
     async def heartbeat(self, holder_id: str,
                         reclaimed: Iterable[str] = ()) -> tuple[list[str], float]:

@@ -50,8 +50,12 @@ local function register(keys, args)
   local hid, host, port, tp, bs = args[1], args[2], args[3], args[4], args[5]
   local fp, ttl, version = args[6], tonumber(args[7]), args[8]
   local max_leases, nsnap = tonumber(args[9]), tonumber(args[10])
-  -- then nsnap snapshots of SNAPSHOT_ARGS arguments each, from args[11]
+  -- then nsnap snapshots of SNAPSHOT_ARGS arguments each, from args[11]; then restore_only
+  -- (1: a later page of a paged registration, which revokes nothing), the count of held ids
+  -- and the ids (a paged registration's first call: every lease the holder retains)
   local function snap(j) return 11 + j * SNAPSHOT_ARGS end
+  local tail = snap(nsnap)
+  local restore_only, nids = args[tail] == '1', tonumber(args[tail + 1])
   local H = P .. 'h:' .. hid
   local s = holder_state(hid)
   if s and s ~= H_LOST then
@@ -87,10 +91,16 @@ local function register(keys, args)
   redis.call('ZADD', P .. 'holders', F(x), hid)
   -- The holder is the source of truth for its memory: an active lease it no longer lists
   -- must never be read again.
-  local held = {}
-  for j = 0, nsnap - 1 do held[args[snap(j) + S_LEASE_ID]] = true end
-  for _, lid in ipairs(redis.call('SMEMBERS', P .. 'ha:' .. hid)) do
-    if not held[lid] then kill(lid, REVOKED, 0) end
+  if not restore_only then
+    local held = {}
+    if nids > 0 then
+      for i = tail + 2, tail + 1 + nids do held[args[i]] = true end
+    else
+      for j = 0, nsnap - 1 do held[args[snap(j) + S_LEASE_ID]] = true end
+    end
+    for _, lid in ipairs(redis.call('SMEMBERS', P .. 'ha:' .. hid)) do
+      if not held[lid] then kill(lid, REVOKED, 0) end
+    end
   end
   local restored = {}
   for j = 0, nsnap - 1 do

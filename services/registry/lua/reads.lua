@@ -20,6 +20,7 @@ local function read(keys, args)
   local mode, tenant, conv, prompt = args[1], args[2], args[3], args[4]
   local min_tokens, pin_ttl, pin_id = tonumber(args[5]), tonumber(args[6]), args[7]
   local max_pin = tonumber(args[9])  -- args[8]: whether the pin id came from a request_id
+  local max_tenant_pins = tonumber(args[10])  -- 0: no limit
   local lid = redis.call('GET', P .. 'c:' .. tenant .. ' ' .. conv)
   if not lid then return {'OK', stamp(), MISS_NO_LEASE, 0, 0, 0} end
   local L = P .. 'l:' .. lid
@@ -71,6 +72,11 @@ local function read(keys, args)
   else
     deadline = math.min(NOW + pin_ttl, created + life + max_pin)
     if deadline <= NOW then return miss(MISS_EXPIRED, k, 0, 0) end
+    if max_tenant_pins > 0 and
+        tonumber(redis.call('HGET', P .. 'tp', lf[1]) or '0') >= max_tenant_pins then
+      return {'ERR', ERR_TENANT_PINS_EXCEEDED}
+    end
+    redis.call('HINCRBY', P .. 'tp', lf[1], 1)
     redis.call('HSET', PK, 'l', lid, 'x', F(deadline))
     redis.call('ZADD', P .. 'pexp', F(deadline), pin_id)
     pins = pins + 1

@@ -192,8 +192,11 @@ end
 
 local function unpin(lid)
   local L = P .. 'l:' .. lid
-  local state = redis.call('HGET', L, 's')  -- every lease has one: nil when it is gone
+  local f = redis.call('HMGET', L, 's', 't')  -- every lease has a state: nil when it is gone
+  local state = f[1]
   if not state then return end
+  -- The tenant's live pins (tenant_max_pins); a tenant with none left leaves the hash.
+  if redis.call('HINCRBY', P .. 'tp', f[2], -1) <= 0 then redis.call('HDEL', P .. 'tp', f[2]) end
   local k = redis.call('HINCRBY', L, 'k', -1)
   if k == 0 and tonumber(state) ~= ACTIVE then
     emit_reclaimable(lid, redis.call('HMGET', L, 't', 'c', 'h', 'e'))

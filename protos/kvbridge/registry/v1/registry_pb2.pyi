@@ -390,7 +390,12 @@ class RegistryLimits(_message.Message):
     MAX_PIN_TTL_FIELD_NUMBER: _builtins.int
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _builtins.int
     MAX_BLOCKS_PER_LEASE_FIELD_NUMBER: _builtins.int
+    MAX_HELD_LEASES_PER_CALL_FIELD_NUMBER: _builtins.int
     max_blocks_per_lease: _builtins.int
+    max_held_leases_per_call: _builtins.int
+    """Most `held_leases` one RegisterHolder call may carry: a holder that retains more sends
+    them in pages (see `RegisterHolderRequest.held_lease_ids`).
+    """
     @_builtins.property
     def max_pin_ttl(self) -> _duration_pb2.Duration:
         """Longest pin the registry grants. A holder's hard deadline for a lease is
@@ -407,10 +412,11 @@ class RegistryLimits(_message.Message):
         max_pin_ttl: _duration_pb2.Duration | None = ...,
         heartbeat_interval: _duration_pb2.Duration | None = ...,
         max_blocks_per_lease: _builtins.int = ...,
+        max_held_leases_per_call: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "max_pin_ttl", b"max_pin_ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "max_blocks_per_lease", b"max_blocks_per_lease", "max_pin_ttl", b"max_pin_ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "max_blocks_per_lease", b"max_blocks_per_lease", "max_held_leases_per_call", b"max_held_leases_per_call", "max_pin_ttl", b"max_pin_ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -429,6 +435,8 @@ class RegisterHolderRequest(_message.Message):
     TTL_FIELD_NUMBER: _builtins.int
     HELD_LEASES_FIELD_NUMBER: _builtins.int
     SOFTWARE_VERSION_FIELD_NUMBER: _builtins.int
+    HELD_LEASE_IDS_FIELD_NUMBER: _builtins.int
+    RESTORE_ONLY_FIELD_NUMBER: _builtins.int
     holder_id: _builtins.str
     nixl_host: _builtins.str
     nixl_port: _builtins.int
@@ -437,6 +445,10 @@ class RegisterHolderRequest(_message.Message):
     engine_fingerprint: _builtins.str
     software_version: _builtins.str
     """Free text, e.g. "kvbridge/0.1.0 vllm/0.32.0" (printable ASCII, at most 128 characters)."""
+    restore_only: _builtins.bool
+    """The later calls of a paged registration: restore `held_leases` (a further page) and
+    revoke nothing (the first call did). Not with `held_lease_ids`.
+    """
     @_builtins.property
     def ttl(self) -> _duration_pb2.Duration:
         """Heartbeat TTL; zero means the registry default."""
@@ -444,6 +456,15 @@ class RegisterHolderRequest(_message.Message):
     @_builtins.property
     def held_leases(self) -> _containers.RepeatedCompositeFieldContainer[Global___LeaseSnapshot]:
         """Leases the holder still retains (empty on a fresh start)."""
+
+    @_builtins.property
+    def held_lease_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """For a holder that retains more leases than one call may carry
+        (`RegistryLimits.max_held_leases_per_call`), on the first call of its registration: the
+        id of every lease it retains, while `held_leases` is the first page of them. The registry
+        revokes the holder's active leases not listed here (rather than those not in
+        `held_leases`) and restores the page. Empty: `held_leases` is everything it retains.
+        """
 
     def __init__(
         self,
@@ -457,10 +478,12 @@ class RegisterHolderRequest(_message.Message):
         ttl: _duration_pb2.Duration | None = ...,
         held_leases: _abc.Iterable[Global___LeaseSnapshot] | None = ...,
         software_version: _builtins.str = ...,
+        held_lease_ids: _abc.Iterable[_builtins.str] | None = ...,
+        restore_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "engine_fingerprint", b"engine_fingerprint", "held_leases", b"held_leases", "holder_id", b"holder_id", "nixl_host", b"nixl_host", "nixl_port", b"nixl_port", "software_version", b"software_version", "tp_size", b"tp_size", "ttl", b"ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "engine_fingerprint", b"engine_fingerprint", "held_lease_ids", b"held_lease_ids", "held_leases", b"held_leases", "holder_id", b"holder_id", "nixl_host", b"nixl_host", "nixl_port", b"nixl_port", "restore_only", b"restore_only", "software_version", b"software_version", "tp_size", b"tp_size", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
