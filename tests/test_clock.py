@@ -19,7 +19,9 @@ from kvbridge.clock import SystemClock, monotonic
 
 # Modules whose deadlines another host's depend on: they read `kvbridge.clock.monotonic` only.
 _DEADLINE_MODULES = ["kvbridge.clients._base", "kvbridge.clients._holder_session",
-                     "kvbridge.services.registry._redis", "kvbridge.services.registry._core"]
+                     "kvbridge.services.registry._redis", "kvbridge.services.registry._core",
+                     "kvbridge.services.registry._redis_clock",
+                     "kvbridge.services.registry._redis_events"]
 _CONNECTOR_MODULES = ["kvbridge.connector._prefill", "kvbridge.connector._decode",
                       "kvbridge.connector._connector", "kvbridge.connector._pin_guard"]
 

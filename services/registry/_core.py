@@ -65,13 +65,13 @@ OWED_EVENTS_PER_TICK = 1000
 # A lost holder is forgotten strictly after its retention: looked at again this much later.
 _RETENTION_STEP = 0.01
 
-_DEAD_EVENT = {
+DEAD_EVENT = {
     LeaseState.EXPIRED: EventType.EXPIRED,
     LeaseState.REVOKED: EventType.REVOKED,
     LeaseState.SUPERSEDED: EventType.SUPERSEDED,
     LeaseState.HOLDER_LOST: EventType.HOLDER_LOST,
 }
-_MISS_FOR_STATE = {
+MISS_FOR_STATE = {
     LeaseState.EXPIRED: MissReason.EXPIRED,
     LeaseState.REVOKED: MissReason.REVOKED,
     LeaseState.HOLDER_LOST: MissReason.HOLDER_GONE,
@@ -666,7 +666,7 @@ class LeaseTable:
             return Read(MissReason.NO_LEASE, 0, None)
         self._refresh(lease, now)
         if lease.state is not LeaseState.ACTIVE:
-            return Read(_MISS_FOR_STATE[lease.state], 0, lease)
+            return Read(MISS_FOR_STATE[lease.state], 0, lease)
         if lease.holder.state is not HolderState.ACTIVE:
             return Read(MissReason.HOLDER_GONE, 0, lease)
         return lease
@@ -899,7 +899,7 @@ class LeaseTable:
         holder.dead_leases[lease.lease_id] = lease
         self._dead_of_tenant.setdefault(lease.tenant, {}).setdefault(
             lease.conversation_id, {})[lease.lease_id] = lease
-        self._emit(_DEAD_EVENT[state], lease, lateness)
+        self._emit(DEAD_EVENT[state], lease, lateness)
         if lease.pin_count == 0:
             self._emit_reclaimable(lease)
 

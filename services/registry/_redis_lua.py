@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from kvbridge.blockhash import HASH_SIZE
-from kvbridge.services.registry._core import _DEAD_EVENT, _MISS_FOR_STATE
+from kvbridge.services.registry._core import DEAD_EVENT, MISS_FOR_STATE
 from kvbridge.services.registry._model import EventType, HolderState, LeaseState, MissReason
 from kvbridge.services.registry._redis_layout import LAYOUT
 
@@ -86,9 +86,9 @@ def _constants() -> str:
     enum_locals("H_", HolderState, "HolderState")
     enum_locals("MISS_", MissReason, "MissReason")
     enum_locals("EV_", EventType, "EventType")
-    table("DEAD_EVENT", {int(k): int(v) for k, v in _DEAD_EVENT.items()},
+    table("DEAD_EVENT", {int(k): int(v) for k, v in DEAD_EVENT.items()},
           "LeaseState -> the EventType of a lease's death")
-    table("MISS_FOR_STATE", {int(k): int(v) for k, v in _MISS_FOR_STATE.items()},
+    table("MISS_FOR_STATE", {int(k): int(v) for k, v in MISS_FOR_STATE.items()},
           "LeaseState -> the MissReason of a read of a dead lease")
     for reason in Refusal:
         lines.append(f"local ERR_{reason.name} = '{reason.value}'")
