@@ -221,3 +221,36 @@ def test_the_lua_takes_every_shared_value_from_python() -> None:
     for reason in Refusal:
         if reason is not Refusal.HOLDER_CONFLICT:  # mapped with its layout by the caller
             assert type(refusal(RegistryConfig(), reason)) is not KvbridgeError, reason
+
+
+async def test_lapsed_holders_are_forgotten_as_the_memory_table_forgets_them(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """From review: a holder that lapsed holding nothing is forgotten at once (it was kept
+    for the whole retention); one with dead leases is kept; a pinned one is looked at again
+    later rather than blocking the others."""
+    from test_store_contract import grant_spec, holder
+
+    from kvbridge.clock import SystemClock
+    from kvbridge.services.registry import RegistryConfig, _redis
+
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace, min_holder_ttl_s=1.0,
+                            max_lifetime_cap_s=100.0, default_max_lifetime_s=100.0)
+    store = _redis.RedisStore(config, SystemClock(), recovering=False)
+    await store.start()
+    try:
+        assert store._redis is not None
+        await store.register_holder(holder("empty", ttl=1.0))
+        await store.register_holder(holder("h1", ttl=1.0))
+        await store.grant(grant_spec(kv, kv.tokens(8)))
+        await store.advance_clock(1.5)
+        await store.tick()
+        exists = [await store._redis.exists(store.prefix + f"h:{h}") for h in ("empty", "h1")]
+        assert exists == [0, 1]
+        retention = config.max_lifetime_cap_s + config.max_pin_ttl_s
+        await store.advance_clock(retention + 1)
+        await store.tick()
+        assert await store._redis.exists(store.prefix + "h:h1") == 0
+        assert await store.list_leases(include_inactive=True) == []
+    finally:
+        await store.close()

@@ -66,16 +66,28 @@ local function tick(keys, args)
   local lost = {}
   local due_holders = redis.call('ZRANGEBYSCORE', P .. 'holders', '-inf', F(NOW),
                                  'LIMIT', 0, batch)
-  for _, hid in ipairs(due_holders) do lost[#lost + 1] = {hid, lose_holder(hid)} end
-  -- Past a lost holder's own hard deadline it has freed everything it held.
-  for _, hid in ipairs(redis.call('ZRANGEBYSCORE', P .. 'lost', '-inf', F(NOW - retention),
-                                  'LIMIT', 0, 100)) do
+  for _, hid in ipairs(due_holders) do
+    lost[#lost + 1] = {hid, lose_holder(hid)}
+    -- One that held nothing has nothing to free: forgotten now (lapsed holders must not
+    -- pile up for the whole retention).
+    if redis.call('SCARD', P .. 'hd:' .. hid) == 0 then
+      redis.call('DEL', P .. 'h:' .. hid, P .. 'ha:' .. hid, P .. 'hd:' .. hid)
+      redis.call('ZREM', P .. 'lost', hid)
+    end
+  end
+  -- Past a lost holder's own hard deadline (strictly) it has freed everything it held. One
+  -- whose dead leases a pin still holds is looked at again a second later (it moves back in
+  -- the queue: pinned ones never block the others).
+  for _, hid in ipairs(redis.call('ZRANGEBYSCORE', P .. 'lost', '-inf',
+                                  '(' .. F(NOW - retention), 'LIMIT', 0, 100)) do
     local dead = redis.call('SMEMBERS', P .. 'hd:' .. hid)
     local pinned = false
     for _, lid in ipairs(dead) do
       if pins_of(lid) > 0 then pinned = true end
     end
-    if not pinned then
+    if pinned then
+      redis.call('ZADD', P .. 'lost', F(NOW - retention + 1), hid)
+    else
       for _, lid in ipairs(dead) do forget(lid) end
       redis.call('DEL', P .. 'h:' .. hid, P .. 'ha:' .. hid, P .. 'hd:' .. hid)
       redis.call('ZREM', P .. 'lost', hid)
@@ -107,10 +119,11 @@ local function tick(keys, args)
   if redis.call('EXISTS', P .. 'owed') == 1 or redis.call('EXISTS', P .. 'paying') == 1 then
     nxt = HOLD_UNTIL
   end
-  for _, z in ipairs({'holders', 'pexp', 'lexp'}) do
+  for _, z in ipairs({'holders', 'pexp', 'lexp', 'lost'}) do
     local first = redis.call('ZRANGE', P .. z, 0, 0, 'WITHSCORES')
     if first[2] then
       local v = tonumber(first[2])
+      if z == 'lost' then v = v + retention end  -- scored by when it was lost
       if not nxt or v < nxt then nxt = v end
     end
   end
