@@ -470,6 +470,9 @@ async def test_list_filters_and_pages(b: Backend, kv: Any) -> None:
     assert sorted(x.epoch for x in conv) == [1, 2]
     assert [x.epoch for x in await b.store.list_leases(tenant="t1", conversation_id="c0")] == [2]
     assert await b.store.list_leases(tenant="other") == []
+    await b.store.revoke(newer.lease.lease_id)  # a dead current lease is listed once
+    conv = await b.store.list_leases(tenant="t1", conversation_id="c0", include_inactive=True)
+    assert sorted(x.epoch for x in conv) == [1, 2]
 
 
 async def test_list_by_tenant_uses_the_tenants_own_leases(b: Backend, kv: Any) -> None:

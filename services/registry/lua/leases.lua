@@ -182,10 +182,16 @@ local function list(keys, args)
   if hid ~= '' then
     ids = redis.call('SUNION', P .. 'ha:' .. hid, P .. 'hd:' .. hid)
     table.sort(ids)
-  elseif tenant ~= '' and conv ~= '' and not inactive then
+  elseif tenant ~= '' and conv ~= '' then
+    -- One conversation: its current lease, and with inactive ones the tenant's dead leases
+    -- not yet freed (few: holders free them as told), never the tenant's active ones.
     local cur = redis.call('GET', P .. 'c:' .. tenant .. ' ' .. conv)
     ids = {}
-    if cur then ids[1] = cur end
+    if inactive then ids = redis.call('SMEMBERS', P .. 'td:' .. tenant) end
+    if cur and (not inactive or redis.call('SISMEMBER', P .. 'td:' .. tenant, cur) == 0) then
+      ids[#ids + 1] = cur  -- (a dead current lease is in td: already)
+    end
+    table.sort(ids)
   elseif tenant ~= '' then
     -- The tenant's own indexes: a listing costs what that tenant has, not the registry.
     if inactive then
