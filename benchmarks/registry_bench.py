@@ -58,10 +58,11 @@ def _identity(b: bytes) -> bytes:
     return b
 
 
-async def _flood_main(port: int, tenant: str) -> None:
+async def _flood_main(port: int, tenant: str, polite: bool) -> None:
     """Another tenant's client looping ListLeases filtered by its own tenant, as fast as the
-    registry answers (refusals by the registry's rate limit included), until killed; prints
-    how many it made ("LISTED answered refused") every few hundred."""
+    registry lets it (`polite`: waiting as long as a refusal's retry_after_s says, as a client
+    should) or as fast as it answers, refusals included; until killed. Prints how many calls
+    it made ("LISTED answered refused") every few dozen."""
     client = AsyncRegistryClient(f"127.0.0.1:{port}", timeout=30, retries=0)
     print("PORT 0", flush=True)
     answered = refused = 0
@@ -69,10 +70,11 @@ async def _flood_main(port: int, tenant: str) -> None:
         try:
             await client.list_leases(tenant=tenant, include_inactive=True, page_size=1000)
             answered += 1
-        except KvbridgeError:
+        except KvbridgeError as err:
             refused += 1
-            await asyncio.sleep(0)  # refused (rate limit): ask again at once
-        if (answered + refused) % 200 == 0:
+            wait = float(err.metadata.get("retry_after_s", 0)) if polite else 0.0
+            await asyncio.sleep(wait)
+        if (answered + refused) % 20 == 0:
             print(f"LISTED {answered} {refused}", flush=True)
 
 
@@ -548,48 +550,59 @@ async def _list_flood(client: AsyncRegistryClient, port: int,
                       log: Callable[[str], None]) -> dict[str, Any]:
     """AcquireRead p99 at `rate` while another tenant (100 leases of its own, among the
     registry's many) loops ListLeases from a process of its own, and in the same run without
-    it: windows with the flood running and stopped (SIGSTOP) taken in turn."""
+    it: windows with no flood, a client that waits as refusals say (the `_under_list_flood`
+    figures), and one that never waits (`_under_rude_list_flood`: every refusal is a call
+    too), taken in turn (the idle flood process stopped with SIGSTOP)."""
     await _bounded(lambda i: grant(i, "flood"), 100, 16)
-    flood = _spawn([sys.executable, "-c",
-                    "from kvbridge import aio; from kvbridge.benchmarks.registry_bench import"
-                    f" _flood_main; aio.run(_flood_main({port}, 'flood'))"], env=_grpc_env())
-    counts = [0, 0]  # the flood's listings answered and refused, as it last printed them
+    floods: dict[str, _Proc] = {}
+    counts: dict[str, list[int]] = {}  # the flood's listings answered and refused, as printed
+    for kind in ("polite", "rude"):
+        proc = floods[kind] = _spawn([
+            sys.executable, "-c", "from kvbridge import aio; from "
+            "kvbridge.benchmarks.registry_bench import _flood_main; "
+            f"aio.run(_flood_main({port}, 'flood', {kind == 'polite'}))"], env=_grpc_env())
+        proc.popen.send_signal(signal.SIGSTOP)
+        counts[kind] = [0, 0]
 
-    def follow(stdout: Any = flood.popen.stdout) -> None:
-        for line in stdout:
-            if line.startswith("LISTED "):
-                counts[:] = [int(x) for x in line.split()[1:3]]
+        def follow(stdout: Any = proc.popen.stdout, got: list[int] = counts[kind]) -> None:
+            for line in stdout:
+                if line.startswith("LISTED "):
+                    got[:] = [int(x) for x in line.split()[1:3]]
 
-    threading.Thread(target=follow, daemon=True).start()
+        threading.Thread(target=follow, daemon=True).start()
     base = 1 << 44
-    quiet: list[float] = []
-    flooded: list[float] = []
+    windows: dict[str, list[float]] = {"quiet": [], "polite": [], "rude": []}
     try:
-        for w in range(max(round(duration / 0.5), 2)):
-            flooding = w % 2 == 0
-            flood.popen.send_signal(signal.SIGCONT if flooding else signal.SIGSTOP)
-            await asyncio.sleep(0.05)  # the flood is (not) running when the window opens
+        for w in range(max(round(duration / 0.5), 3)):
+            kind = ("quiet", "polite", "rude")[w % 3]
+            for name, proc in floods.items():
+                proc.popen.send_signal(signal.SIGCONT if name == kind else signal.SIGSTOP)
+            await asyncio.sleep(0.05)  # the window's flood (or none) runs when it opens
 
             def numbered(i: int, first: int = base + w * 1_000_000) -> Awaitable[None]:
                 return probe(first + i)
 
-            (flooded if flooding else quiet).extend(await _open_loop(numbered, rate, 0.5))
+            windows[kind].extend(await _open_loop(numbered, rate, 0.5))
     finally:
-        flood.popen.send_signal(signal.SIGCONT)  # a stopped process would not see the stop
-        flood.stop()
+        for proc in floods.values():
+            proc.popen.send_signal(signal.SIGCONT)  # a stopped process would not see the stop
+            proc.stop()
     for reply in replies:
         check_hit(reply)
     replies.clear()
-    out = {"acquire_read_p99_ms_without_list_flood": round(_pct(quiet, 0.99), 3),
-           "acquire_read_p99_ms_under_list_flood": round(_pct(flooded, 0.99), 3),
-           "list_flood_answered": counts[0], "list_flood_refused": counts[1]}
-    out["list_flood_p99_ratio"] = round(out["acquire_read_p99_ms_under_list_flood"]
-                                        / out["acquire_read_p99_ms_without_list_flood"], 2)
+    quiet = round(_pct(windows["quiet"], 0.99), 3)
+    out: dict[str, Any] = {"acquire_read_p99_ms_without_list_flood": quiet}
+    for kind, suffix in (("polite", ""), ("rude", "rude_")):
+        p99 = round(_pct(windows[kind], 0.99), 3)
+        out[f"acquire_read_p99_ms_under_{suffix}list_flood"] = p99
+        out[f"{suffix}list_flood_p99_ratio"] = round(p99 / quiet, 2)
+        out[f"{suffix}list_flood_answered"], out[f"{suffix}list_flood_refused"] = counts[kind]
     log(f"  under a ListLeases flood: acquire-read p99 "
-        f"{out['acquire_read_p99_ms_under_list_flood']} ms against "
-        f"{out['acquire_read_p99_ms_without_list_flood']} ms without "
-        f"({out['list_flood_p99_ratio']}x; the flood's listings: {counts[0]} answered, "
-        f"{counts[1]} refused)")
+        f"{out['acquire_read_p99_ms_under_list_flood']} ms against {quiet} ms without "
+        f"({out['list_flood_p99_ratio']}x; listings {counts['polite'][0]} answered, "
+        f"{counts['polite'][1]} refused); a flood that ignores refusals: "
+        f"{out['acquire_read_p99_ms_under_rude_list_flood']} ms "
+        f"({out['rude_list_flood_p99_ratio']}x; {counts['rude'][1]} refusals)")
     return out
 
 
