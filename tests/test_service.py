@@ -509,11 +509,6 @@ async def test_list_leases_pagination_returns_each_lease_once(registry_client, k
     # A page size that divides the count exactly ends without an empty page.
     seen, pages = await all_pages(tenant="t2", include_inactive=True)
     assert len(seen) == 8 and pages == 2
-    # A page longer than the chunks it is built in (the event loop served between them).
-    more = sorted([(await grant(registry_client, kv, kv.tokens(4), tenant="t3",
-                                conversation=f"more-{i}")).lease_id for i in range(60)])
-    whole = await registry_client.list_leases(page_size=1000, tenant="t3")
-    assert [x.lease_id for x in whole.leases] == more and not whole.next_page_token
 
 
 # ---- reads ----------------------------------------------------------------------------------

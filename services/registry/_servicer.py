@@ -61,7 +61,6 @@ _HOLDER_STATE = {HolderState.ACTIVE: pb.HOLDER_STATE_ACTIVE,
                  HolderState.DRAINING: pb.HOLDER_STATE_DRAINING}
 _DEFAULT_PAGE, _MAX_PAGE = 100, 1000
 _WATCH_QUEUE = 10_000
-_LIST_CHUNK = 25  # leases of a ListLeases page converted between two turns of the event loop
 
 
 def _seconds(d: duration_pb2.Duration, field: str) -> float:
@@ -349,16 +348,9 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             request.tenant, request.conversation_id, request.holder_id,
             request.include_inactive, request.page_token, size + 1)
         page: list[Lease] = found[:size]
-        out = pb.ListLeasesResponse(next_page_token=page[-1].lease_id if len(found) > size
-                                    else "")
-        # A page is built a chunk at a time, the event loop served between chunks: a long
-        # listing (about 10 us a lease) must not hold up every read behind it.
-        for start in range(0, len(page), _LIST_CHUNK):
-            if start:
-                await asyncio.sleep(0)
-            out.leases.extend(self._lease(x, blocks=request.include_blocks)
-                              for x in page[start:start + _LIST_CHUNK])
-        return out
+        return pb.ListLeasesResponse(
+            leases=[self._lease(x, blocks=request.include_blocks) for x in page],
+            next_page_token=page[-1].lease_id if len(found) > size else "")
 
     async def _check_leases(self, lease_ids: Any) -> None:
         """The caller may touch every one of these leases (unknown ids are left to the call)."""
