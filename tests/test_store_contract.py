@@ -2142,3 +2142,121 @@ async def test_redis_outdated_replica_reports_not_serving_and_a_lost_layout_is_r
         await channel.close()
         await new.close()
         await old.stop()
+
+
+# ---- lookup by content (history keys) -------------------------------------------------------
+
+
+def hkeys(*names: str) -> list[bytes]:
+    """Chained-looking 16-byte keys, one per name, for tests (the registry treats keys as
+    opaque)."""
+    return [(name * 16).encode()[:16] for name in names]
+
+
+async def test_lookup_by_content_finds_longest_indexed_key(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder())
+    s, u1, a1, u2, x = hkeys("s", "u", "a", "v", "x")
+    one = (await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c1",
+                                          history_keys=s + u1))).lease
+    two = (await b.store.grant(grant_spec(kv, kv.tokens(12), conversation="c2",
+                                          history_keys=s + u1 + a1 + u2))).lease
+    # The longest key the request shares with an indexed one wins; its lease is pinned whole.
+    read = await b.store.pin_lease("t1", "", history_keys=s + u1 + a1 + u2 + x)
+    assert read.miss is MissReason.HIT and read.pin is not None
+    assert read.lease is not None and read.lease.lease_id == two.lease_id
+    assert (read.keys_matched, read.whole) == (4, True)
+    assert read.matched_tokens == 12 or read.lease.token_count == 12
+    # u1 is indexed by both: the most recent grant (c2) holds it; it is not c2's last key.
+    read = await b.store.pin_lease("t1", "", history_keys=s + u1 + x)
+    assert read.lease is not None and read.lease.lease_id == two.lease_id
+    assert (read.keys_matched, read.whole) == (2, False)
+    # Nothing shared: a miss, nothing pinned.
+    read = await b.store.pin_lease("t1", "", history_keys=x)
+    assert read.miss is MissReason.NO_LEASE and read.pin is None and read.keys_matched == 0
+    assert one.lease_id != two.lease_id
+
+
+async def test_lookup_is_scoped_to_the_tenant(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder())
+    s, u = hkeys("s", "u")
+    await b.store.grant(grant_spec(kv, kv.tokens(8), tenant="t1", history_keys=s + u))
+    read = await b.store.pin_lease("t2", "", history_keys=s + u)
+    assert read.miss is MissReason.NO_LEASE and read.pin is None and read.lease is None
+
+
+async def test_lookup_forgets_leases_that_stop_being_active(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder())
+    s, u1, a1, u2 = hkeys("s", "u", "a", "v")
+    one = (await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c1",
+                                          history_keys=s + u1, idle_ttl=10.0))).lease
+    # Superseded by the conversation's next turn: found under the new lease only.
+    two = (await b.store.grant(grant_spec(kv, kv.tokens(12), conversation="c1",
+                                          history_keys=s + u1 + a1 + u2,
+                                          idle_ttl=10.0))).lease
+    read = await b.store.pin_lease("t1", "", history_keys=s + u1)
+    assert read.lease is not None and read.lease.lease_id == two.lease_id
+    assert read.pin is not None
+    await b.store.release_read(read.pin.pin_id)
+    assert one.lease_id != two.lease_id
+    # Revoked: gone from the lookup.
+    await b.store.revoke(two.lease_id, reason="test")
+    read = await b.store.pin_lease("t1", "", history_keys=s + u1 + a1 + u2)
+    assert read.miss is MissReason.NO_LEASE and read.pin is None
+    # Expired (idle TTL): gone too, even before a tick processed it.
+    three = (await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c3",
+                                            history_keys=s + u1, idle_ttl=10.0))).lease
+    read = await b.store.pin_lease("t1", "", history_keys=s + u1)
+    assert read.lease is not None and read.lease.lease_id == three.lease_id
+    assert read.pin is not None
+    await b.store.release_read(read.pin.pin_id)
+    await b.advance(11.0)
+    read = await b.store.pin_lease("t1", "", history_keys=s + u1)
+    assert read.miss is MissReason.NO_LEASE and read.pin is None
+
+
+async def test_lookup_falls_back_to_a_shorter_key_of_a_live_lease(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder())
+    s, u1, a1, u2 = hkeys("s", "u", "a", "v")
+    old = (await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c1",
+                                          history_keys=s + u1, idle_ttl=100.0))).lease
+    await b.store.grant(grant_spec(kv, kv.tokens(12), conversation="c2",
+                                   history_keys=a1 + u2, idle_ttl=10.0))
+    await b.advance(11.0)  # c2 expires; no tick has processed it yet
+    read = await b.store.pin_lease("t1", "", history_keys=s + u1 + a1 + u2)
+    assert read.lease is not None and read.lease.lease_id == old.lease_id
+    assert (read.keys_matched, read.whole) == (2, True) and read.pin is not None
+
+
+async def test_lookup_restored_lease_is_indexed_again(make_backend: Factory, kv: Any) -> None:
+    b = await make_backend(recovering=False)
+    await b.store.register_holder(holder())
+    s, u = hkeys("s", "u")
+    lease = (await b.store.grant(grant_spec(kv, kv.tokens(8), history_keys=s + u))).lease
+    fresh = await make_backend(recovering=True)  # another registry that lost its state
+    reg = await fresh.store.register_holder(holder(), [
+        Snapshot(lease.lease_id, grant_spec(kv, kv.tokens(8), history_keys=s + u), 1, 1.0)])
+    assert reg.restored == [lease.lease_id]
+    read = await fresh.store.pin_lease("t1", "", history_keys=s + u)
+    assert read.lease is not None and read.lease.lease_id == lease.lease_id
+    assert (read.keys_matched, read.whole) == (2, True)
+
+
+async def test_lookup_bad_input_is_refused(b: Backend, kv: Any) -> None:
+    await b.store.register_holder(holder())
+    s, u = hkeys("s", "u")
+    with pytest.raises(errors.InvalidArgument):  # not whole keys
+        await b.store.grant(grant_spec(kv, kv.tokens(8), history_keys=s + b"x"))
+    with pytest.raises(errors.InvalidArgument):  # too many keys for one lease
+        await b.store.grant(grant_spec(kv, kv.tokens(8), history_keys=s * 65))
+    with pytest.raises(errors.InvalidArgument):  # a conversation and keys
+        await b.store.pin_lease("t1", "c1", history_keys=s)
+    with pytest.raises(errors.InvalidArgument):
+        await b.store.pin_lease("t1", "", history_keys=s[:5])
+    with pytest.raises(errors.InvalidArgument):
+        await b.store.pin_lease("t1", "", history_keys=s * 4097)
+    with pytest.raises(errors.InvalidArgument):
+        await b.store.pin_lease("", "", history_keys=s)
+    # Nothing changed: no lease was made, the lookup finds nothing.
+    assert await b.store.list_leases(tenant="t1") == []
+    read = await b.store.pin_lease("t1", "", history_keys=s + u)
+    assert read.miss is MissReason.NO_LEASE

@@ -77,6 +77,12 @@ class RegistryConfig(SecuritySettings):
         "", "per-tenant quotas overriding the two above: 'TENANT MAX_LEASES MAX_BLOCKS' lines "
         "(0: no limit)")
     max_blocks_per_lease: int = setting(16384, "most KV blocks one lease may cover")
+    max_history_keys: int = setting(
+        64, "most history keys one lease may be granted with (the gateway sends a few per "
+        "turn: the prompt's last message boundaries, then fewer further back)")
+    max_lookup_keys: int = setting(
+        4096, "most history keys one lookup by content may carry (one per message boundary "
+        "of the request)")
     max_id_length: int = setting(256, "longest id (tenant, conversation, holder, request)")
     max_batch: int = setting(10000, "most items in one RenewLeases call")
     max_held_leases_per_call: int = setting(
@@ -116,7 +122,7 @@ class RegistryConfig(SecuritySettings):
                     "max_pin_ttl_s", "default_holder_ttl_s", "min_holder_ttl_s",
                     "max_holder_ttl_s", "max_leases", "max_blocks_per_lease", "max_id_length",
                     "max_batch", "max_held_leases_per_call", "max_watchers",
-                    "max_watchers_per_principal", "list_burst_per_principal",
+                    "max_history_keys", "max_lookup_keys", "max_watchers_per_principal", "list_burst_per_principal",
                     "max_holders_per_principal", "max_message_bytes", "expiry_batch",
                     "expiry_tick_s", "redis_events_maxlen")
         for name in positive:

@@ -37,6 +37,7 @@ from kvbridge.errors import (
     NotLeaseHolder,
     TenantQuotaExceeded,
 )
+from kvbridge.history import KEY_SIZE as HISTORY_KEY_SIZE
 from kvbridge.ids import grant_lease_id, pin_id_maker
 from kvbridge.services.registry import _validate as check
 from kvbridge.services.registry._config import RegistryConfig
@@ -103,6 +104,7 @@ class GrantSpec:
     idle_ttl: float = 0.0  # 0: the registry default
     max_lifetime: float = 0.0
     request_id: str = ""
+    history_keys: bytes = b""  # see GrantLeaseRequest.history_keys
 
 
 @dataclass(slots=True)
@@ -146,6 +148,10 @@ class Read:
     matched_blocks: int = 0
     partial: bool = False
     pin: Pin | None = None
+    # A lookup by content: how many of the request's history keys the match covers, and
+    # whether the matching key is the lease's last (see HistoryMatch).
+    keys_matched: int = 0
+    whole: bool = False
 
     @property
     def matched_tokens(self) -> int:
@@ -231,6 +237,19 @@ def check_grant(cfg: RegistryConfig, g: GrantSpec, block_size: int, prefix: str 
     check.duration(prefix + "max_lifetime", life, idle, cfg.max_lifetime_cap_s)
     if g.request_id:
         check.identifier(prefix + "request_id", g.request_id, cfg.max_id_length)
+    check_history_keys(prefix + "history_keys", g.history_keys, cfg.max_history_keys)
+
+
+def check_history_keys(field: str, keys: bytes, most: int) -> int:
+    """History keys (GrantLeaseRequest, PinLeaseRequest): whole 16-byte keys, at most `most`.
+    Returns how many."""
+    if len(keys) % HISTORY_KEY_SIZE:
+        raise check.InvalidArgument(
+            field, f"length {len(keys)} is not a multiple of {HISTORY_KEY_SIZE}")
+    n = len(keys) // HISTORY_KEY_SIZE
+    if n > most:
+        raise check.InvalidArgument(field, f"more than {most} keys")
+    return n
 
 
 def grant_ttls(cfg: RegistryConfig, g: GrantSpec) -> tuple[float, float]:
@@ -268,9 +287,18 @@ def check_listing(cfg: RegistryConfig, tenant: str, conversation_id: str, holder
 
 
 def check_read(cfg: RegistryConfig, tenant: str, conversation_id: str, min_tokens: int,
-               pin_ttl: float, reader_id: str, request_id: str) -> None:
+               pin_ttl: float, reader_id: str, request_id: str, history_keys: bytes = b"",
+               ) -> None:
+    """A read's fields. `history_keys` (a lookup by content) stands for an empty
+    conversation_id; a read names one or the other."""
     check.identifier("tenant", tenant, cfg.max_id_length)
-    check.identifier("conversation_id", conversation_id, cfg.max_id_length)
+    if history_keys and conversation_id:
+        raise check.InvalidArgument("history_keys", "a read names a conversation_id or "
+                                    "history_keys, not both")
+    if history_keys:
+        check_history_keys("history_keys", history_keys, cfg.max_lookup_keys)
+    else:
+        check.identifier("conversation_id", conversation_id, cfg.max_id_length)
     check.in_range("min_tokens", min_tokens, 0, 2**31)
     if not pin_ttl >= 0:  # also rejects NaN
         raise check.InvalidArgument("pin_ttl", "must not be negative")
@@ -307,6 +335,9 @@ class LeaseTable:
         # current leases, every lease of a tenant, so that listing one tenant (or one of its
         # conversations) costs what that tenant (or conversation) has.
         self._dead_of_tenant: dict[str, dict[str, dict[str, Lease]]] = {}
+        # tenant -> history key -> the active lease most recently granted under it: the
+        # lookup by content (a lease leaves it when it stops being active).
+        self._history: dict[str, dict[bytes, Lease]] = {}
         self._pins: dict[str, Pin] = {}
         self._pin_id = pin_id_maker(secrets.token_bytes(16))  # keyed pin ids (kvbridge.ids)
         self._expiry: ExpiryWheel[Lease] = ExpiryWheel()  # lazily rescheduled on renewal
@@ -436,7 +467,7 @@ class LeaseTable:
         idle, life = grant_ttls(self.config, g)
         lease = Lease(snap.lease_id, sys.intern(g.tenant), g.conversation_id, holder,
                       g.remote_request_id, g.block_ids, g.token_count, g.hashes, snap.epoch,
-                      idle, life, now - snap.age)
+                      idle, life, now - snap.age, g.history_keys)
         lease.expire_at = min(now + idle, lease.max_expire_at)  # restoring counts as activity
         current = self._conversations.get(g.tenant, {}).get(g.conversation_id)
         newer = current is None or (
@@ -461,6 +492,7 @@ class LeaseTable:
             self._kill(lease, LeaseState.SUPERSEDED)
         if lease.state is LeaseState.ACTIVE:
             self._expiry.add(lease, lease.expire_at)
+            self._index(lease)
 
     def heartbeat(self, holder_id: str, reclaimed: Iterable[str] = ()) -> tuple[list[str], float]:
         """Keep a holder alive; forget leases it freed; return its reclaimable leases."""
@@ -563,13 +595,14 @@ class LeaseTable:
         epoch = current.epoch + 1 if current is not None else 1
         lease = Lease(lease_id, sys.intern(g.tenant), g.conversation_id, holder,
                       g.remote_request_id, g.block_ids, g.token_count, g.hashes, epoch,
-                      self._shared(idle), self._shared(life), now)
+                      self._shared(idle), self._shared(life), now, g.history_keys)
         superseded = None
         if current is not None and current.state is LeaseState.ACTIVE:
             self._kill(current, LeaseState.SUPERSEDED)
             superseded = current
         convs[g.conversation_id] = lease
         self._add(lease)
+        self._index(lease)
         self._expiry.add(lease, lease.expire_at)
         log.debug("lease_granted", lease_id=lease_id, tenant=g.tenant,
                   conversation=g.conversation_id, holder=g.holder_id, epoch=epoch,
@@ -695,22 +728,73 @@ class LeaseTable:
 
     def pin_lease(self, tenant: str, conversation_id: str, min_tokens: int = 0,
                   pin_ttl: float = 0.0, reader_id: str = "", request_id: str = "",
-                  caller: str = "") -> Read:
+                  caller: str = "", history_keys: bytes = b"") -> Read:
         """Pin the conversation's whole lease for a reader that verifies the blocks itself
         against the lease's hashes: every full block counts as matched, and the partial block
-        is listed too."""
+        is listed too. With `history_keys` instead of a conversation id, the lease is the
+        tenant's active one indexed under the longest of them (`Read.keys_matched`)."""
         check_read(self.config, tenant, conversation_id, min_tokens, pin_ttl, reader_id,
-                   request_id)
+                   request_id, history_keys)
         now = self.clock.monotonic()
-        lease = self._readable(tenant, conversation_id, now)
-        if isinstance(lease, Read):
-            return lease
+        found = (self._found_by_history(tenant, history_keys, now) if history_keys
+                 else self._readable(tenant, conversation_id, now))
+        if isinstance(found, Read):
+            return found
+        lease = found if isinstance(found, Lease) else found[0]
         full = lease.token_count // lease.holder.block_size
         partial = lease.token_count % lease.holder.block_size != 0
         if lease.token_count == 0:
-            return Read(MissReason.BELOW_MINIMUM, 0, lease)
-        return self._pin(lease, full, partial, lease.token_count, min_tokens, pin_ttl, reader_id,
-                         request_id, caller, now)
+            read = Read(MissReason.BELOW_MINIMUM, 0, lease)
+        else:
+            read = self._pin(lease, full, partial, lease.token_count, min_tokens, pin_ttl,
+                             reader_id, request_id, caller, now)
+        if not isinstance(found, Lease):
+            read.keys_matched, read.whole = found[1], found[2]
+        return read
+
+    def _found_by_history(self, tenant: str, keys: bytes, now: float
+                          ) -> tuple[Lease, int, bool] | Read:
+        """The tenant's readable lease under the longest of `keys` that is indexed: (it, how
+        many keys the match covers, whether the key is the lease's last), else the miss. Only
+        the tenant's own index is looked at: no other tenant's leases are compared."""
+        index = self._history.get(tenant)
+        if index is not None:
+            end = len(keys)
+            while end:
+                key = keys[end - HISTORY_KEY_SIZE:end]
+                lease = index.get(key)
+                if lease is not None:
+                    readable = self._readable_lease(lease, now)
+                    if readable is not None:
+                        return readable, end // HISTORY_KEY_SIZE, lease.history.endswith(key)
+                end -= HISTORY_KEY_SIZE
+        return Read(MissReason.NO_LEASE, 0, None)
+
+    def _readable_lease(self, lease: Lease, now: float) -> Lease | None:
+        self._refresh(lease, now)  # an expired lease leaves the index here
+        if lease.state is not LeaseState.ACTIVE or lease.holder.state is not HolderState.ACTIVE:
+            return None
+        return lease
+
+    def _index(self, lease: Lease) -> None:
+        keys = lease.history
+        if not keys:
+            return
+        index = self._history.setdefault(lease.tenant, {})
+        for i in range(0, len(keys), HISTORY_KEY_SIZE):
+            index[keys[i:i + HISTORY_KEY_SIZE]] = lease
+
+    def _unindex(self, lease: Lease) -> None:
+        keys = lease.history
+        index = self._history.get(lease.tenant) if keys else None
+        if index is None:
+            return
+        for i in range(0, len(keys), HISTORY_KEY_SIZE):
+            key = keys[i:i + HISTORY_KEY_SIZE]
+            if index.get(key) is lease:
+                del index[key]
+        if not index:
+            del self._history[lease.tenant]
 
     def _pin(self, lease: Lease, k: int, partial: bool, reusable: int, min_tokens: int,
              pin_ttl: float, reader_id: str, request_id: str, caller: str, now: float) -> Read:
@@ -887,6 +971,7 @@ class LeaseTable:
     def _kill(self, lease: Lease, state: LeaseState, lateness: float = 0.0) -> None:
         holder = lease.holder
         lease.state = state
+        self._unindex(lease)
         self.active_leases -= 1
         if self._quotas_on:
             usage = self._tenant_usage[lease.tenant]

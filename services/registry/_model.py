@@ -86,7 +86,7 @@ class Holder:
 
 class Lease:
     __slots__ = (
-        "conversation_id", "epoch", "expire_at", "holder", "idle_ttl", "lease_id",
+        "conversation_id", "epoch", "expire_at", "history", "holder", "idle_ttl", "lease_id",
         "max_expire_at", "max_lifetime", "payload", "pin_count", "remote_request_id", "state",
         "tenant", "token_count",
     )
@@ -95,6 +95,7 @@ class Lease:
         self, lease_id: str, tenant: str, conversation_id: str, holder: Holder,
         remote_request_id: str, block_ids: Iterable[int], token_count: int, hashes: bytes,
         epoch: int, idle_ttl: float, max_lifetime: float, created_at: float,
+        history: bytes = b"",
     ) -> None:
         self.lease_id = lease_id
         self.tenant = tenant
@@ -112,13 +113,16 @@ class Lease:
         self.expire_at = min(created_at + idle_ttl, self.max_expire_at)
         self.state = LeaseState.ACTIVE
         self.pin_count = 0
+        # The history keys it was granted with (16 bytes each, the whole prompt's last): the
+        # tenant's lookup by content finds it under them while it is active.
+        self.history = history
 
     @classmethod
     def from_payload(
         cls, lease_id: str, tenant: str, conversation_id: str, holder: Holder,
         remote_request_id: str, payload: bytes, token_count: int, epoch: int, idle_ttl: float,
         max_lifetime: float, created_at: float, expire_at: float, state: LeaseState,
-        pin_count: int,
+        pin_count: int, history: bytes = b"",
     ) -> Lease:
         """A lease as a shared backend stored it: the packed payload as is, times already on
         the local clock."""
@@ -137,6 +141,7 @@ class Lease:
         lease.expire_at = expire_at
         lease.state = state
         lease.pin_count = pin_count
+        lease.history = history
         return lease
 
     @property

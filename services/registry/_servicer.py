@@ -167,7 +167,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             token_count=r.token_count, hashes=r.block_hashes,
             idle_ttl=_seconds(r.idle_ttl, prefix + "idle_ttl"),
             max_lifetime=_seconds(r.max_lifetime, prefix + "max_lifetime"),
-            request_id=getattr(r, "request_id", ""),
+            request_id=getattr(r, "request_id", ""), history_keys=r.history_keys,
         )
 
     # ---- holders ----------------------------------------------------------------------------
@@ -202,7 +202,8 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
                 max_pin_ttl=_duration(cfg.max_pin_ttl_s),
                 heartbeat_interval=_duration(reg.holder.ttl / 3),
                 max_blocks_per_lease=cfg.max_blocks_per_lease,
-                max_held_leases_per_call=cfg.max_held_leases_per_call),
+                max_held_leases_per_call=cfg.max_held_leases_per_call,
+                max_history_keys=cfg.max_history_keys),
             restored_lease_ids=reg.restored, reclaimable_lease_ids=reg.reclaimable,
         )
 
@@ -378,12 +379,15 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         read = await self.store.pin_lease(
             request.tenant, request.conversation_id, request.min_tokens,
             _seconds(request.pin_ttl, "pin_ttl"), request.reader_id, request.request_id,
-            self._caller())
+            self._caller(), request.history_keys)
         self.metrics.read(read.miss)
         out = pb.PinLeaseResponse()
         self._read_response(read, out.read)
         if read.pin is not None and read.lease is not None:
             out.block_hashes = bytes(read.lease.hash_view(read.matched_blocks))
+        if read.keys_matched:
+            out.match.keys_matched = read.keys_matched
+            out.match.whole = read.whole
         return out
 
     def _read_response(self, read: Read, out: pb.AcquireReadResponse) -> pb.AcquireReadResponse:

@@ -119,8 +119,9 @@ class LeaseStore(Protocol):
 
     async def pin_lease(self, tenant: str, conversation_id: str, min_tokens: int = 0,
                         pin_ttl: float = 0.0, reader_id: str = "", request_id: str = "",
-                        caller: str = "") -> Read:
-        """Pin the conversation's whole lease for a reader that verifies hashes itself."""
+                        caller: str = "", history_keys: bytes = b"") -> Read:
+        """Pin the conversation's whole lease for a reader that verifies hashes itself; with
+        `history_keys` (and no conversation id), the tenant's lease found by content."""
         ...
 
     async def release_read(self, pin_id: str) -> bool:
@@ -245,9 +246,9 @@ class MemoryStore:
 
     async def pin_lease(self, tenant: str, conversation_id: str, min_tokens: int = 0,
                         pin_ttl: float = 0.0, reader_id: str = "", request_id: str = "",
-                        caller: str = "") -> Read:
+                        caller: str = "", history_keys: bytes = b"") -> Read:
         return self.table.pin_lease(tenant, conversation_id, min_tokens, pin_ttl, reader_id,
-                                    request_id, caller)
+                                    request_id, caller, history_keys)
 
     async def release_read(self, pin_id: str) -> bool:
         return self.table.release_read(pin_id)

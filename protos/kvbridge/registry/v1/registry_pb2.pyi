@@ -341,6 +341,7 @@ class LeaseSnapshot(_message.Message):
     IDLE_TTL_FIELD_NUMBER: _builtins.int
     MAX_LIFETIME_FIELD_NUMBER: _builtins.int
     AGE_FIELD_NUMBER: _builtins.int
+    HISTORY_KEYS_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     tenant: _builtins.str
     conversation_id: _builtins.str
@@ -348,6 +349,8 @@ class LeaseSnapshot(_message.Message):
     token_count: _builtins.int
     block_hashes: _builtins.bytes
     epoch: _builtins.int
+    history_keys: _builtins.bytes
+    """As granted (GrantLeaseRequest.history_keys)."""
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -372,10 +375,11 @@ class LeaseSnapshot(_message.Message):
         idle_ttl: _duration_pb2.Duration | None = ...,
         max_lifetime: _duration_pb2.Duration | None = ...,
         age: _duration_pb2.Duration | None = ...,
+        history_keys: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["age", b"age", "idle_ttl", b"idle_ttl", "max_lifetime", b"max_lifetime"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["age", b"age", "block_hashes", b"block_hashes", "block_ids", b"block_ids", "conversation_id", b"conversation_id", "epoch", b"epoch", "idle_ttl", b"idle_ttl", "lease_id", b"lease_id", "max_lifetime", b"max_lifetime", "remote_request_id", b"remote_request_id", "tenant", b"tenant", "token_count", b"token_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age", b"age", "block_hashes", b"block_hashes", "block_ids", b"block_ids", "conversation_id", b"conversation_id", "epoch", b"epoch", "history_keys", b"history_keys", "idle_ttl", b"idle_ttl", "lease_id", b"lease_id", "max_lifetime", b"max_lifetime", "remote_request_id", b"remote_request_id", "tenant", b"tenant", "token_count", b"token_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -391,11 +395,14 @@ class RegistryLimits(_message.Message):
     HEARTBEAT_INTERVAL_FIELD_NUMBER: _builtins.int
     MAX_BLOCKS_PER_LEASE_FIELD_NUMBER: _builtins.int
     MAX_HELD_LEASES_PER_CALL_FIELD_NUMBER: _builtins.int
+    MAX_HISTORY_KEYS_FIELD_NUMBER: _builtins.int
     max_blocks_per_lease: _builtins.int
     max_held_leases_per_call: _builtins.int
     """Most `held_leases` one RegisterHolder call may carry: a holder that retains more sends
     them in pages (see `RegisterHolderRequest.held_lease_ids`).
     """
+    max_history_keys: _builtins.int
+    """Most history keys one lease may be granted with."""
     @_builtins.property
     def max_pin_ttl(self) -> _duration_pb2.Duration:
         """Longest pin the registry grants. A holder's hard deadline for a lease is
@@ -413,10 +420,11 @@ class RegistryLimits(_message.Message):
         heartbeat_interval: _duration_pb2.Duration | None = ...,
         max_blocks_per_lease: _builtins.int = ...,
         max_held_leases_per_call: _builtins.int = ...,
+        max_history_keys: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "max_pin_ttl", b"max_pin_ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "max_blocks_per_lease", b"max_blocks_per_lease", "max_held_leases_per_call", b"max_held_leases_per_call", "max_pin_ttl", b"max_pin_ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval", b"heartbeat_interval", "max_blocks_per_lease", b"max_blocks_per_lease", "max_held_leases_per_call", b"max_held_leases_per_call", "max_history_keys", b"max_history_keys", "max_pin_ttl", b"max_pin_ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -683,6 +691,7 @@ class GrantLeaseRequest(_message.Message):
     IDLE_TTL_FIELD_NUMBER: _builtins.int
     MAX_LIFETIME_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    HISTORY_KEYS_FIELD_NUMBER: _builtins.int
     holder_id: _builtins.str
     tenant: _builtins.str
     conversation_id: _builtins.str
@@ -693,6 +702,12 @@ class GrantLeaseRequest(_message.Message):
     request_id: _builtins.str
     """Makes retries idempotent: a retried grant with the same holder and request id returns the
     same lease.
+    """
+    history_keys: _builtins.bytes
+    """Concatenated 16-byte keys of the turn's history at some of its message boundaries,
+    shortest prefix first, the whole prompt last (derived by the gateway; opaque here). The
+    tenant's lease lookup by content (PinLeaseRequest.history_keys) finds this lease under
+    them while it is active. At most RegistryLimits.max_history_keys keys.
     """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -715,10 +730,11 @@ class GrantLeaseRequest(_message.Message):
         idle_ttl: _duration_pb2.Duration | None = ...,
         max_lifetime: _duration_pb2.Duration | None = ...,
         request_id: _builtins.str = ...,
+        history_keys: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["idle_ttl", b"idle_ttl", "max_lifetime", b"max_lifetime"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_ids", b"block_ids", "conversation_id", b"conversation_id", "holder_id", b"holder_id", "idle_ttl", b"idle_ttl", "max_lifetime", b"max_lifetime", "remote_request_id", b"remote_request_id", "request_id", b"request_id", "tenant", b"tenant", "token_count", b"token_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_ids", b"block_ids", "conversation_id", b"conversation_id", "history_keys", b"history_keys", "holder_id", b"holder_id", "idle_ttl", b"idle_ttl", "max_lifetime", b"max_lifetime", "remote_request_id", b"remote_request_id", "request_id", b"request_id", "tenant", b"tenant", "token_count", b"token_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1175,6 +1191,7 @@ class PinLeaseRequest(_message.Message):
     PIN_TTL_FIELD_NUMBER: _builtins.int
     READER_ID_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    HISTORY_KEYS_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     conversation_id: _builtins.str
     min_tokens: _builtins.int
@@ -1183,6 +1200,11 @@ class PinLeaseRequest(_message.Message):
     """The prefill engine that will read, for logs and metrics."""
     request_id: _builtins.str
     """Makes retries idempotent: a retried pin returns the same pin."""
+    history_keys: _builtins.bytes
+    """With an empty conversation_id: find the conversation by content. The request's history
+    keys at every message boundary, shortest prefix first (16 bytes each); the registry pins
+    the tenant's active lease indexed under the longest of them (a miss: NO_LEASE).
+    """
     @_builtins.property
     def pin_ttl(self) -> _duration_pb2.Duration:
         """Zero means the registry default; capped at the maximum pin TTL."""
@@ -1196,14 +1218,45 @@ class PinLeaseRequest(_message.Message):
         pin_ttl: _duration_pb2.Duration | None = ...,
         reader_id: _builtins.str = ...,
         request_id: _builtins.str = ...,
+        history_keys: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pin_ttl", b"pin_ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "min_tokens", b"min_tokens", "pin_ttl", b"pin_ttl", "reader_id", b"reader_id", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "history_keys", b"history_keys", "min_tokens", b"min_tokens", "pin_ttl", b"pin_ttl", "reader_id", b"reader_id", "request_id", b"request_id", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PinLeaseRequest: _TypeAlias = PinLeaseRequest  # noqa: Y015
+
+@_typing.final
+class HistoryMatch(_message.Message):
+    """HistoryMatch says how a lookup by content found its lease."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_MATCHED_FIELD_NUMBER: _builtins.int
+    WHOLE_FIELD_NUMBER: _builtins.int
+    keys_matched: _builtins.int
+    """How many of the request's history keys the match covers (the index of the matching key,
+    plus one): the request shares at least that much history with the lease.
+    """
+    whole: _builtins.bool
+    """The matching key is the lease's last (its whole prompt): a request with more history
+    than that continues the lease; otherwise it branches inside it.
+    """
+    def __init__(
+        self,
+        *,
+        keys_matched: _builtins.int = ...,
+        whole: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys_matched", b"keys_matched", "whole", b"whole"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HistoryMatch: _TypeAlias = HistoryMatch  # noqa: Y015
 
 @_typing.final
 class PinLeaseResponse(_message.Message):
@@ -1211,6 +1264,7 @@ class PinLeaseResponse(_message.Message):
 
     READ_FIELD_NUMBER: _builtins.int
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    MATCH_FIELD_NUMBER: _builtins.int
     block_hashes: _builtins.bytes
     """The lease's 16-byte chained hashes of the blocks in `read.remote_block_ids`, in order.
     The reader reuses only its prompt's leading blocks whose own hashes equal these (and the
@@ -1222,15 +1276,20 @@ class PinLeaseResponse(_message.Message):
         block, if any, listed): the reader has not been checked against yet.
         """
 
+    @_builtins.property
+    def match(self) -> Global___HistoryMatch:
+        """For a lookup by content (PinLeaseRequest.history_keys) that found a lease."""
+
     def __init__(
         self,
         *,
         read: Global___AcquireReadResponse | None = ...,
         block_hashes: _builtins.bytes = ...,
+        match: Global___HistoryMatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["read", b"read"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["match", b"match", "read", b"read"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "read", b"read"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "match", b"match", "read", b"read"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

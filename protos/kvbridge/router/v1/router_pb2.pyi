@@ -404,6 +404,7 @@ class RouteRequest(_message.Message):
     EXCLUDE_INSTANCE_IDS_FIELD_NUMBER: _builtins.int
     PIN_READ_FIELD_NUMBER: _builtins.int
     PIN_TTL_FIELD_NUMBER: _builtins.int
+    HISTORY_KEYS_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     conversation_id: _builtins.str
     """Empty for a request outside any conversation."""
@@ -414,6 +415,11 @@ class RouteRequest(_message.Message):
     pin_read: _builtins.bool
     """Also pin the conversation's lease for the chosen prefill instance (PinLease) and return
     the read in the response, so that the prefill engine needs no lookup of its own.
+    """
+    history_keys: _builtins.bytes
+    """With an empty conversation_id: find the conversation by content
+    (PinLeaseRequest.history_keys) and pin its lease as `pin_read` does; the response's
+    `read.lease.conversation_id` and `read`'s match say what was found.
     """
     @_builtins.property
     def exclude_instance_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -433,10 +439,11 @@ class RouteRequest(_message.Message):
         exclude_instance_ids: _abc.Iterable[_builtins.str] | None = ...,
         pin_read: _builtins.bool = ...,
         pin_ttl: _duration_pb2.Duration | None = ...,
+        history_keys: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["pin_ttl", b"pin_ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "exclude_instance_ids", b"exclude_instance_ids", "model", b"model", "pin_read", b"pin_read", "pin_ttl", b"pin_ttl", "prompt_tokens", b"prompt_tokens", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "exclude_instance_ids", b"exclude_instance_ids", "history_keys", b"history_keys", "model", b"model", "pin_read", b"pin_read", "pin_ttl", b"pin_ttl", "prompt_tokens", b"prompt_tokens", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
