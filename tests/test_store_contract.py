@@ -2215,7 +2215,7 @@ async def test_lookup_forgets_leases_that_stop_being_active(b: Backend, kv: Any)
 
 
 async def test_lookup_falls_back_to_a_shorter_key_of_a_live_lease(b: Backend, kv: Any) -> None:
-    await b.store.register_holder(holder())
+    await b.store.register_holder(holder(ttl=60.0))
     s, u1, a1, u2 = hkeys("s", "u", "a", "v")
     old = (await b.store.grant(grant_spec(kv, kv.tokens(8), conversation="c1",
                                           history_keys=s + u1, idle_ttl=100.0))).lease
