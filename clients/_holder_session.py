@@ -89,6 +89,7 @@ class _PendingGrant:
     hard_deadline: float = 0.0  # a lease of any attempt so far, and its pins, are over by then
     settled_after: float = 0.0  # no attempt can still be making the lease after this
     maybe_applied: bool = False
+    history_keys: bytes = b""
 
 
 @dataclass(slots=True)
@@ -105,6 +106,7 @@ class HeldLease:
     max_lifetime: float
     granted_at: float  # holder's monotonic clock, read before the grant was sent
     hard_deadline: float
+    history_keys: bytes = b""
 
     def snapshot(self, now: float) -> pb.LeaseSnapshot:
         return pb.LeaseSnapshot(
@@ -112,7 +114,7 @@ class HeldLease:
             remote_request_id=self.remote_request_id, block_ids=self.block_ids,
             token_count=self.token_count, block_hashes=self.block_hashes, epoch=self.epoch,
             idle_ttl=duration(self.idle_ttl), max_lifetime=duration(self.max_lifetime),
-            age=duration(max(now - self.granted_at, 0.0)))
+            age=duration(max(now - self.granted_at, 0.0)), history_keys=self.history_keys)
 
 
 class Revoked(NamedTuple):
@@ -288,7 +290,8 @@ class HolderSession:
             tenant, conversation, rrid, block_ids, tokens, hashes, _, _ = p.args
             held = HeldLease(lease.lease_id, tenant, conversation, rrid, list(block_ids), tokens,
                              hashes, lease.epoch, seconds(lease.idle_ttl),
-                             seconds(lease.max_lifetime), p.first_sent, p.hard_deadline)
+                             seconds(lease.max_lifetime), p.first_sent, p.hard_deadline,
+                             p.history_keys)
             with self._lock:
                 self._held[lease.lease_id] = held
                 self._acks.discard(lease.lease_id)  # held now: it must be reported again
@@ -331,7 +334,7 @@ class HolderSession:
 
     def grant(self, tenant: str, conversation_id: str, remote_request_id: str,
               block_ids: list[int], token_count: int, block_hashes: bytes, *,
-              idle_ttl: float = 0.0, max_lifetime: float = 0.0,
+              idle_ttl: float = 0.0, max_lifetime: float = 0.0, history_keys: bytes = b"",
               timeout: float | None = None) -> pb.Lease | None:
         """Grant a lease over blocks the caller keeps. None means: do not keep them.
         `GrantOutcomeUnknown` means: keep them until `on_grant_resolved` says what became of
@@ -347,7 +350,7 @@ class HolderSession:
         p = _PendingGrant(request_id, grant_lease_id(self.holder_id, request_id),
                           (tenant, conversation_id, remote_request_id, list(block_ids),
                            token_count, block_hashes, idle_ttl, max_lifetime), life,
-                          self.clock.monotonic())
+                          self.clock.monotonic(), history_keys=history_keys)
         for attempt in range(2):
             if not self.registered and (attempt == 0 or not self._register()):
                 break
@@ -388,14 +391,15 @@ class HolderSession:
         p.hard_deadline = max(p.hard_deadline, p.settled_after + p.life + self.max_pin_ttl)
         resp = self.client.grant_lease(
             self.holder_id, tenant, conversation, rrid, block_ids, tokens, hashes, idle_ttl,
-            max_lifetime, request_id=p.request_id, timeout=timeout)
+            max_lifetime, request_id=p.request_id, history_keys=p.history_keys,
+            timeout=timeout)
         lease = resp.lease
         life = seconds(lease.max_lifetime)
         # The lease was made before its reply came back: count from now, not from the send.
         answered = self.clock.monotonic()
         held = HeldLease(lease.lease_id, tenant, conversation, rrid, list(block_ids), tokens,
                          hashes, lease.epoch, seconds(lease.idle_ttl), life, p.first_sent,
-                         answered + life + self.max_pin_ttl + self.margin)
+                         answered + life + self.max_pin_ttl + self.margin, p.history_keys)
         with self._lock:
             self._held[lease.lease_id] = held
         if resp.superseded_lease_id:

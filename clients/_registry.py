@@ -54,13 +54,15 @@ class _Requests:
     def grant_lease(holder_id: str, tenant: str, conversation_id: str, remote_request_id: str,
                     block_ids: Sequence[int], token_count: int, block_hashes: bytes,
                     idle_ttl: float = 0.0, max_lifetime: float = 0.0,
-                    request_id: str | None = None) -> pb.GrantLeaseRequest:
+                    request_id: str | None = None, history_keys: bytes = b""
+                    ) -> pb.GrantLeaseRequest:
         return pb.GrantLeaseRequest(
             holder_id=holder_id, tenant=tenant, conversation_id=conversation_id,
             remote_request_id=remote_request_id, block_ids=block_ids, token_count=token_count,
             block_hashes=block_hashes, idle_ttl=duration(idle_ttl),
             max_lifetime=duration(max_lifetime),
-            request_id=request_id if request_id is not None else uuid.uuid4().hex)
+            request_id=request_id if request_id is not None else uuid.uuid4().hex,
+            history_keys=history_keys)
 
     @staticmethod
     def renew_leases(lease_ids: Iterable[str] = (),
@@ -81,11 +83,13 @@ class _Requests:
 
     @staticmethod
     def pin_lease(tenant: str, conversation_id: str, min_tokens: int = 0, pin_ttl: float = 0.0,
-                  reader_id: str = "", request_id: str | None = None) -> pb.PinLeaseRequest:
+                  reader_id: str = "", request_id: str | None = None,
+                  history_keys: bytes = b"") -> pb.PinLeaseRequest:
         return pb.PinLeaseRequest(
             tenant=tenant, conversation_id=conversation_id, min_tokens=min_tokens,
             pin_ttl=duration(pin_ttl), reader_id=reader_id,
-            request_id=request_id if request_id is not None else uuid.uuid4().hex)
+            request_id=request_id if request_id is not None else uuid.uuid4().hex,
+            history_keys=history_keys)
 
     @staticmethod
     def list_leases(tenant: str = "", conversation_id: str = "", holder_id: str = "",
@@ -147,11 +151,11 @@ class RegistryClient(SyncClient):
     def grant_lease(self, holder_id: str, tenant: str, conversation_id: str,
                     remote_request_id: str, block_ids: Sequence[int], token_count: int,
                     block_hashes: bytes, idle_ttl: float = 0.0, max_lifetime: float = 0.0,
-                    request_id: str | None = None, *, timeout: float | None = None
-                    ) -> pb.GrantLeaseResponse:
+                    request_id: str | None = None, *, history_keys: bytes = b"",
+                    timeout: float | None = None) -> pb.GrantLeaseResponse:
         req = _Requests.grant_lease(holder_id, tenant, conversation_id, remote_request_id,
                                     block_ids, token_count, block_hashes, idle_ttl,
-                                    max_lifetime, request_id)
+                                    max_lifetime, request_id, history_keys)
         return self._call("GrantLease", req, idempotent=True, timeout=timeout)
 
     def renew_leases(self, lease_ids: Iterable[str] = (),
@@ -201,11 +205,13 @@ class RegistryClient(SyncClient):
 
     def pin_lease(self, tenant: str, conversation_id: str, min_tokens: int = 0,
                   pin_ttl: float = 0.0, reader_id: str = "", request_id: str | None = None, *,
-                  timeout: float | None = None) -> pb.PinLeaseResponse:
-        """Pin the conversation's whole lease; the reader verifies its prompt against the
-        returned hashes itself (see `kvbridge.blockhash.matching_prefix`)."""
+                  history_keys: bytes = b"", timeout: float | None = None
+                  ) -> pb.PinLeaseResponse:
+        """Pin the conversation's whole lease (with `history_keys` and no conversation id:
+        the lease found by content); the reader verifies its prompt against the returned
+        hashes itself (see `kvbridge.blockhash.matching_prefix`)."""
         req = _Requests.pin_lease(tenant, conversation_id, min_tokens, pin_ttl, reader_id,
-                                  request_id)
+                                  request_id, history_keys)
         return self._call("PinLease", req, idempotent=True, timeout=timeout)
 
     def release_read(self, pin_id: str, *, timeout: float | None = None) -> bool:
@@ -299,11 +305,11 @@ class AsyncRegistryClient(AsyncClient):
     async def grant_lease(self, holder_id: str, tenant: str, conversation_id: str,
                           remote_request_id: str, block_ids: Sequence[int], token_count: int,
                           block_hashes: bytes, idle_ttl: float = 0.0, max_lifetime: float = 0.0,
-                          request_id: str | None = None, *, timeout: float | None = None
-                          ) -> pb.GrantLeaseResponse:
+                          request_id: str | None = None, *, history_keys: bytes = b"",
+                          timeout: float | None = None) -> pb.GrantLeaseResponse:
         req = _Requests.grant_lease(holder_id, tenant, conversation_id, remote_request_id,
                                     block_ids, token_count, block_hashes, idle_ttl,
-                                    max_lifetime, request_id)
+                                    max_lifetime, request_id, history_keys)
         return await self._call("GrantLease", req, idempotent=True, timeout=timeout)
 
     async def renew_leases(self, lease_ids: Iterable[str] = (),
@@ -345,10 +351,10 @@ class AsyncRegistryClient(AsyncClient):
 
     async def pin_lease(self, tenant: str, conversation_id: str, min_tokens: int = 0,
                         pin_ttl: float = 0.0, reader_id: str = "",
-                        request_id: str | None = None, *, timeout: float | None = None
-                        ) -> pb.PinLeaseResponse:
+                        request_id: str | None = None, *, history_keys: bytes = b"",
+                        timeout: float | None = None) -> pb.PinLeaseResponse:
         req = _Requests.pin_lease(tenant, conversation_id, min_tokens, pin_ttl, reader_id,
-                                  request_id)
+                                  request_id, history_keys)
         return await self._call("PinLease", req, idempotent=True, timeout=timeout)
 
     async def release_read(self, pin_id: str, *, timeout: float | None = None) -> bool:

@@ -50,14 +50,15 @@ class RouterClient(SyncClient):
 
     def route(self, tenant: str, conversation_id: str, prompt_tokens: int, model: str = "",
               exclude: Sequence[str] = (), *, pin_read: bool = False, pin_ttl: float = 0.0,
-              timeout: float | None = None) -> pb.RouteResponse:
+              history_keys: bytes = b"", timeout: float | None = None) -> pb.RouteResponse:
         """Pick a prefill and a decode instance for a turn. With `pin_read`, also pin the
         conversation's lease for the prefill (the response's `read`); not retried, so that a
-        retry cannot leave a second pin behind."""
+        retry cannot leave a second pin behind. With `history_keys` and no conversation id,
+        the conversation is found by content (`kvbridge.history`)."""
         req = pb.RouteRequest(tenant=tenant, conversation_id=conversation_id,
                               prompt_tokens=prompt_tokens, model=model,
                               exclude_instance_ids=list(exclude), pin_read=pin_read,
-                              pin_ttl=duration_pb(pin_ttl))
+                              pin_ttl=duration_pb(pin_ttl), history_keys=history_keys)
         resp: pb.RouteResponse = self._call("Route", req, timeout=timeout)
         return resp
 
@@ -89,11 +90,12 @@ class AsyncRouterClient(AsyncClient):
 
     async def route(self, tenant: str, conversation_id: str, prompt_tokens: int,
                     model: str = "", exclude: Sequence[str] = (), *, pin_read: bool = False,
-                    pin_ttl: float = 0.0, timeout: float | None = None) -> pb.RouteResponse:
+                    pin_ttl: float = 0.0, history_keys: bytes = b"",
+                    timeout: float | None = None) -> pb.RouteResponse:
         req = pb.RouteRequest(tenant=tenant, conversation_id=conversation_id,
                               prompt_tokens=prompt_tokens, model=model,
                               exclude_instance_ids=list(exclude), pin_read=pin_read,
-                              pin_ttl=duration_pb(pin_ttl))
+                              pin_ttl=duration_pb(pin_ttl), history_keys=history_keys)
         return await self._call("Route", req, timeout=timeout)
 
     async def list_instances(self, role: str = "", model: str = "", *,

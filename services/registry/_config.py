@@ -122,7 +122,8 @@ class RegistryConfig(SecuritySettings):
                     "max_pin_ttl_s", "default_holder_ttl_s", "min_holder_ttl_s",
                     "max_holder_ttl_s", "max_leases", "max_blocks_per_lease", "max_id_length",
                     "max_batch", "max_held_leases_per_call", "max_watchers",
-                    "max_history_keys", "max_lookup_keys", "max_watchers_per_principal", "list_burst_per_principal",
+                    "max_history_keys", "max_lookup_keys", "max_watchers_per_principal",
+                    "list_burst_per_principal",
                     "max_holders_per_principal", "max_message_bytes", "expiry_batch",
                     "expiry_tick_s", "redis_events_maxlen")
         for name in positive:

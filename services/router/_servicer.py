@@ -16,6 +16,7 @@ from kvbridge import __version__, auth
 from kvbridge._grpc_status import to_status
 from kvbridge.clients._registry import AsyncRegistryClient
 from kvbridge.errors import KvbridgeError, Unavailable
+from kvbridge.history import KEY_SIZE as HISTORY_KEY_SIZE
 from kvbridge.registry.v1 import registry_pb2 as reg_pb
 from kvbridge.registry.v1 import registry_pb2_grpc as reg_grpc
 from kvbridge.router.v1 import router_pb2 as pb
@@ -185,7 +186,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             pinned = await self.registry.pin_lease(
                 request.tenant, request.conversation_id,
                 pin_ttl=_seconds(request.pin_ttl, "pin_ttl"), reader_id="router",
-                timeout=self.config.registry_timeout_s)
+                history_keys=request.history_keys, timeout=self.config.registry_timeout_s)
         except KvbridgeError as err:
             log.warning("lease_pin_failed", tenant=request.tenant,
                         conversation=request.conversation_id, error=str(err))
@@ -222,10 +223,17 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         cfg = self.config
         holder: str | None = ""
         pinned: reg_pb.PinLeaseResponse | None = None
-        if request.conversation_id:
+        if request.conversation_id or request.history_keys:
             check.identifier("tenant", request.tenant, cfg.max_id_length)
-            check.identifier("conversation_id", request.conversation_id, cfg.max_id_length)
-            if request.pin_read:
+            if request.conversation_id:
+                check.identifier("conversation_id", request.conversation_id, cfg.max_id_length)
+            if request.history_keys:  # a lookup by content always pins what it finds
+                if request.conversation_id:
+                    raise check.InvalidArgument("history_keys", "a turn names a conversation_id "
+                                                "or history_keys, not both")
+                if len(request.history_keys) % HISTORY_KEY_SIZE:
+                    raise check.InvalidArgument("history_keys", "not whole 16-byte keys")
+            if request.pin_read or request.history_keys:
                 _seconds(request.pin_ttl, "pin_ttl")  # bad input fails before any pin
                 holder, pinned = await self._pin_read(request)
             else:
@@ -243,6 +251,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         self.metrics.routes.labels(decision.decode_reason.name.lower()).inc()
         log.info("routed", tenant=request.tenant or None,
                  conversation=request.conversation_id or None,
+                 found=(pinned.read.lease.conversation_id or None
+                        if request.history_keys and pinned is not None else None),
                  prompt_tokens=request.prompt_tokens, prefill=decision.prefill.instance_id,
                  decode=decision.decode.instance_id,
                  decode_reason=decision.decode_reason.name.lower(),
