@@ -28,6 +28,7 @@ from kvbridge.connector._settings import (
     REMOTE_ID_PREFIX,
     ConnectorSettings,
     conversation_of,
+    history_keys_of,
     kv_scope,
 )
 
@@ -164,7 +165,8 @@ class DecodeRetention:
         tenant, conversation = key
         with self._lock:
             self._granting += 1
-        self._grants.submit(self._grant, retained, tenant, conversation, hashes)
+        self._grants.submit(self._grant, retained, tenant, conversation, hashes,
+                            history_keys_of(request.kv_transfer_params))
         return {"kvbridge_retained_tokens": computed}
 
     def drain(self) -> int:
@@ -287,20 +289,21 @@ class DecodeRetention:
 
     # ---- background threads -----------------------------------------------------------------
 
-    def _grant(self, retained: _Retained, tenant: str, conversation: str, hashes: bytes) -> None:
+    def _grant(self, retained: _Retained, tenant: str, conversation: str, hashes: bytes,
+               history_keys: bytes = b"") -> None:
         try:
-            self._grant_once(retained, tenant, conversation, hashes)
+            self._grant_once(retained, tenant, conversation, hashes, history_keys)
         finally:
             with self._lock:
                 self._granting -= 1
 
     def _grant_once(self, retained: _Retained, tenant: str, conversation: str,
-                    hashes: bytes) -> None:
+                    hashes: bytes, history_keys: bytes = b"") -> None:
         try:
             lease = self.session.grant(
                 tenant, conversation, retained.key, retained.block_ids, retained.tokens, hashes,
                 idle_ttl=self.settings.idle_ttl_s, max_lifetime=self.settings.max_lifetime_s,
-                timeout=self.settings.rpc_timeout_s)
+                history_keys=history_keys, timeout=self.settings.rpc_timeout_s)
         except GrantOutcomeUnknown as unknown:
             # The registry may have made the lease, and a reader may use it: the blocks stay
             # until the session learns the outcome (or the grant's hard deadline passes).

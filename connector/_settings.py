@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import os
 from collections.abc import Mapping
@@ -17,9 +19,11 @@ from typing import Any
 
 from kvbridge.auth import TlsFiles
 from kvbridge.connector import _vllm
+from kvbridge.history import KEY_SIZE as HISTORY_KEY_SIZE
 
 # The key under which a request's kv_transfer_params carry its conversation.
 CONVERSATION_KEY = "kvbridge"
+_MAX_HISTORY_KEYS_B64 = 4 * 1024  # base64 of 64 keys, the registry's default cap, with room
 # remote_request_id prefix of retained decode blocks: NIXL's own bookkeeping must ignore the
 # read notifications that carry it.
 REMOTE_ID_PREFIX = "kvbridge-"
@@ -190,6 +194,21 @@ def conversation_of(params: Mapping[str, Any] | None) -> tuple[str, str] | None:
     if isinstance(tenant, str) and isinstance(conversation, str) and tenant and conversation:
         return tenant, conversation
     return None
+
+
+def history_keys_of(params: Mapping[str, Any] | None) -> bytes:
+    """The history keys (`kvbridge.history`) the gateway sent for a turn's lease, in
+    `kv_transfer_params["kvbridge"]["history_keys"]` as base64; b"" when there are none or
+    they are malformed (the lease is then granted without them: found by id only)."""
+    key = params.get(CONVERSATION_KEY) if params else None
+    value = key.get("history_keys") if isinstance(key, Mapping) else None
+    if not isinstance(value, str) or not value or len(value) > _MAX_HISTORY_KEYS_B64:
+        return b""
+    try:
+        keys = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return b""
+    return keys if len(keys) % HISTORY_KEY_SIZE == 0 else b""
 
 
 def kv_scope(request: Any, fingerprint: str) -> tuple[str, str] | None:
