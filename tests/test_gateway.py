@@ -233,10 +233,17 @@ async def test_streamed_chat_turn_passes_chunks_through(stack: Stack) -> None:
     assert stack.engines["d0"].received[0]["stream"] is True
 
 
-async def test_request_without_conversation_carries_no_key(stack: Stack) -> None:
-    await client(stack).completions.create(model=MODEL, prompt="hello", max_tokens=2)
-    assert "kvbridge" not in stack.engines["p0"].received[0]["kv_transfer_params"]
-    assert "kvbridge" not in stack.engines["d0"].received[0]["kv_transfer_params"]
+async def test_request_without_conversation_carries_no_key_with_lookup_off(
+        registry_server: RegistryServer, tmp_path: Path) -> None:
+    s = await make_stack(registry_server, tmp_path, conversation_lookup="off")
+    try:
+        raw = await client(s).chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=2)
+        assert raw.headers["x-kvbridge-conversation-source"] == "none"
+        assert "kvbridge" not in s.engines["p0"].received[0]["kv_transfer_params"]
+        assert "kvbridge" not in s.engines["d0"].received[0]["kv_transfer_params"]
+    finally:
+        await close(s)
 
 
 async def test_tenants_come_from_api_keys(stack: Stack) -> None:
@@ -606,3 +613,149 @@ async def test_fast_follow_up_waits_for_the_previous_turns_lease(
         assert raw.headers["x-kvbridge-decode-reason"] == reason
     finally:
         await close(s)
+
+
+# ==== conversations found by content (no id) ========================================================
+
+
+async def _grant_as_decode(s: Stack, kv: Any, received: dict[str, Any], tokens: int = 8,
+                           holder: str = "engine-d0") -> str:
+    """Grant the lease decode's connector would over the turn it `received`, with the history
+    keys the gateway sent it; returns the lease id."""
+    section = received["kv_transfer_params"]["kvbridge"]
+    reg = s.registry_client
+    await reg.register_holder(holder, "127.0.0.1", 5600, kv.block_size, kv.fingerprint, ttl=60)
+    resp = await reg.grant_lease(holder, section["tenant"], section["conversation_id"],
+                                 f"req-{len(s.engines['d0'].received)}", [1, 2], tokens,
+                                 kv.lease_hashes(kv.tokens(tokens)),
+                                 history_keys=base64.b64decode(section["history_keys"]))
+    return str(resp.lease.lease_id)
+
+
+async def test_turn_without_id_continues_the_lease_its_history_has(
+        registry_server: RegistryServer, tmp_path: Path, kv: Any) -> None:
+    s = await make_stack(registry_server, tmp_path)
+    other = await start_gateway(GatewayConfig(
+        listen="127.0.0.1:0", router=f"127.0.0.1:{s.router.port}",
+        registry=f"127.0.0.1:{registry_server.port}"))
+    try:
+        first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        raw = await client(s).chat.completions.with_raw_response.create(
+            model=MODEL, messages=first, max_tokens=2)
+        assert raw.headers["x-kvbridge-conversation-source"] == "new"
+        assert raw.headers["x-kvbridge-history-matched"] == "0/2"
+        conversation = raw.headers["x-kvbridge-conversation-id"]
+        assert conversation.startswith("kvb-")
+        sent = s.engines["d0"].received[-1]
+        assert sent["kv_transfer_params"]["kvbridge"]["conversation_id"] == conversation
+        # Nothing to read for a new conversation: prefill is told so, it looks nothing up.
+        assert s.engines["p0"].received[-1]["kv_transfer_params"]["kvbridge"]["read"] == {
+            "miss": "no_lease"}
+        lease_id = await _grant_as_decode(s, kv, sent)
+
+        second = [*first, {"role": "assistant", "content": "Hello"},
+                  {"role": "user", "content": "more"}]
+        # Another gateway (no memory of the first turn) finds it in the registry.
+        async with aiohttp.ClientSession() as http, http.post(
+                f"{other.url}/v1/chat/completions", json={"model": MODEL, "messages": second,
+                                                          "max_tokens": 2},
+                headers={"Authorization": "Bearer sk-alice"}) as resp:
+            assert resp.status == 200
+            headers = resp.headers
+        assert headers["X-Kvbridge-Conversation-Source"] == "continued"
+        assert headers["X-Kvbridge-Conversation-Id"] == conversation
+        assert headers["X-Kvbridge-History-Matched"] == "2/4"
+        assert headers["X-Kvbridge-Decode-Reason"] == "holds_lease"
+        read = s.engines["p0"].received[-1]["kv_transfer_params"]["kvbridge"]["read"]
+        assert read["lease_id"] == lease_id and read["pin_id"].startswith("p-")
+        # Decode's lease over this turn will be found under this turn's keys.
+        assert s.engines["d0"].received[-1]["kv_transfer_params"]["kvbridge"][
+            "conversation_id"] == conversation
+
+        # The same gateway remembers its own turns: a follow-up continues at once.
+        third = [*second, {"role": "assistant", "content": "Hello"},
+                 {"role": "user", "content": "and more"}]
+        raw = await client(s).chat.completions.with_raw_response.create(
+            model=MODEL, messages=third, max_tokens=2)
+        assert raw.headers["x-kvbridge-conversation-source"] in ("recent", "continued")
+        assert raw.headers["x-kvbridge-conversation-id"] == conversation
+    finally:
+        await other.stop()
+        await close(s)
+
+
+async def test_branch_reads_the_shared_part_and_keeps_its_own_id(
+        registry_server: RegistryServer, tmp_path: Path, kv: Any) -> None:
+    s = await make_stack(registry_server, tmp_path)
+    try:
+        first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        raw = await client(s).chat.completions.with_raw_response.create(
+            model=MODEL, messages=first, max_tokens=2)
+        conversation = raw.headers["x-kvbridge-conversation-id"]
+        lease_id = await _grant_as_decode(s, kv, s.engines["d0"].received[-1])
+        # The user's message edited: only the system prompt is shared.
+        edited = [first[0], {"role": "user", "content": "hello there"}]
+        raw = await client(s).chat.completions.with_raw_response.create(
+            model=MODEL, messages=edited, max_tokens=2)
+        assert raw.headers["x-kvbridge-conversation-source"] == "branched"
+        assert raw.headers["x-kvbridge-history-matched"] == "1/2"
+        assert raw.headers["x-kvbridge-conversation-id"] not in ("", conversation)
+        read = s.engines["p0"].received[-1]["kv_transfer_params"]["kvbridge"]["read"]
+        assert read["lease_id"] == lease_id  # the shared part is read (prefill verifies it)
+        # Regenerating the same turn is a branch too: the lease stays for the others.
+        raw = await client(s).chat.completions.with_raw_response.create(
+            model=MODEL, messages=first, max_tokens=2)
+        assert raw.headers["x-kvbridge-conversation-source"] == "branched"
+        lease = await s.registry_client.get_lease(lease_id)
+        assert lease.state == reg_pb.LEASE_STATE_ACTIVE
+    finally:
+        await close(s)
+
+
+async def test_lookup_never_crosses_tenants(registry_server: RegistryServer, tmp_path: Path,
+                                            kv: Any) -> None:
+    s = await make_stack(registry_server, tmp_path)
+    try:
+        first = [{"role": "user", "content": "the same words"}]
+        await client(s).chat.completions.create(model=MODEL, messages=first, max_tokens=2)
+        await _grant_as_decode(s, kv, s.engines["d0"].received[-1])
+        second = [*first, {"role": "assistant", "content": "Hello"},
+                  {"role": "user", "content": "again"}]
+        raw = await client(s, "sk-bob").chat.completions.with_raw_response.create(
+            model=MODEL, messages=second, max_tokens=2)
+        assert raw.headers["x-kvbridge-conversation-source"] == "new"
+        assert s.engines["p0"].received[-1]["kv_transfer_params"]["kvbridge"]["read"] == {
+            "miss": "no_lease"}
+    finally:
+        await close(s)
+
+
+async def test_session_header_names_the_conversation(stack: Stack) -> None:
+    raw = await client(stack).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_headers={"X-Session-ID": "sess-1"})
+    assert raw.headers["x-kvbridge-conversation-source"] == "session"
+    assert raw.headers["x-kvbridge-conversation-id"] == "sess-1"
+    assert stack.engines["d0"].received[-1]["kv_transfer_params"]["kvbridge"][
+        "conversation_id"] == "sess-1"
+    # An explicit id wins over the session header, and over the lookup.
+    raw = await client(stack).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_headers={"X-Session-ID": "sess-1", "X-Conversation-Id": "conv-2"})
+    assert raw.headers["x-kvbridge-conversation-source"] == "header"
+    assert raw.headers["x-kvbridge-conversation-id"] == "conv-2"
+    status, _, body = await post(stack, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        {"X-Session-ID": "has spaces"})
+    assert status == 400 and body["error"]["code"] == "invalid_conversation_id"
+
+
+async def test_unrecognised_history_is_served_without_reuse(stack: Stack) -> None:
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "what is this"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    raw = await client(stack).chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=2)  # type: ignore[arg-type]
+    assert raw.http_response.status_code == 200
+    assert raw.headers["x-kvbridge-conversation-source"] == "unrecognised"
+    assert "kvbridge" not in stack.engines["d0"].received[-1]["kv_transfer_params"]

@@ -18,6 +18,7 @@ what some other server said.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextvars
 import hashlib
 import json
@@ -36,6 +37,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvbridge import history
 from kvbridge.clients._registry import AsyncRegistryClient
 from kvbridge.clients._router import AsyncRouterClient
 from kvbridge.clock import monotonic
@@ -51,6 +53,7 @@ log = structlog.get_logger("kvbridge.gateway")
 
 _ID = re.compile(r"[\x21-\x7e]{1,256}")
 CONVERSATION_HEADER = "X-Conversation-Id"
+SESSION_HEADER = "X-Session-ID"  # what vLLM's multi-turn benchmark sends
 _RECENT_CONVERSATIONS = 100_000
 REQUEST_ID_HEADER = "X-Request-Id"
 _ENGINE_MESSAGE_CHARS = 1000  # of an engine's 4xx error message passed to the client
@@ -234,14 +237,26 @@ class _Turn:
     ttft_ms: float = 0.0
     outcome: dict[str, Any] = field(default_factory=dict)
     attempts: int = 0
+    # How the conversation was named or found: body, header, session (X-Session-ID), or by
+    # content: continued (a lease's whole history and more), branched (part of a lease's
+    # history), recent (a turn this gateway just served, its lease maybe not granted yet),
+    # new (nothing found); none when neither an id nor a lookup applied.
+    source: str = "none"
+    keys: list[bytes] | None = None  # the request's history keys (lookup by content)
+    keys_matched: int = 0
 
     def headers(self) -> dict[str, str]:
         out = {REQUEST_ID_HEADER: self.request_id,
+               "X-Kvbridge-Conversation-Source": self.source,
                "X-Kvbridge-Prefill-Instance": self.prefill,
                "X-Kvbridge-Decode-Instance": self.decode,
                "X-Kvbridge-Decode-Reason": self.decode_reason,
                "X-Kvbridge-Route-Ms": f"{self.route_ms:.1f}",
                "X-Kvbridge-Prefill-Ms": f"{self.prefill_ms:.1f}"}
+        if self.conversation:
+            out["X-Kvbridge-Conversation-Id"] = self.conversation
+        if self.keys is not None:
+            out["X-Kvbridge-History-Matched"] = f"{self.keys_matched}/{len(self.keys)}"
         if self.outcome:
             out["X-Kvbridge-Decision"] = str(self.outcome.get("kvbridge_decision", ""))
             out["X-Kvbridge-Reused-Tokens"] = str(self.outcome.get("kvbridge_reused_tokens", 0))
@@ -326,6 +341,9 @@ class Gateway:
         self._background: set[asyncio.Task[Any]] = set()
         # When each recent conversation's last turn ended (monotonic), most recent last.
         self._ended: OrderedDict[tuple[str, str], float] = OrderedDict()
+        # (tenant, last history key of a turn served here) -> its conversation: a follow-up
+        # that arrives before decode's grant over that turn lands still continues it.
+        self._recent_keys: OrderedDict[tuple[str, bytes], str] = OrderedDict()
 
     # ---- the application --------------------------------------------------------------------
 
@@ -409,16 +427,20 @@ class Gateway:
             raise HttpError(400, "request body must be a JSON object")
         return body
 
-    def _conversation(self, request: web.Request, body: dict[str, Any]) -> str:
-        value = body.pop("conversation_id", None)
-        if value is None:
-            value = request.headers.get(CONVERSATION_HEADER)
+    def _conversation(self, request: web.Request, body: dict[str, Any]) -> tuple[str, str]:
+        """The conversation the request names, and where: (id, "body" | "header" |
+        "session"), or ("", "none")."""
+        value, source = body.pop("conversation_id", None), "body"
         if value is None or value == "":
-            return ""
+            value, source = request.headers.get(CONVERSATION_HEADER), "header"
+        if value is None or value == "":
+            value, source = request.headers.get(SESSION_HEADER), "session"
+        if value is None or value == "":
+            return "", "none"
         if not isinstance(value, str) or not _ID.fullmatch(value):
             raise HttpError(400, "conversation_id must be 1-256 printable ASCII characters "
                                  "without spaces", code="invalid_conversation_id")
-        return value
+        return value, source
 
     # ---- turns ------------------------------------------------------------------------------
 
@@ -431,14 +453,21 @@ class Gateway:
     async def _turn(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
         tenant = self.tenants.tenant_of(request.headers.get("Authorization"))
         body = await self._json_body(request)
-        conversation = self._conversation(request, body)
+        conversation, source = self._conversation(request, body)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise HttpError(400, "model is required", code="missing_model")
         if "kv_transfer_params" in body:
             raise HttpError(400, "kv_transfer_params is set by the gateway, not by clients")
         check_turn_body(body, chat)
-        turn = _Turn(tenant, conversation, model, _REQUEST_ID.get())
+        turn = _Turn(tenant, conversation, model, _REQUEST_ID.get(), source=source)
+        if (not conversation and self.registry is not None
+                and self.config.conversation_lookup == "content"):
+            turn.keys = history.request_keys(tenant, body, chat)
+            if turn.keys is None:
+                turn.source = "unrecognised"
+            elif turn.keys:
+                conversation = turn.conversation = self._recent_turn(turn)
         if conversation and self.registry is not None:
             waited = time.perf_counter()
             await self._await_previous_lease(tenant, conversation)
@@ -450,8 +479,10 @@ class Gateway:
                 turn.attempts += 1
                 try:
                     response = await self._attempt(request, path, chat, body, turn, excluded)
-                    if conversation and response.status == 200:
-                        self._turn_ended(tenant, conversation)
+                    if turn.conversation and response.status == 200:
+                        self._turn_ended(tenant, turn.conversation)
+                        if turn.keys:
+                            self._remember_keys(tenant, turn.keys[-1], turn.conversation)
                     return response
                 except _EngineDown as down:
                     if turn.attempts > self.config.retries:
@@ -469,11 +500,14 @@ class Gateway:
     async def _attempt(self, request: web.Request, path: str, chat: bool, body: dict[str, Any],
                        turn: _Turn, excluded: list[str]) -> web.StreamResponse:
         routing = time.perf_counter()
+        lookup = bool(turn.keys) and not turn.conversation  # find the conversation by content
         try:
             route = await self.router.route(
                 turn.tenant, turn.conversation, estimate_prompt_tokens(body, chat), turn.model,
                 excluded, pin_read=bool(turn.conversation) and self.config.pin_at_route,
-                pin_ttl=self.config.pin_ttl_s, timeout=self.config.route_timeout_s)
+                pin_ttl=self.config.pin_ttl_s,
+                history_keys=history.join(turn.keys) if lookup and turn.keys else b"",
+                timeout=self.config.route_timeout_s)
         except NoInstance as err:
             if not excluded and not await self._model_known(turn.model):
                 raise HttpError(404, f"the model {turn.model!r} does not exist: no engine "
@@ -491,6 +525,8 @@ class Gateway:
         turn.prefill, turn.decode = route.prefill.instance_id, route.decode.instance_id
         turn.decode_reason = (router_pb.DecodeReason.Name(route.decode_reason)
                               .removeprefix("DECODE_REASON_").lower())
+        if lookup:
+            self._found(turn, route)
         key: dict[str, dict[str, Any]] = (
             {CONVERSATION_KEY: {"tenant": turn.tenant, "conversation_id": turn.conversation}}
             if turn.conversation else {})
@@ -539,7 +575,11 @@ class Gateway:
                             "bad_prefill_response")
         turn.outcome = {k: params.pop(k) for k in _OUTCOME_FIELDS if k in params}
 
-        # Decode: read prefill's KV and generate, streamed back as it comes.
+        # Decode: read prefill's KV and generate, streamed back as it comes; its lease over
+        # this turn is granted with the history keys that later turns find it by.
+        if turn.keys and key:
+            key = {CONVERSATION_KEY: {**key[CONVERSATION_KEY], "history_keys": base64.b64encode(
+                history.grant_keys(turn.keys)).decode("ascii")}}
         decode_body = dict(body, kv_transfer_params={**params, **key})
         assert self.session is not None
         sent = time.perf_counter()
@@ -639,7 +679,9 @@ class Gateway:
             self.metrics.reused.inc(reused)
             self.metrics.recomputed.inc(recomputed)
         log.info("turn", path=path, request_id=turn.request_id, tenant=turn.tenant,
-                 conversation=turn.conversation or None,
+                 conversation=turn.conversation or None, conversation_source=turn.source,
+                 history_matched=(f"{turn.keys_matched}/{len(turn.keys)}"
+                                  if turn.keys is not None else None),
                  model=turn.model, prefill=turn.prefill or None, decode=turn.decode or None,
                  decode_reason=turn.decode_reason or None,
                  decision=turn.outcome.get("kvbridge_decision"),
@@ -655,6 +697,43 @@ class Gateway:
                  attempts=turn.attempts)
 
     # ---- conversations ----------------------------------------------------------------------
+
+    def _recent_turn(self, turn: _Turn) -> str:
+        """The conversation of a turn this gateway served recently that this request
+        continues (it has that turn's whole history, and more), else ""."""
+        keys = turn.keys or []
+        for i in range(len(keys) - 2, -1, -1):  # the request's own last key cannot continue
+            conversation = self._recent_keys.get((turn.tenant, keys[i]))
+            if conversation is not None:
+                turn.source, turn.keys_matched = "recent", i + 1
+                return conversation
+        return ""
+
+    def _remember_keys(self, tenant: str, key: bytes, conversation: str) -> None:
+        self._recent_keys[(tenant, key)] = conversation
+        self._recent_keys.move_to_end((tenant, key))
+        while len(self._recent_keys) > _RECENT_CONVERSATIONS:
+            self._recent_keys.popitem(last=False)
+
+    @staticmethod
+    def _found(turn: _Turn, route: router_pb.RouteResponse) -> None:
+        """Name the turn's conversation from what the lookup by content found: a request that
+        has a lease's whole history and more continues it (its grant supersedes that lease,
+        as the next turn of a named conversation does); one that shares only part of it
+        branches (a new conversation, reading the shared part, leaving the lease to the
+        others); nothing found: a new conversation."""
+        read = route.read.read if route.HasField("read") else None
+        match = route.read.match if route.HasField("read") else None
+        found = read.lease.conversation_id if read is not None else ""
+        if found and match is not None and match.keys_matched:
+            turn.keys_matched = match.keys_matched
+            if match.whole and match.keys_matched < len(turn.keys or ()):
+                turn.source, turn.conversation = "continued", found
+                return
+            turn.source = "branched"
+        else:
+            turn.source = "new"
+        turn.conversation = "kvb-" + uuid.uuid4().hex[:24]
 
     def _turn_ended(self, tenant: str, conversation: str) -> None:
         key = (tenant, conversation)

@@ -55,6 +55,11 @@ class GatewayConfig:
         True, "pin the conversation's lease when the turn is routed and hand the read (block "
         "ids and the lease's hashes) to prefill with the request: prefill verifies it locally "
         "and makes no lookup call on its path. Off: prefill looks the lease up itself")
+    conversation_lookup: str = setting(
+        "content", "how a turn that names no conversation (no conversation_id in the body, no "
+        "X-Conversation-Id or X-Session-ID header) finds its KV: 'content' looks its history "
+        "up among the tenant's live leases (at each message boundary) and continues or "
+        "branches from what it finds; 'off' serves it without reuse")
     pin_ttl_s: float = setting(10.0, "how long a read pinned at route time holds decode's "
                                "blocks at most (released as soon as prefill has read them)")
     retries: int = setting(
@@ -84,6 +89,9 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.lease_wait_s <= 5.0:
             raise ValueError("lease_wait_s must be between 0 and 5")
+        if self.conversation_lookup not in ("off", "content"):
+            raise ValueError(f"conversation_lookup must be 'off' or 'content', got "
+                             f"{self.conversation_lookup!r}")
         if not 0 <= self.retries <= 8:
             raise ValueError("retries must be between 0 and 8")
         if not self.router:
