@@ -1,6 +1,9 @@
 """`kvbridge demo`: a multi-turn conversation through the gateway, turn by turn: TTFT, the
 prompt tokens prefill read back from decode (reused) and computed (recomputed), and the
-conversation's lease after the turn."""
+conversation's lease after the turn. It runs twice by default: once naming its conversation
+(`conversation_id`), as a client written for kvbridge does, and once naming none, as the
+OpenAI SDK, agent frameworks and chat front-ends do: the gateway then finds the conversation
+from the request's own history (`X-Kvbridge-Conversation-Source`)."""
 
 from __future__ import annotations
 
@@ -28,13 +31,14 @@ def _text(rng: random.Random, words: int) -> str:
 async def run_demo(gateway: str, *, turns: int = 5, model: str = "", as_json: bool = False,
                    api_key: str = "demo-key", conversation_id: str = "",
                    first_words: int = 400, turn_words: int = 100, max_tokens: int = 24,
-                   think_s: float = 1.0, keep: bool = False, seed: int = 0) -> list[dict[str, Any]]:
-    """Run the conversation; print one line (or JSON record) per turn; return the records."""
-    rng = random.Random(seed)
-    conversation = conversation_id or f"demo-{int(time.time())}-{rng.randrange(10**6)}"
-    auth = {"Authorization": f"Bearer {api_key}"}
+                   think_s: float = 1.0, keep: bool = False, seed: int = 0,
+                   ways: tuple[str, ...] = ("with-id", "without-id")) -> list[dict[str, Any]]:
+    """Run the conversation once per way ("with-id": it names its conversation; "without-id":
+    the gateway finds it by content); print one line (or JSON record) per turn; return the
+    records."""
     records: list[dict[str, Any]] = []
     timeout = aiohttp.ClientTimeout(total=600)
+    auth = {"Authorization": f"Bearer {api_key}"}
     async with aiohttp.ClientSession(timeout=timeout, headers=auth) as http:
         if not model:
             async with http.get(f"{gateway}/v1/models") as resp:
@@ -42,43 +46,71 @@ async def run_demo(gateway: str, *, turns: int = 5, model: str = "", as_json: bo
             if not data.get("data"):
                 raise click.ClickException("the gateway lists no model: are engines attached?")
             model = data["data"][0]["id"]
-        messages: list[dict[str, str]] = [
-            {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": _text(rng, first_words)}]
-        if not as_json:
-            click.echo(f"conversation {conversation} on {model} via {gateway}")
-            click.echo(f"{'turn':>4} {'prompt':>6} {'ttft_ms':>8} {'reused':>6} "
-                       f"{'recomputed':>10}  {'decode':<10} lease after the turn")
-        for turn in range(1, turns + 1):
-            record = await _turn(http, gateway, model, messages, conversation, max_tokens)
-            record["turn"] = turn
-            if think_s:
-                await asyncio.sleep(think_s)  # the user reads; decode grants its lease meanwhile
+        for n, way in enumerate(ways):
+            records += await _conversation(
+                http, gateway, model, way, turns=turns, as_json=as_json,
+                conversation_id=conversation_id if way == "with-id" else "",
+                first_words=first_words, turn_words=turn_words, max_tokens=max_tokens,
+                think_s=think_s, keep=keep, seed=seed + n)
+    return records
+
+
+async def _conversation(http: aiohttp.ClientSession, gateway: str, model: str, way: str, *,
+                        turns: int, as_json: bool, conversation_id: str, first_words: int,
+                        turn_words: int, max_tokens: int, think_s: float, keep: bool,
+                        seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    named = way == "with-id"
+    conversation = (conversation_id or f"demo-{int(time.time())}-{rng.randrange(10**6)}"
+                    if named else "")
+    records: list[dict[str, Any]] = []
+    messages: list[dict[str, str]] = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": _text(rng, first_words)}]
+    if not as_json:
+        what = (f"conversation {conversation}" if named
+                else "a conversation that names no id (the gateway finds it by content)")
+        click.echo(f"{what} on {model} via {gateway}")
+        click.echo(f"{'turn':>4} {'prompt':>6} {'ttft_ms':>8} {'reused':>6} "
+                   f"{'recomputed':>10}  {'found':<10} {'decode':<10} lease after the turn")
+    for turn in range(1, turns + 1):
+        record = await _turn(http, gateway, model, messages, conversation, max_tokens)
+        record["turn"], record["way"] = turn, way
+        if not named:  # the id the gateway found (or gave) this turn
+            conversation = record["conversation_id"]
+        if think_s:
+            await asyncio.sleep(think_s)  # the user reads; decode grants its lease meanwhile
+        record["lease"] = None
+        if conversation:
             async with http.get(f"{gateway}/v1/conversations/{conversation}") as resp:
                 record["lease"] = (await resp.json()) if resp.status == 200 else None
-            answer = record.pop("answer")
-            records.append(record)
-            _print_turn(record, as_json)
-            messages.append({"role": "assistant", "content": answer})
-            messages.append({"role": "user", "content": _text(rng, turn_words)})
-        if not keep:
-            async with http.delete(f"{gateway}/v1/conversations/{conversation}") as resp:
-                released = (await resp.json()).get("released", 0) if resp.status == 200 else 0
-        prompt = sum(r["prompt_tokens"] for r in records)
-        reused = sum(r["reused_tokens"] for r in records)
-        if not as_json:
-            share = f" ({reused / prompt:.0%})" if prompt else ""
-            click.echo(f"reused {reused} of {prompt} prompt tokens{share} over {turns} turns"
-                       + ("" if keep else f"; conversation ended, {released} lease released"))
+        answer = record.pop("answer")
+        records.append(record)
+        _print_turn(record, as_json)
+        messages.append({"role": "assistant", "content": answer})
+        messages.append({"role": "user", "content": _text(rng, turn_words)})
+    released = 0
+    if not keep and conversation:
+        async with http.delete(f"{gateway}/v1/conversations/{conversation}") as resp:
+            released = (await resp.json()).get("released", 0) if resp.status == 200 else 0
+    prompt = sum(r["prompt_tokens"] for r in records)
+    reused = sum(r["reused_tokens"] for r in records)
+    if not as_json:
+        share = f" ({reused / prompt:.0%})" if prompt else ""
+        click.echo(f"{way}: reused {reused} of {prompt} prompt tokens{share} over {turns} "
+                   "turns" + ("" if keep else f"; conversation ended, {released} lease "
+                                              "released"))
     return records
 
 
 async def _turn(http: aiohttp.ClientSession, gateway: str, model: str,
                 messages: list[dict[str, str]], conversation: str, max_tokens: int
                 ) -> dict[str, Any]:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "conversation_id": conversation}
+    body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": max_tokens,
+                            "temperature": 0, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if conversation:
+        body["conversation_id"] = conversation
     start = time.perf_counter()
     ttft = 0.0
     answer: list[str] = []
@@ -110,6 +142,8 @@ async def _turn(http: aiohttp.ClientSession, gateway: str, model: str,
             "prefill_instance": headers.get("X-Kvbridge-Prefill-Instance", ""),
             "decode_instance": headers.get("X-Kvbridge-Decode-Instance", ""),
             "decode_reason": headers.get("X-Kvbridge-Decode-Reason", ""),
+            "source": headers.get("X-Kvbridge-Conversation-Source", ""),
+            "conversation_id": headers.get("X-Kvbridge-Conversation-Id", ""),
             "answer": "".join(answer)}
 
 
@@ -122,7 +156,7 @@ def _print_turn(record: dict[str, Any], as_json: bool) -> None:
              f"{lease['holder']}, {lease['expires_in_s']:.0f}s left" if lease else "none")
     click.echo(f"{record['turn']:>4} {record['prompt_tokens']:>6} {record['ttft_ms']:>8.1f} "
                f"{record['reused_tokens']:>6} {record['recomputed_tokens']:>10}  "
-               f"{record['decode_instance']:<10} {state}")
+               f"{record['source']:<10} {record['decode_instance']:<10} {state}")
 
 
 async def _json_or_fail(resp: aiohttp.ClientResponse, what: str) -> dict[str, Any]:
@@ -140,19 +174,23 @@ async def _json_or_fail(resp: aiohttp.ClientResponse, what: str) -> dict[str, An
 @click.option("--model", default="", help="model name (default: the gateway's first)")
 @click.option("--api-key", default="demo-key", show_default=True, envvar="KVBRIDGE_API_KEY",
               help="bearer API key: it decides the tenant [env KVBRIDGE_API_KEY]")
-@click.option("--conversation-id", default="", help="default: a new one")
+@click.option("--conversation-id", default="", help="the named run's id (default: a new one)")
+@click.option("--ways", type=click.Choice(["both", "with-id", "without-id"]), default="both",
+              show_default=True,
+              help="run the conversation naming its id, naming none (found by content), or both")
 @click.option("--think-s", default=1.0, show_default=True, type=click.FloatRange(min=0),
               help="pause between turns")
 @click.option("--keep", is_flag=True, help="do not release the conversation's KV at the end")
 @click.option("--json", "as_json", is_flag=True, help="one JSON record per turn")
 def demo_command(gateway: str, turns: int, model: str, api_key: str, conversation_id: str,
-                 think_s: float, keep: bool, as_json: bool) -> None:
+                 ways: str, think_s: float, keep: bool, as_json: bool) -> None:
     """Run a multi-turn conversation through a running gateway (`kvbridge up --cpu-engines`)
     and print, per turn, TTFT, reused and recomputed prompt tokens, and the lease's state."""
     try:
         aio.run(run_demo(gateway.rstrip("/"), turns=turns, model=model, as_json=as_json,
                          api_key=api_key, conversation_id=conversation_id, think_s=think_s,
-                         keep=keep))
+                         keep=keep, ways=("with-id", "without-id") if ways == "both"
+                         else (ways,)))
     except aiohttp.ClientError as err:
         raise click.ClickException(f"cannot reach the gateway at {gateway}: {err}; is "
                                    "`kvbridge up --cpu-engines` running?") from err

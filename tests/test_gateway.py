@@ -750,6 +750,18 @@ async def test_session_header_names_the_conversation(stack: Stack) -> None:
     assert status == 400 and body["error"]["code"] == "invalid_conversation_id"
 
 
+async def test_request_may_turn_the_lookup_off(stack: Stack) -> None:
+    raw = await client(stack).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_headers={"X-Kvbridge-Conversation-Lookup": "off"})
+    assert raw.headers["x-kvbridge-conversation-source"] == "none"
+    assert "kvbridge" not in stack.engines["d0"].received[-1]["kv_transfer_params"]
+    status, _, body = await post(stack, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        {"X-Kvbridge-Conversation-Lookup": "maybe"})
+    assert status == 400 and body["error"]["code"] == "bad_conversation_lookup"
+
+
 async def test_unrecognised_history_is_served_without_reuse(stack: Stack) -> None:
     messages = [{"role": "user", "content": [
         {"type": "text", "text": "what is this"},

@@ -54,7 +54,13 @@ log = structlog.get_logger("kvbridge.gateway")
 _ID = re.compile(r"[\x21-\x7e]{1,256}")
 CONVERSATION_HEADER = "X-Conversation-Id"
 SESSION_HEADER = "X-Session-ID"  # what vLLM's multi-turn benchmark sends
+# A request's own choice: "off" serves a turn that names no conversation without reuse (and
+# without retaining its KV), whatever the gateway's --conversation-lookup.
+LOOKUP_HEADER = "X-Kvbridge-Conversation-Lookup"
 _RECENT_CONVERSATIONS = 100_000
+# How long after a turn ends a follow-up is matched against it locally (`_recent_turn`):
+# decode's grant over that turn lands well within it, and from then on the registry answers.
+_RECENT_TURN_S = 3.0
 REQUEST_ID_HEADER = "X-Request-Id"
 _ENGINE_MESSAGE_CHARS = 1000  # of an engine's 4xx error message passed to the client
 _LOGGED_BODY_CHARS = 2000  # of an engine's bad reply kept in the log
@@ -344,6 +350,7 @@ class Gateway:
         # (tenant, last history key of a turn served here) -> its conversation: a follow-up
         # that arrives before decode's grant over that turn lands still continues it.
         self._recent_keys: OrderedDict[tuple[str, bytes], str] = OrderedDict()
+        self._latest_key: dict[tuple[str, str], bytes] = {}
 
     # ---- the application --------------------------------------------------------------------
 
@@ -461,7 +468,11 @@ class Gateway:
             raise HttpError(400, "kv_transfer_params is set by the gateway, not by clients")
         check_turn_body(body, chat)
         turn = _Turn(tenant, conversation, model, _REQUEST_ID.get(), source=source)
-        if (not conversation and self.registry is not None
+        asked = request.headers.get(LOOKUP_HEADER, "").strip().lower()
+        if asked not in ("", "off", "content"):
+            raise HttpError(400, f"{LOOKUP_HEADER} must be 'off' or 'content'",
+                            code="bad_conversation_lookup")
+        if (not conversation and self.registry is not None and asked != "off"
                 and self.config.conversation_lookup == "content"):
             turn.keys = history.request_keys(tenant, body, chat)
             if turn.keys is None:
@@ -699,21 +710,35 @@ class Gateway:
     # ---- conversations ----------------------------------------------------------------------
 
     def _recent_turn(self, turn: _Turn) -> str:
-        """The conversation of a turn this gateway served recently that this request
-        continues (it has that turn's whole history, and more), else ""."""
+        """The conversation whose latest turn this gateway served in the last
+        `_RECENT_TURN_S` and that this request continues (it has that turn's whole history,
+        and more), else "". Only for a follow-up that may beat decode's grant over that turn:
+        later, the registry's answer (which every gateway shares) decides."""
         keys = turn.keys or []
+        now = time.monotonic()
         for i in range(len(keys) - 2, -1, -1):  # the request's own last key cannot continue
             conversation = self._recent_keys.get((turn.tenant, keys[i]))
-            if conversation is not None:
+            if conversation is None:
+                continue
+            ended = self._ended.get((turn.tenant, conversation))
+            if ended is not None and now - ended <= _RECENT_TURN_S:
                 turn.source, turn.keys_matched = "recent", i + 1
                 return conversation
+            return ""
         return ""
 
     def _remember_keys(self, tenant: str, key: bytes, conversation: str) -> None:
+        """`key` is now the last key of the conversation's latest turn (its previous one no
+        longer continues it: a request with that history branches)."""
+        previous = self._latest_key.pop((tenant, conversation), None)
+        if previous is not None:
+            self._recent_keys.pop((tenant, previous), None)
+        self._latest_key[(tenant, conversation)] = key
         self._recent_keys[(tenant, key)] = conversation
         self._recent_keys.move_to_end((tenant, key))
         while len(self._recent_keys) > _RECENT_CONVERSATIONS:
-            self._recent_keys.popitem(last=False)
+            (old_tenant, _), old = self._recent_keys.popitem(last=False)
+            self._latest_key.pop((old_tenant, old), None)
 
     @staticmethod
     def _found(turn: _Turn, route: router_pb.RouteResponse) -> None:

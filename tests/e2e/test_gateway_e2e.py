@@ -2,8 +2,9 @@
 gateway, a prefill and a decode vLLM engine with the connector, tiny model in float32), driven
 by the real `openai` client through the gateway, streaming and not.
 
-Reuse-off runs are the same requests without a conversation id: prefill then has no key and
-computes the whole prompt, so equal outputs mean the KV read back from decode was right.
+Reuse-off runs are the same requests without a conversation id and with the lookup by content
+turned off (`X-Kvbridge-Conversation-Lookup: off`): prefill then has no key and computes the
+whole prompt, so equal outputs mean the KV read back from decode was right.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.e2e
 
 IDLE_TTL = 20.0  # longer than a turn plus its reuse-off twin on a loaded 2-core machine
 MAX_TOKENS = 16
+RECOMPUTE = {"X-Kvbridge-Conversation-Lookup": "off"}  # no id, no lookup: no reuse
 
 
 @dataclass
@@ -104,7 +106,8 @@ def _complete(up: Up, prompt: list[int], conversation: str | None, key: str = "s
     if conversation:
         extra["conversation_id"] = conversation
     raw = up.client(key).completions.with_raw_response.create(
-        model=up.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body=extra)
+        model=up.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body=extra,
+        extra_headers={} if conversation else RECOMPUTE)
     choice = raw.parse().choices[0]
     ids = (choice.model_extra or {}).get("token_ids")
     assert ids, "decode returned no token ids"
@@ -151,7 +154,7 @@ def test_multi_turn_streamed_chat_reuses_and_matches(up: Up) -> None:
             extra = {"conversation_id": conversation} if conversation else {}
             raw = up.client().chat.completions.with_raw_response.create(
                 model=up.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
-                stream=True, extra_body=extra)
+                stream=True, extra_body=extra, extra_headers={} if conversation else RECOMPUTE)
             if conversation:
                 reused.append(int(raw.headers["x-kvbridge-reused-tokens"]))
             texts.append("".join(chunk.choices[0].delta.content or ""

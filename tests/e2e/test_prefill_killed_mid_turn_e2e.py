@@ -62,11 +62,13 @@ class Stack:
                  ) -> tuple[list[int], dict[str, str]]:
         body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
                                 "temperature": 0, "return_token_ids": True}
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
         if conversation:
             body["conversation_id"] = conversation
+        else:  # recompute: no lookup by content either
+            headers["X-Kvbridge-Conversation-Lookup"] = "off"
         req = urllib.request.Request(
-            f"{self.gateway}/v1/completions", data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+            f"{self.gateway}/v1/completions", data=json.dumps(body).encode(), headers=headers)
         with urllib.request.urlopen(req, timeout=180) as resp:
             data = json.loads(resp.read())
             headers = {k.lower(): v for k, v in resp.headers.items()}
