@@ -22,7 +22,10 @@ SPECIAL_TOKENS = ["<|pad|>", "<|begin_of_text|>", "<|end_of_text|>", "<|system|>
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + '<|eot|>\\n' }}"
+    "{{ '<|' + message['role'] + '|>\\n' }}"
+    "{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% if message.tool_calls %}{{ message.tool_calls | tojson }}{% endif %}"
+    "{{ '<|eot|>\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )

@@ -217,3 +217,156 @@ def test_doctor_finds_a_healthy_stack(up: Up) -> None:
     # Warnings here can only be timing heuristics (a slow read on this shared CPU).
     assert all(f["check"] == "nixl" for f in findings if f["level"] == "warn"), findings
     assert result.returncode == (1 if any(f["level"] != "ok" for f in findings) else 0)
+
+
+# ==== conversations that name no id: found by content ===========================================
+# Each turn is also sent with the lookup off (recompute): equal outputs mean the KV found by
+# content and read back was right.
+
+_WORDS = "alpha beta gamma delta kappa lambda sigma omega tool call result".split()
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+
+def _chat(up: Up, messages: list[dict[str, Any]], *, key: str = "sk-alice",
+          gateway: str = "", tools: list[dict[str, Any]] | None = None,
+          recompute: bool = False) -> tuple[str, dict[str, str]]:
+    client = openai.OpenAI(base_url=f"{gateway or up.gateway}/v1", api_key=key, max_retries=0,
+                           timeout=120)
+    extra: dict[str, Any] = {"tools": tools} if tools else {}
+    raw = client.chat.completions.with_raw_response.create(
+        model=up.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,  # type: ignore[arg-type]
+        extra_headers=RECOMPUTE if recompute else {}, **extra)
+    return raw.parse().choices[0].message.content or "", dict(raw.headers)
+
+
+def _noid_turn(up: Up, messages: list[dict[str, Any]], **kw: Any) -> tuple[str, dict[str, str]]:
+    """A turn without an id, checked against recompute; waits for its lease."""
+    text, headers = _chat(up, messages, **kw)
+    twin, _ = _chat(up, messages, key=kw.get("key", "sk-alice"), tools=kw.get("tools"),
+                    recompute=True)
+    assert text == twin, (headers.get("x-kvbridge-conversation-source"), text, twin)
+    _leased(up, headers["x-kvbridge-conversation-id"], key=kw.get("key", "sk-alice"))
+    return text, headers
+
+
+def test_no_id_five_turns_reuse_and_match_recompute(up: Up) -> None:
+    rng = random.Random(21)
+    messages: list[dict[str, Any]] = [{"role": "system", "content": _words(rng, 40)},
+                                      {"role": "user", "content": _words(rng, 250)}]
+    sources, reused, ids = [], [], set()
+    for _turn in range(5):
+        text, headers = _noid_turn(up, messages)
+        sources.append(headers["x-kvbridge-conversation-source"])
+        reused.append(int(headers["x-kvbridge-reused-tokens"]))
+        ids.add(headers["x-kvbridge-conversation-id"])
+        messages += [{"role": "assistant", "content": text},
+                     {"role": "user", "content": _words(rng, 50)}]
+    assert sources[0] == "new" and all(s in ("continued", "recent") for s in sources[1:]), sources
+    assert reused[0] == 0 and all(r > 0 for r in reused[1:]), reused
+    assert len(ids) == 1, ids  # one conversation, each turn superseding the last
+
+
+def test_no_id_two_branches_interleaved_each_reuse(up: Up) -> None:
+    rng = random.Random(22)
+    shared: list[dict[str, Any]] = [{"role": "user", "content": _words(rng, 250)}]
+    text, _ = _noid_turn(up, shared)
+    shared.append({"role": "assistant", "content": text})
+    branches = [shared + [{"role": "user", "content": _words(rng, 40)}] for _ in range(2)]
+    for _turn in range(2):
+        for b, messages in enumerate(branches):
+            text, headers = _noid_turn(up, messages)
+            assert int(headers["x-kvbridge-reused-tokens"]) > 0, (b, headers)
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": _words(rng, 30)}]
+
+
+def test_no_id_edited_earlier_answer_reuses_up_to_the_edit(up: Up) -> None:
+    rng = random.Random(23)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": _words(rng, 250)}]
+    first, _ = _noid_turn(up, messages)
+    messages += [{"role": "assistant", "content": first},
+                 {"role": "user", "content": _words(rng, 40)}]
+    second, _ = _noid_turn(up, messages)
+    # The client re-sends its first answer changed (say, reasoning stripped): everything
+    # before the change is still read back, and the answer matches recompute.
+    edited = [messages[0], {"role": "assistant", "content": "(edited) " + first},
+              *messages[2:], {"role": "assistant", "content": second},
+              {"role": "user", "content": _words(rng, 40)}]
+    _, headers = _noid_turn(up, edited)
+    assert headers["x-kvbridge-conversation-source"] == "branched", headers
+    assert int(headers["x-kvbridge-reused-tokens"]) > 0, headers
+
+
+def test_no_id_identical_prompts_of_two_tenants_never_match(up: Up) -> None:
+    rng = random.Random(24)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": _words(rng, 250)}]
+    text, _ = _noid_turn(up, messages, key="sk-alice")
+    messages += [{"role": "assistant", "content": text},
+                 {"role": "user", "content": _words(rng, 40)}]
+    _, headers = _chat(up, messages, key="sk-carol")
+    assert headers["x-kvbridge-conversation-source"] == "new", headers
+    assert headers["x-kvbridge-reused-tokens"] == "0", headers
+
+
+def test_no_id_agent_loop_with_tool_calls(up: Up) -> None:
+    """An agent loop as the openai SDK drives one: tool definitions, the model's tool calls
+    and the tools' results in the history, no conversation id."""
+    rng = random.Random(25)
+    tools = [{"type": "function", "function": {
+        "name": "search", "description": "search the notes",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+    messages: list[dict[str, Any]] = [{"role": "system", "content": _words(rng, 60)},
+                                      {"role": "user", "content": _words(rng, 200)}]
+    reused = []
+    for step in range(3):
+        text, headers = _noid_turn(up, messages, tools=tools)
+        reused.append(int(headers["x-kvbridge-reused-tokens"]))
+        call = {"id": f"call_{step}", "type": "function",
+                "function": {"name": "search", "arguments": json.dumps({"q": text[:20]})}}
+        messages += [{"role": "assistant", "content": text, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": f"call_{step}",
+                      "content": _words(rng, 40)}]
+    assert reused[0] == 0 and all(r > 0 for r in reused[1:]), reused
+
+
+def test_no_id_two_gateways_serve_alternate_turns(up: Up) -> None:
+    port = free_port()
+    second = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge.cli", "gateway", "serve", "--listen",
+         f"127.0.0.1:{port}", "--router", up.router, "--registry", up.registry, "--insecure",
+         "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{second}/health", timeout=5)
+                break
+            except (OSError, urllib.error.HTTPError):
+                if time.monotonic() > deadline or process.poll() is not None:
+                    raise AssertionError("second gateway did not start") from None
+                time.sleep(0.3)
+        rng = random.Random(26)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": _words(rng, 250)}]
+        sources, reused, ids = [], [], set()
+        for turn in range(4):
+            gateway = second if turn % 2 else up.gateway
+            text, headers = _noid_turn(up, messages, gateway=gateway)
+            sources.append(headers["x-kvbridge-conversation-source"])
+            reused.append(int(headers["x-kvbridge-reused-tokens"]))
+            ids.add(headers["x-kvbridge-conversation-id"])
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": _words(rng, 40)}]
+        assert reused[0] == 0 and all(r > 0 for r in reused[1:]), (reused, sources)
+        assert len(ids) == 1, (ids, sources)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
