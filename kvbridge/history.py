@@ -35,6 +35,19 @@ def _canonical(value: Any) -> bytes:
                       allow_nan=True).encode("utf-8", "surrogatepass")
 
 
+def _message(message: dict[str, Any]) -> bytes:
+    """A chat message as one segment: a plain `{"role", "content"}` message (most of a long
+    history) as its two strings, cheaply; any other as canonical JSON. The leading tag keeps
+    the two forms apart."""
+    if len(message) == 2:
+        role, content = message.get("role"), message.get("content")
+        if type(role) is str and type(content) is str:
+            name = role.encode("utf-8", "surrogatepass")
+            return (b"\x01" + len(name).to_bytes(4, "little") + name
+                    + content.encode("utf-8", "surrogatepass"))
+    return b"\x02" + _canonical(message)
+
+
 def _chain(root: bytes, segments: Sequence[bytes]) -> list[bytes]:
     keys = []
     key = root
@@ -77,7 +90,7 @@ def request_keys(tenant: str, body: dict[str, Any], chat: bool) -> list[bytes] |
                 return None
             extras = _canonical({k: body[k] for k in _CHAT_ROOT_FIELDS if k in body})
             return _chain(_root(tenant, model, "chat", extras),
-                          [_canonical(m) for m in messages])
+                          [_message(m) for m in messages])
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             # Whole characters per chunk: cut the text, not its bytes.

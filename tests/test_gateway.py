@@ -615,7 +615,7 @@ async def test_fast_follow_up_waits_for_the_previous_turns_lease(
         await close(s)
 
 
-# ==== conversations found by content (no id) ========================================================
+# ==== conversations found by content (no id) ==================================================
 
 
 async def _grant_as_decode(s: Stack, kv: Any, received: dict[str, Any], tokens: int = 8,
@@ -679,6 +679,7 @@ async def test_turn_without_id_continues_the_lease_its_history_has(
             model=MODEL, messages=third, max_tokens=2)
         assert raw.headers["x-kvbridge-conversation-source"] in ("recent", "continued")
         assert raw.headers["x-kvbridge-conversation-id"] == conversation
+        assert await _metric(s, 'kvbridge_gateway_conversation_sources_total{source="new"} 1.0')
     finally:
         await other.stop()
         await close(s)

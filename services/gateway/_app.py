@@ -219,6 +219,10 @@ class Metrics:
                               "Prompt tokens prefill read back from decode", registry=r)
         self.recomputed = Counter("kvbridge_gateway_recomputed_tokens",
                                   "Prompt tokens prefill computed", registry=r)
+        self.found = Counter("kvbridge_gateway_conversation_sources",
+                             "Turns by how their conversation was named or found (body, "
+                             "header, session; by content: continued, branched, recent, new; "
+                             "unrecognised, none)", ["source"], registry=r)
         self.retries = Counter("kvbridge_gateway_retries",
                                "Turns sent again to another instance after a failed engine",
                                ["role"], registry=r)
@@ -685,6 +689,7 @@ class Gateway:
         total_ms = (time.perf_counter() - turn.started) * 1000
         reused = int(turn.outcome.get("kvbridge_reused_tokens", 0))
         recomputed = int(turn.outcome.get("kvbridge_recomputed_tokens", 0))
+        self.metrics.found.labels(turn.source).inc()
         if turn.ttft_ms:
             self.metrics.ttft.observe(turn.ttft_ms / 1000)
             self.metrics.reused.inc(reused)
