@@ -772,3 +772,27 @@ async def test_unrecognised_history_is_served_without_reuse(stack: Stack) -> Non
     assert raw.http_response.status_code == 200
     assert raw.headers["x-kvbridge-conversation-source"] == "unrecognised"
     assert "kvbridge" not in stack.engines["d0"].received[-1]["kv_transfer_params"]
+
+
+async def test_a_history_longer_than_a_lookup_sends_its_latest_keys(
+        registry_server: RegistryServer, tmp_path: Path, kv: Any) -> None:
+    s = await make_stack(registry_server, tmp_path, lease_wait_s=0)
+    other = await start_gateway(GatewayConfig(
+        listen="127.0.0.1:0", router=f"127.0.0.1:{s.router.port}",
+        registry=f"127.0.0.1:{registry_server.port}"))
+    try:
+        first = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"}
+                 for i in range(4101)]
+        await client(s).chat.completions.create(model=MODEL, messages=first,  # type: ignore[arg-type]
+                                                max_tokens=2)
+        await _grant_as_decode(s, kv, s.engines["d0"].received[-1])
+        second = [*first, {"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]
+        async with aiohttp.ClientSession() as http, http.post(
+                f"{other.url}/v1/chat/completions", json={"model": MODEL, "messages": second},
+                headers={"Authorization": "Bearer sk-alice"}) as resp:
+            assert resp.status == 200
+            assert resp.headers["X-Kvbridge-Conversation-Source"] == "continued"
+            assert resp.headers["X-Kvbridge-History-Matched"] == "4101/4103"
+    finally:
+        await other.stop()
+        await close(s)

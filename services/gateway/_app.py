@@ -61,6 +61,9 @@ _RECENT_CONVERSATIONS = 100_000
 # How long after a turn ends a follow-up is matched against it locally (`_recent_turn`):
 # decode's grant over that turn lands well within it, and from then on the registry answers.
 _RECENT_TURN_S = 3.0
+# Most history keys a lookup sends (the registry's default max_lookup_keys): a longer history
+# sends its latest boundaries, where the leases it may continue have their keys.
+_LOOKUP_KEYS = 4096
 REQUEST_ID_HEADER = "X-Request-Id"
 _ENGINE_MESSAGE_CHARS = 1000  # of an engine's 4xx error message passed to the client
 _LOGGED_BODY_CHARS = 2000  # of an engine's bad reply kept in the log
@@ -521,7 +524,8 @@ class Gateway:
                 turn.tenant, turn.conversation, estimate_prompt_tokens(body, chat), turn.model,
                 excluded, pin_read=bool(turn.conversation) and self.config.pin_at_route,
                 pin_ttl=self.config.pin_ttl_s,
-                history_keys=history.join(turn.keys) if lookup and turn.keys else b"",
+                history_keys=(history.join(turn.keys[-_LOOKUP_KEYS:]) if lookup and turn.keys
+                              else b""),
                 timeout=self.config.route_timeout_s)
         except NoInstance as err:
             if not excluded and not await self._model_known(turn.model):
@@ -756,8 +760,9 @@ class Gateway:
         match = route.read.match if route.HasField("read") else None
         found = read.lease.conversation_id if read is not None else ""
         if found and match is not None and match.keys_matched:
-            turn.keys_matched = match.keys_matched
-            if match.whole and match.keys_matched < len(turn.keys or ()):
+            sent = min(len(turn.keys or ()), _LOOKUP_KEYS)
+            turn.keys_matched = len(turn.keys or ()) - sent + match.keys_matched
+            if match.whole and turn.keys_matched < len(turn.keys or ()):
                 turn.source, turn.conversation = "continued", found
                 return
             turn.source = "branched"
