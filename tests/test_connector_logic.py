@@ -9,6 +9,7 @@ bounded polling of the registry or of the connector's metrics.
 from __future__ import annotations
 
 import asyncio
+import base64
 import socket
 import threading
 import time
@@ -214,10 +215,12 @@ class DecodeKit:
 
     def finish(self, request_id: str, conversation: str | None, prompt: list[int],
                output: list[int], block_ids: list[int], *, status: str = "FINISHED_STOPPED",
-               groups: int = 1) -> FakeRequest:
+               groups: int = 1, history_keys: str | None = None) -> FakeRequest:
         params: dict[str, Any] = {}
         if conversation is not None:
             params["kvbridge"] = conv_key(conversation)
+            if history_keys is not None:
+                params["kvbridge"]["history_keys"] = history_keys
         request = FakeRequest(request_id, prompt, output, params=params, status=status)
         self.last_extra = self.retention.on_finished(request, (list(block_ids),) * groups)
         return request
@@ -306,6 +309,21 @@ def test_decode_retains_and_grants_exact_lease(decode: DecodeKit, client: Regist
     assert lease.state == pb.LEASE_STATE_ACTIVE
     assert decode.retention.drain() == 0  # nothing reclaimable: nothing freed
     assert decode.pool.refs(held) == [1] * 7
+
+
+@pytest.mark.parametrize(("sent", "indexed"), [
+    (base64.b64encode(b"k" * 32).decode(), True),
+    (base64.b64encode(b"k" * 31).decode(), False),  # not whole keys: dropped
+    ("not base64!", False),
+])
+def test_decode_grants_with_the_gateways_history_keys(decode: DecodeKit, client: RegistryClient,
+                                                      sent: str, indexed: bool):
+    decode.finish("req-h", "c-h", PROMPT1, OUTPUT1, [5, 6, 7, 8, 9, 10, 11], history_keys=sent)
+    decode.wait_granted(1)
+    lease = only_lease(client, "c-h")  # granted either way: malformed keys are only dropped
+    found = client.pin_lease(TENANT, "", history_keys=b"k" * 16)
+    assert (found.read.lease.lease_id == lease.lease_id) is indexed
+    assert found.match.whole is indexed
 
 
 def test_decode_length_capped_finish_is_retained(decode: DecodeKit, client: RegistryClient):
