@@ -134,7 +134,8 @@ def test_register_new_holder(clock: FakeClock, registry_config: RegistryConfig) 
     assert h.ttl == 12.0 and h.expire_at == clock.monotonic() + 12.0
     assert table.get_holder(H) is h
     assert table.holders() == [h]
-    assert table.counts() == {"leases_active": 0, "leases_total": 0, "holders": 1, "pins": 0}
+    assert table.counts() == {"leases_active": 0, "leases_total": 0, "holders": 1, "pins": 0,
+                              "history_keys": 0}
     # no TTL asked: the registry default
     assert table.register_holder(hspec("h2")).holder.ttl == registry_config.default_holder_ttl_s
     assert [x.holder_id for x in table.holders()] == ["h1", "h2"]
@@ -263,7 +264,8 @@ def test_heartbeat_reports_reclaimable_until_acked_then_forgets(table: LeaseTabl
     assert reclaimable(table, acks=(a.lease_id,)) == []
     with pytest.raises(LeaseNotFound):
         table.get_lease(a.lease_id)
-    assert table.counts() == {"leases_active": 1, "leases_total": 1, "holders": 1, "pins": 0}
+    assert table.counts() == {"leases_active": 1, "leases_total": 1, "holders": 1, "pins": 0,
+                              "history_keys": 0}
     assert table.get_holder(H).retained_blocks == len(bids(b))
     assert table.acquire_read("t1", "c1", prompt(toks(8))).miss is MissReason.NO_LEASE
 
@@ -322,7 +324,8 @@ def test_grant_records_the_lease(table: LeaseTable, clock: FakeClock,
     assert [x.lease_id for x in table.leases(tenant="t1", conversation_id="c1")] == [
         lease.lease_id]
     assert list(table.leases(tenant="t2")) == []
-    assert table.counts() == {"leases_active": 1, "leases_total": 1, "holders": 1, "pins": 0}
+    assert table.counts() == {"leases_active": 1, "leases_total": 1, "holders": 1, "pins": 0,
+                              "history_keys": 0}
     assert table.get_holder(H).retained_blocks == 3
 
 
@@ -415,7 +418,8 @@ def test_capacity_limit_on_restore(clock: FakeClock) -> None:
     held = [snap(gspec(toks(4), conv=f"c{i}"), f"l-{i}") for i in range(3)]
     with pytest.raises(CapacityExhausted):
         table.register_holder(hspec(), held)
-    assert table.counts() == {"leases_active": 0, "leases_total": 0, "holders": 0, "pins": 0}
+    assert table.counts() == {"leases_active": 0, "leases_total": 0, "holders": 0, "pins": 0,
+                              "history_keys": 0}
 
 
 def test_reregister_listing_known_leases_at_capacity(clock: FakeClock) -> None:
@@ -835,7 +839,8 @@ def test_register_restores_unknown_held_leases(clock: FakeClock) -> None:
     assert a.created_at == now - 90.0
     assert a.expire_at == now + 10.0  # capped by the 100 s lifetime
     assert b.expire_at == now + RegistryConfig().default_idle_ttl_s
-    assert table.counts() == {"leases_active": 2, "leases_total": 2, "holders": 1, "pins": 0}
+    assert table.counts() == {"leases_active": 2, "leases_total": 2, "holders": 1, "pins": 0,
+                              "history_keys": 0}
     read = table.acquire_read("t1", "c1", prompt(toks(10)))
     assert read.miss is MissReason.HIT and read.lease is a
     assert (read.matched_blocks, read.partial) == (2, True)

@@ -236,8 +236,12 @@ class LeaseTableMachine(RuleBasedStateMachine):
         else:
             tokens = data.draw(TOKENS)
         n = -(-len(tokens) // BS)
+        # History keys from a small pool, so that leases share some and overwrite each
+        # other's index entries (the lookup by content).
+        keys = b"".join(bytes([k]) * 16 for k in data.draw(
+            st.lists(st.integers(1, 4), max_size=3), label="history keys"))
         spec = GrantSpec(h, tenant, cid, f"rr-{rrid}", list(range(10 * n, 11 * n)), len(tokens),
-                         lease_hashes(tokens), idle, life, request_id)
+                         lease_hashes(tokens), idle, life, request_id, keys)
 
         if self.holder_is_lost(h):
             with pytest.raises(HolderNotFound):
@@ -632,6 +636,18 @@ class LeaseTableMachine(RuleBasedStateMachine):
         assert alive <= counts["leases_active"] <= alive + unprocessed
         live_holders = sum(1 for h in HOLDERS if not self.holder_is_lost(h))
         assert live_holders <= counts["holders"] <= len(HOLDERS)
+
+    @invariant()
+    def history_index_holds_only_active_leases_under_their_own_keys(self) -> None:
+        entries = 0
+        for tenant, index in self.table._history.items():
+            assert index, "an empty tenant index is kept"
+            entries += len(index)
+            for key, lease in index.items():
+                assert lease.tenant == tenant and lease.state is LeaseState.ACTIVE
+                assert any(lease.history[i:i + 16] == key
+                           for i in range(0, len(lease.history), 16))
+        assert self.table.counts()["history_keys"] == entries
 
     @invariant()
     def live_pins_hold_their_leases(self) -> None:

@@ -338,6 +338,7 @@ class LeaseTable:
         # tenant -> history key -> the active lease most recently granted under it: the
         # lookup by content (a lease leaves it when it stops being active).
         self._history: dict[str, dict[bytes, Lease]] = {}
+        self.history_keys = 0  # entries of `_history`, all tenants
         self._pins: dict[str, Pin] = {}
         self._pin_id = pin_id_maker(secrets.token_bytes(16))  # keyed pin ids (kvbridge.ids)
         self._expiry: ExpiryWheel[Lease] = ExpiryWheel()  # lazily rescheduled on renewal
@@ -781,18 +782,22 @@ class LeaseTable:
         if not keys:
             return
         index = self._history.setdefault(lease.tenant, {})
+        before = len(index)
         for i in range(0, len(keys), HISTORY_KEY_SIZE):
             index[keys[i:i + HISTORY_KEY_SIZE]] = lease
+        self.history_keys += len(index) - before
 
     def _unindex(self, lease: Lease) -> None:
         keys = lease.history
         index = self._history.get(lease.tenant) if keys else None
         if index is None:
             return
+        before = len(index)
         for i in range(0, len(keys), HISTORY_KEY_SIZE):
             key = keys[i:i + HISTORY_KEY_SIZE]
             if index.get(key) is lease:
                 del index[key]
+        self.history_keys -= before - len(index)
         if not index:
             del self._history[lease.tenant]
 
@@ -1083,5 +1088,6 @@ class LeaseTable:
             "leases_total": len(self._leases),
             "holders": sum(1 for h in self._holders.values() if h.state is not HolderState.LOST),
             "pins": len(self._pins),
+            "history_keys": self.history_keys,
         }
 

@@ -46,6 +46,11 @@ class _TableCollector(Collector):
         yield GaugeMetricFamily("kvbridge_registry_holders", "Registered holders",
                                 value=counts["holders"])
         yield GaugeMetricFamily("kvbridge_registry_pins", "Live read pins", value=counts["pins"])
+        if "history_keys" in counts:
+            yield GaugeMetricFamily(
+                "kvbridge_registry_history_keys",
+                "History keys indexed for the lookup by content (all tenants)",
+                value=counts["history_keys"])
 
 
 class _HistogramSeries:
