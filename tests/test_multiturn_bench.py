@@ -4,6 +4,7 @@ real engines: `kvbridge bench multiturn --quick` in CI)."""
 from __future__ import annotations
 
 import http.server
+import io
 import json
 import threading
 from collections.abc import Iterator
@@ -14,12 +15,18 @@ from click.testing import CliRunner
 
 from kvbridge.benchmarks.multiturn import (
     LEGS,
+    NOID,
+    GatewayRunner,
     ModelShape,
     Record,
+    Stack,
     Workload,
     multiturn_bench,
+    noid_targets,
     plot,
+    run_legs,
     scrape,
+    spread,
     summarize,
     summary_markdown,
 )
@@ -54,6 +61,175 @@ def test_markdown_table_has_the_ratios_and_overheads() -> None:
     row = next(line for line in text.splitlines() if line.startswith("| 512 | 10.00x"))
     # OFF/KVBRIDGE, KVBRIDGE/UPSTREAM, KVBRIDGE-UPSTREAM, KVBRIDGE-FLOOR, UPSTREAM-FLOOR
     assert "| 0.83x | -20.0 | +20.0 | +40.0 |" in row
+
+
+def noid_pair(id_ttft: float, noid_ttft: float, id_reused: int, noid_reused: int,
+              length: int = 512, **noid_kw: object) -> list[Record]:
+    """Turns 1 and 2 of the id and noid legs at a length; the TTFTs are the client's."""
+    out = []
+    for leg, ttft, reused, source in (("kvbridge", id_ttft, id_reused, "body"),
+                                      (NOID, noid_ttft, noid_reused, "recent")):
+        kw: dict[str, object] = {"conversation_source": source, "route_ms": 1.0}
+        if leg == NOID:
+            kw.update(noid_kw)
+        out += [record(leg, 1, 2000.0, length, client_ttft_ms=2100.0,
+                       conversation_source="body" if leg == "kvbridge" else "new"),
+                record(leg, 2, ttft - 5, length, client_ttft_ms=ttft, reused_tokens=reused,
+                       **kw)]  # type: ignore[arg-type]
+    return out
+
+
+def test_noid_targets_met_within_the_slack() -> None:
+    # 200 ms: +2% is 4 ms, more than 2 ms; 96% of the tokens is enough.
+    summary = summarize(noid_pair(200.0, 203.9, 1000, 960))
+    entry = summary[NOID]["512"]
+    assert entry["vs_id_reused_ratio"] == 0.96
+    assert entry["vs_id_ttft_allowed_ms"] == 4.0
+    assert entry["vs_id_ttft_diff_ms"] == pytest.approx(3.9)
+    assert entry["vs_id_client_ttft"] == 1.0  # the client's TTFT, not prefill + decode
+    assert entry["vs_id_reuse_met"] == entry["vs_id_ttft_met"] == entry["vs_id_met"] == 1.0
+    assert "vs_id_met" not in summary["kvbridge"]["512"]
+    text = summary_markdown(summary, ModelShape(), Workload((512,)))
+    row = next(line for line in text.splitlines()
+               if line.startswith("| 512 | 1000 / 960 |"))
+    assert "| 0.960 | 200.0 / 203.9 | +3.9 | 4.0 |" in row
+    assert row.endswith("| recent 1 | met |")
+    assert "KVBRIDGE-NOID targets at every length: **met**." in text
+
+
+def test_noid_targets_not_met_at_one_length_fail_the_sweep() -> None:
+    # At 100 ms, +2% is the 2 ms floor: +2.5 ms is over it. At 1,024 tokens, 90% of the
+    # tokens reused is short of 95%.
+    records = noid_pair(100.0, 102.5, 500, 500) + noid_pair(300.0, 300.0, 1000, 900,
+                                                            length=1024)
+    summary = summarize(records)
+    short, long_ = summary[NOID]["512"], summary[NOID]["1024"]
+    assert (short["vs_id_reuse_met"], short["vs_id_ttft_met"]) == (1.0, 0.0)
+    assert short["vs_id_ttft_allowed_ms"] == 2.0
+    assert (long_["vs_id_reuse_met"], long_["vs_id_ttft_met"]) == (0.0, 1.0)
+    assert short["vs_id_met"] == long_["vs_id_met"] == 0.0
+    text = summary_markdown(summary, ModelShape(), Workload((512, 1024)))
+    verdict = next(line for line in text.splitlines()
+                   if line.startswith("KVBRIDGE-NOID targets"))
+    assert verdict == ("KVBRIDGE-NOID targets at every length: **not met**: 512: TTFT +2.5 ms "
+                       "(allowed +2.0); 1024: reused 0.900 of KVBRIDGE's tokens (< 0.95).")
+
+
+def test_noid_targets_fall_back_to_engine_ttft_and_zero_reuse() -> None:
+    # Without the client's TTFT (older records) the targets use prefill + decode; an id leg
+    # that reused nothing cannot be fallen short of.
+    got = noid_targets({"ttft_ms": 150.0, "reused_tokens": 0.0},
+                       {"ttft_ms": 150.0, "client_ttft_ms": 140.0, "reused_tokens": 0.0})
+    assert got["vs_id_client_ttft"] == 0.0
+    assert got["vs_id_ttft_diff_ms"] == 0.0
+    assert got["vs_id_reused_ratio"] == 1.0 and got["vs_id_met"] == 1.0
+
+
+def test_noid_without_the_id_leg_is_not_evaluated() -> None:
+    records = [r for r in noid_pair(100.0, 100.0, 500, 500) if r.leg == NOID]
+    summary = summarize(records)
+    assert "vs_id_met" not in summary[NOID]["512"]
+    text = summary_markdown(summary, ModelShape(), Workload((512,)))
+    assert ("KVBRIDGE-NOID targets at every length: not evaluated (no KVBRIDGE leg to "
+            "compare with).") in text
+
+
+def test_summary_counts_how_turns_were_found() -> None:
+    records = noid_pair(100.0, 100.0, 500, 500)
+    records += [record(NOID, 3, 100.0, client_ttft_ms=100.0, conversation_source="continued"),
+                record(NOID, 4, 100.0, client_ttft_ms=100.0, conversation_source="recent")]
+    summary = summarize(records)
+    # Turns 2+ only: turn 1's "new" is left out.
+    assert {k: v for k, v in summary[NOID]["512"].items() if k.startswith("source_")} == {
+        "source_recent": 2, "source_continued": 1}
+    assert summary["kvbridge"]["512"]["source_body"] == 1
+    assert "| continued 1, recent 2 |" in summary_markdown(summary, ModelShape(),
+                                                          Workload((512,)))
+
+
+def test_noid_conversations_are_other_tokens_of_the_same_shape() -> None:
+    workload = Workload((512,))
+    _, id_history = workload.conversation(512, 0)
+    _, noid_history = workload.conversation(512, 0, "noid")
+    _, again = workload.conversation(512, 0)
+    assert id_history == again and len(noid_history) == len(id_history) == 512
+    assert noid_history != id_history
+    # The legs that were there before keep their conversations.
+    import random
+    rng = random.Random("0-512-0")
+    assert id_history == [rng.randrange(10, 1000) for _ in range(512)]
+
+
+def test_gateway_runner_names_the_conversation_only_in_the_id_leg() -> None:
+    stack = Stack("http://p", "http://d", "m", gateway_url="http://g")
+    with_id, without = GatewayRunner(stack, Workload((512,))), GatewayRunner(
+        stack, Workload((512,)), send_id=False)
+    for runner in (with_id, without):
+        runner.begin_conversation()
+    assert with_id.request_body([1, 2])["conversation_id"].startswith("bench-")
+    body = without.request_body([1, 2])
+    assert "conversation_id" not in body and body["prompt"] == [1, 2]
+
+
+def test_stack_mates_do_not_follow_each_other() -> None:
+    a, b, c = (Stack("", "", "m") for _ in range(3))
+    stacks = {"upstream": a, "kvbridge": b, NOID: b, "floor": c}
+    order = spread(["upstream", "kvbridge", NOID, "floor"], stacks)
+    assert order == ["upstream", "kvbridge", "floor", NOID]
+    # Nothing shared (or nothing to gain): the order stays.
+    assert spread(["upstream", "kvbridge", "floor"], {"upstream": a, "kvbridge": b,
+                                                      "floor": c}) == [
+        "upstream", "kvbridge", "floor"]
+    assert spread(["kvbridge", NOID], stacks) == ["kvbridge", NOID]
+
+
+class FakeRunner:
+    """A leg that answers at once, checking that its stack runs and the others are stopped."""
+
+    def __init__(self, leg: str, stack: Stack, stacks: list[Stack], log: list[tuple[str, int]]
+                 ) -> None:
+        self.leg, self.stack, self.stacks, self.log = leg, stack, stacks, log
+
+    def begin_conversation(self) -> None:
+        pass
+
+    def turn(self, prompt: list[int], previous: list[int] | None
+             ) -> tuple[list[int], dict[str, float]]:
+        assert not self.stack.frozen
+        assert all(s.frozen for s in self.stacks if s is not self.stack)
+        self.log.append((self.leg, hash(tuple(prompt[:64]))))
+        return [7] * 8, {"prefill_ms": 1.0, "decode_ttft_ms": 1.0, "kv_xfer_ms": 0.0,
+                         "queue_ms": 0.0, "compute_ms": 0.0, "engine_ms": 0.0,
+                         "reused_tokens": 0, "recomputed_tokens": len(prompt)}
+
+
+def test_legs_sharing_a_stack_run_on_it_with_their_own_conversations() -> None:
+    shared, other = Stack("", "", "m"), Stack("", "", "m")
+    log: list[tuple[str, int]] = []
+    stacks = [shared, other]
+    runners = {"upstream": FakeRunner("upstream", other, stacks, log),
+               "kvbridge": FakeRunner("kvbridge", shared, stacks, log),
+               NOID: FakeRunner(NOID, shared, stacks, log)}
+    records: list[Record] = []
+    workload = Workload((256, 512), conversations=1, turns=3, new_tokens=16, answer_tokens=8)
+    sink = io.StringIO()
+    run_legs(runners, workload, records, sink)  # type: ignore[arg-type]
+    # The warm-up first: two turns per leg at the shortest length, not recorded.
+    warmup, measured = log[:6], log[6:]
+    assert sorted(leg for leg, _ in warmup) == sorted(["upstream", "kvbridge", NOID] * 2)
+    assert len(records) == len(measured) == 18 and len(sink.getvalue().splitlines()) == 18
+    assert [(r.leg, r.turn) for r in records[:3]] == [
+        ("kvbridge", 1), (NOID, 1), ("upstream", 1)]
+    first = dict(measured[:3])
+    assert first["kvbridge"] == first["upstream"] != first[NOID]
+    # Warm-up conversations are none of the measured ones.
+    assert not {h for _, h in warmup} & {h for _, h in measured}
+
+    log.clear()
+    no_warmup = Workload((256,), conversations=1, turns=3, new_tokens=16, answer_tokens=8,
+                         warmup=False)
+    run_legs(runners, no_warmup, [], io.StringIO())  # type: ignore[arg-type]
+    assert len(log) == 9
 
 
 def test_figures_are_written(tmp_path: Path) -> None:
