@@ -254,3 +254,192 @@ async def test_lapsed_holders_are_forgotten_as_the_memory_table_forgets_them(
         assert await store.list_leases(include_inactive=True) == []
     finally:
         await store.close()
+
+
+async def _history_index(store: Any, tenant: str) -> dict[bytes, str]:
+    """The tenant's lookup index as Redis holds it: history key -> lease id."""
+    assert store._redis is not None
+    raw = await store._redis.hgetall(store.prefix + f"tk:{tenant}")
+    return {k: v.decode() for k, v in raw.items()}
+
+
+async def test_the_history_index_loses_a_lease_wherever_lua_ends_it(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """Each way a lease stops being active inside the functions takes it out of the tenant's
+    lookup index (`tk:<tenant>`) and drops the keys it kept (`hk`): expiry by a tick, a holder
+    lost by a tick, a quota revocation, a drain. A key a later lease took stays that lease's;
+    the keys are one binary field of the lease."""
+    from test_store_contract import grant_spec, hkeys, holder
+
+    from kvbridge.clock import SystemClock
+    from kvbridge.services.registry import RegistryConfig, _redis
+    from kvbridge.services.registry._model import LeaseState, MissReason
+
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace, min_holder_ttl_s=1.0)
+    store = _redis.RedisStore(config, SystemClock(), recovering=False)
+    await store.start()
+    try:
+        assert store._redis is not None
+        s, u, v, w, x, y = hkeys("s", "u", "v", "w", "x", "y")
+        await store.register_holder(holder("h1", ttl=300.0))
+        await store.register_holder(holder("h2", ttl=1.0))
+        a = (await store.grant(grant_spec(kv, kv.tokens(8), conversation="c1",
+                                          history_keys=s + u, idle_ttl=100.0))).lease
+        assert await store._redis.hget(store.prefix + f"l:{a.lease_id}", "hk") == s + u
+        b = (await store.grant(grant_spec(kv, kv.tokens(8), conversation="c2",
+                                          history_keys=s + v, idle_ttl=1.0))).lease
+        c = (await store.grant(grant_spec(kv, kv.tokens(8), holder_id="h2", conversation="c3",
+                                          history_keys=w, idle_ttl=100.0))).lease
+        assert await _history_index(store, "t1") == {
+            s: b.lease_id, u: a.lease_id, v: b.lease_id, w: c.lease_id}
+        # A tick expires b (idle) and loses h2 (its TTL) with c: both leave the index; s,
+        # which b had taken from a, is no one's now.
+        await store.advance_clock(1.5)
+        await store.tick()
+        assert (await store.get_lease(b.lease_id)).state is LeaseState.EXPIRED
+        assert (await store.get_lease(c.lease_id)).state is LeaseState.HOLDER_LOST
+        assert await _history_index(store, "t1") == {u: a.lease_id}
+        assert store.counts()["history_keys"] == 1  # counted as they come and go
+        for dead in (b, c):
+            assert await store._redis.hget(store.prefix + f"l:{dead.lease_id}", "hk") is None
+        read = await store.pin_lease("t1", "", history_keys=s + u + v)
+        assert read.lease is not None and read.lease.lease_id == a.lease_id
+        assert (read.keys_matched, read.whole) == (2, True) and read.pin is not None
+        await store.release_read(read.pin.pin_id)
+        # A quota revocation (the tenant's soonest-expiring lease makes room).
+        quota = _redis.RedisStore(RegistryConfig(
+            backend="redis", redis_url=redis_server.url, redis_namespace=redis_namespace,
+            tenant_max_leases=1), SystemClock(), recovering=False)
+        await quota.start()
+        try:
+            d = (await quota.grant(grant_spec(kv, kv.tokens(8), tenant="t2",
+                                              history_keys=x))).lease
+            e = (await quota.grant(grant_spec(kv, kv.tokens(8), tenant="t2", conversation="c2",
+                                              history_keys=y))).lease
+            assert (await quota.get_lease(d.lease_id)).state is LeaseState.REVOKED
+            assert await _history_index(store, "t2") == {y: e.lease_id}
+        finally:
+            await quota.close()
+        # A drain revokes the holder's leases: the index is gone with the last of them.
+        await store.deregister_holder("h1")
+        assert await store._redis.exists(store.prefix + "tk:t1",
+                                         store.prefix + "tk:t2") == 0
+        await store.tick()
+        assert store.counts()["history_keys"] == 0
+        read = await store.pin_lease("t1", "", history_keys=s + u)
+        assert read.miss is MissReason.NO_LEASE and read.pin is None
+    finally:
+        await store.close()
+
+
+async def test_a_restored_lease_is_indexed_only_if_it_ends_up_active(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """RegisterHolder restores: one older than the conversation's current lease is restored
+    superseded and not indexed; a newer one supersedes the current lease, which leaves the
+    index, and takes its place; an expired one is not indexed."""
+    from test_store_contract import grant_spec, hkeys, holder
+
+    from kvbridge.clock import SystemClock
+    from kvbridge.services.registry import RegistryConfig, Snapshot, _redis
+    from kvbridge.services.registry._model import LeaseState
+
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace)
+    store = _redis.RedisStore(config, SystemClock(), recovering=False)
+    await store.start()
+    try:
+        s, u, v, w = hkeys("s", "u", "v", "w")
+        await store.register_holder(holder(ttl=300.0))
+        cur = (await store.grant(grant_spec(kv, kv.tokens(8), history_keys=s + u,
+                                            request_id="r1"))).lease
+        older = Snapshot("l-older", grant_spec(kv, kv.tokens(8), history_keys=s + v), 1, 5.0)
+        expired = Snapshot("l-expired", grant_spec(kv, kv.tokens(8), conversation="c9",
+                                                   history_keys=w, idle_ttl=5.0,
+                                                   max_lifetime=5.0), 1, 10.0)
+        await store.register_holder(holder(ttl=300.0), [older, expired],
+                                    held_ids=[cur.lease_id, "l-older", "l-expired"])
+        assert (await store.get_lease("l-older")).state is LeaseState.SUPERSEDED
+        assert (await store.get_lease("l-expired")).state is LeaseState.EXPIRED
+        assert await _history_index(store, "t1") == {s: cur.lease_id, u: cur.lease_id}
+        newer = Snapshot("l-newer", grant_spec(kv, kv.tokens(8), history_keys=s + v), 5, 0.0)
+        reg = await store.register_holder(holder(ttl=300.0), [newer], restore_only=True)
+        assert reg.restored == ["l-newer"]
+        assert (await store.get_lease(cur.lease_id)).state is LeaseState.SUPERSEDED
+        assert await _history_index(store, "t1") == {s: "l-newer", v: "l-newer"}
+    finally:
+        await store.close()
+
+
+async def test_the_lookup_drops_entries_the_index_should_not_hold(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """Entries a replica of an older layout leaves (it keeps no index: a lease it killed or
+    freed stays under its keys) or that point to another tenant's lease (an id used again
+    after its lease was freed) are never answered: the lookup checks the lease it finds,
+    drops such an entry, and goes on to shorter keys."""
+    from test_store_contract import grant_spec, hkeys, holder
+
+    from kvbridge.clock import SystemClock
+    from kvbridge.services.registry import RegistryConfig, _redis
+    from kvbridge.services.registry._model import MissReason
+
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace)
+    store = _redis.RedisStore(config, SystemClock(), recovering=False)
+    await store.start()
+    try:
+        assert store._redis is not None
+        s, u, v, w, x = hkeys("s", "u", "v", "w", "x")
+        await store.register_holder(holder(ttl=300.0))
+        live = (await store.grant(grant_spec(kv, kv.tokens(8), history_keys=s))).lease
+        dead = (await store.grant(grant_spec(kv, kv.tokens(8), conversation="c2",
+                                             history_keys=u))).lease
+        other = (await store.grant(grant_spec(kv, kv.tokens(8), tenant="t2",
+                                              history_keys=v))).lease
+        await store.revoke(dead.lease_id)
+        tk = store.prefix + "tk:t1"
+        await store._redis.hset(tk, mapping={u: dead.lease_id, v: other.lease_id,
+                                             w: "l-gone", x: live.lease_id})
+        read = await store.pin_lease("t1", "", history_keys=s + u + v + w + x)
+        assert read.lease is not None and read.lease.lease_id == live.lease_id
+        assert (read.keys_matched, read.whole) == (1, True) and read.pin is not None
+        assert await _history_index(store, "t1") == {s: live.lease_id}
+        assert await _history_index(store, "t2") == {v: other.lease_id}  # its own, untouched
+        read = await store.pin_lease("t1", "", history_keys=u + v + w + x)
+        assert read.miss is MissReason.NO_LEASE and read.pin is None
+    finally:
+        await store.close()
+
+
+async def test_a_long_lookup_finds_the_longest_key_in_any_chunk(
+        redis_server: Any, redis_namespace: str, kv: Any) -> None:
+    """The lookup reads a long request's keys a chunk at a time (a few, then more): the match
+    is the longest indexed key wherever it falls, and counted from the request's start."""
+    from test_store_contract import grant_spec, holder
+
+    from kvbridge.clock import SystemClock
+    from kvbridge.services.registry import RegistryConfig, _redis
+
+    config = RegistryConfig(backend="redis", redis_url=redis_server.url,
+                            redis_namespace=redis_namespace)
+    store = _redis.RedisStore(config, SystemClock(), recovering=False)
+    await store.start()
+    try:
+        keys = [i.to_bytes(16, "big") for i in range(1, 1001)]
+        request = b"".join(keys)
+        await store.register_holder(holder(ttl=300.0))
+        found = {}
+        for at, conv in ((7, "c7"), (40, "c40"), (300, "c300"), (997, "c997")):
+            found[at] = (await store.grant(grant_spec(
+                kv, kv.tokens(8), conversation=conv,
+                history_keys=keys[at - 1] + (1000 + at).to_bytes(16, "big")))).lease
+        for at in (997, 300, 40, 7):  # longest first; each revoked in turn
+            read = await store.pin_lease("t1", "", history_keys=request)
+            assert read.lease is not None and read.lease.lease_id == found[at].lease_id
+            assert (read.keys_matched, read.whole) == (at, False) and read.pin is not None
+            await store.release_read(read.pin.pin_id)
+            await store.revoke(found[at].lease_id)
+        read = await store.pin_lease("t1", "", history_keys=request)
+        assert read.lease is None and read.keys_matched == 0
+    finally:
+        await store.close()

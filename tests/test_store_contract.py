@@ -416,7 +416,8 @@ async def test_expiry_fires_once_and_reads_miss(b: Backend, kv: Any) -> None:
     assert (await b.store.get_lease(lease.lease_id)).state is LeaseState.EXPIRED
     read = await b.store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
     assert read.miss is MissReason.EXPIRED
-    assert b.store.counts() == {"leases_active": 0, "leases_total": 1, "holders": 1, "pins": 0}
+    assert b.store.counts() == {"leases_active": 0, "leases_total": 1, "holders": 1, "pins": 0,
+                                "history_keys": 0}
     await b.wait_events(lease.lease_id, ["GRANTED", "EXPIRED", "RECLAIMABLE"])
     assert next(e.lateness for e in b.events if e.type is EventType.EXPIRED) >= 0
 

@@ -110,7 +110,8 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
         self._events_lost: Callable[[str], None] | None = None
         self._renewal_listeners: list[Listener] = []
         self._block_sizes: dict[str, int] = {}  # holder -> block size, to check grants first
-        self._counts = {"leases_active": 0, "leases_total": 0, "holders": 0, "pins": 0}
+        self._counts = {"leases_active": 0, "leases_total": 0, "holders": 0, "pins": 0,
+                        "history_keys": 0}
         self._next_deadline: float | None = None
         self._reader: asyncio.Task[None] | None = None
         self._chores: set[asyncio.Task[Any]] = set()
@@ -247,7 +248,7 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
             args += [snap.lease_id, g.tenant, g.conversation_id, g.remote_request_id,
                      g.hashes + array("I", g.block_ids).tobytes(), g.token_count,
                      len(g.block_ids), snap.epoch, snap.age, idle, life,
-                     *cfg.quota_of(g.tenant, self._quotas)]
+                     *cfg.quota_of(g.tenant, self._quotas), g.history_keys]
         args += [1 if restore_only else 0, len(held_ids), *held_ids]
         reply = await self._run(*args)
         if reply[0] == b"ERR":
@@ -331,7 +332,7 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
                 "grant", g.holder_id, block_size, lease_id, 1 if g.request_id else 0, g.tenant,
                 g.conversation_id, g.remote_request_id, payload, g.token_count,
                 len(g.block_ids), idle, life, cfg.max_leases,
-                *cfg.quota_of(g.tenant, self._quotas))
+                *cfg.quota_of(g.tenant, self._quotas), g.history_keys)
             if reply[0] != b"STALE":
                 break
             block_size, checked = int(reply[1]), False
@@ -412,9 +413,12 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
 
     async def pin_lease(self, tenant: str, conversation_id: str, min_tokens: int = 0,
                         pin_ttl: float = 0.0, reader_id: str = "", request_id: str = "",
-                        caller: str = "") -> Read:
+                        caller: str = "", history_keys: bytes = b"") -> Read:
         check_read(self.config, tenant, conversation_id, min_tokens, pin_ttl, reader_id,
-                   request_id)
+                   request_id, history_keys)
+        if history_keys:  # the lookup by content: the keys ride where a prompt's hashes do
+            return await self._read("h", tenant, "", history_keys, min_tokens, pin_ttl,
+                                    reader_id, request_id, caller)
         return await self._read("p", tenant, conversation_id, b"", min_tokens, pin_ttl,
                                 reader_id, request_id, caller)
 
@@ -433,13 +437,15 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
         if reply[0] == b"ERR":
             raise refusal(self.config, _s(reply[1]), request_id=request_id, what="read",
                           tenant=tenant)
+        # OK, base, miss, k, matched, partial, keys matched, whole[, lease, holder[, pin]]
         miss = MissReason(reply[2])
-        if len(reply) == 6:
+        if len(reply) == 8:
             return Read(miss, 0, None)
         base = self._base(reply[1])
-        lease = lease_with_holder(reply[6], reply[7], base)
-        pin = Pin(_s(reply[8]), lease, base + float(reply[9])) if len(reply) > 8 else None
-        return Read(miss, int(reply[3]), lease, int(reply[4]), bool(reply[5]), pin)
+        lease = lease_with_holder(reply[8], reply[9], base)
+        pin = Pin(_s(reply[10]), lease, base + float(reply[11])) if len(reply) > 10 else None
+        return Read(miss, int(reply[3]), lease, int(reply[4]), bool(reply[5]), pin,
+                    keys_matched=int(reply[6]), whole=bool(reply[7]))
 
     async def release_read(self, pin_id: str) -> bool:
         check.identifier("pin_id", pin_id, self.config.max_id_length)
@@ -472,7 +478,8 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
             self._block_sizes.pop(_s(hid), None)
         self._next_deadline = self.clock.monotonic() + float(reply[3]) if reply[3] else None
         self._counts = {"leases_active": int(reply[5]), "leases_total": int(reply[6]),
-                        "holders": int(reply[7]), "pins": int(reply[8])}
+                        "holders": int(reply[7]), "pins": int(reply[8]),
+                        "history_keys": int(reply[11]) if len(reply) > 11 else 0}
         secret = bytes(reply[10]) if len(reply) > 10 else b""
         if secret and secret != self._pin_secret:
             # Redis lost its data and a replica started since made a new secret (or this one

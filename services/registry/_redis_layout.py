@@ -10,12 +10,18 @@ Keys (P = `{namespace}:`, a Redis Cluster hash tag, so all keys of a fleet live 
   P lost             zset: lost holder -> lost time (kept until its dead leases are freed)
   P l:<lease>        hash: t c h r p(hashes + uint32 block ids) n(tokens) b(blocks) e(epoch)
                      i(idle ttl) m(max lifetime) ct(created) x(expire) s(state) k(pin count)
+                     hk(history keys, concatenated: only while ACTIVE, only when granted
+                     with some; layout 4)
   P leases           zset (score 0): every lease id, in id order for listing
   P lexp             zset: ACTIVE lease -> expire time
   P c:<tenant> <conv>  string: the conversation's current lease id
   P ta:<tenant>      set: the tenant's ACTIVE lease ids (for quotas and listing)
   P td:<tenant>      set: the tenant's dead lease ids not yet freed (for listing; layout 3)
   P tb               hash: tenant -> blocks of its ACTIVE leases (for quotas)
+  P tp               hash: tenant -> its live pins (tenant_max_pins)
+  P tk:<tenant>      hash: history key (16 bytes) -> the tenant's ACTIVE lease most recently
+                     granted or restored under it, for the lookup by content (layout 4)
+  P tkn              string: how many entries the tk: hashes hold, all tenants (a metric)
   P p:<pin>          hash: l(lease) x(expire)
   P pexp             zset: pin -> expire time
   P events           stream: lease events (t l tn c h e w lt), read by every replica
@@ -61,8 +67,13 @@ log = structlog.get_logger("kvbridge.registry")
 # see `_redis_lua`.) Layout 1: replicas from before layouts were recorded (they neither record
 # nor check one, and ignore the clock fix). Layout 3 adds `td:<tenant>`, the tenant's dead
 # leases, for listings by tenant: layout-2 replicas do not keep it (a listing of inactive leases
-# then misses the ones they killed until those are freed), which misreads nothing.
-LAYOUT = 3
+# then misses the ones they killed until those are freed), which misreads nothing. Layout 4
+# adds the lookup by content (`tk:<tenant>`, and each lease's keys in `hk`): layout-2 and 3
+# replicas neither index the leases they grant or restore (those are not found by content)
+# nor take the leases they kill out of the index (the lookup checks the lease an entry names
+# and drops an entry it should not hold), which misreads nothing either; a lease granted
+# before has no keys and is just not indexed.
+LAYOUT = 4
 LAYOUT_MIN = 2  # the oldest layout that may share a namespace with this one
 
 

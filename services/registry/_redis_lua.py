@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from kvbridge.blockhash import HASH_SIZE
+from kvbridge.history import KEY_SIZE as HISTORY_KEY_SIZE
 from kvbridge.services.registry._core import DEAD_EVENT, MISS_FOR_STATE
 from kvbridge.services.registry._model import EventType, HolderState, LeaseState, MissReason
 from kvbridge.services.registry._redis_layout import LAYOUT
@@ -54,7 +55,7 @@ CONTEXT_ARGS = 6
 # A lease a re-registering holder retains, as `register` takes it: these arguments in order.
 SNAPSHOT_FIELDS = ("lease_id", "tenant", "conversation", "remote_request_id", "payload",
                    "tokens", "blocks", "epoch", "age", "idle", "life", "quota_leases",
-                   "quota_blocks")
+                   "quota_blocks", "history_keys")
 # A clock this far (seconds) outside what the caller knows of it has stepped (see store.lua).
 CLOCK_STEP = 1.0
 
@@ -93,6 +94,7 @@ def _constants() -> str:
     for reason in Refusal:
         lines.append(f"local ERR_{reason.name} = '{reason.value}'")
     lines.append(f"local HASH_SIZE = {HASH_SIZE}  -- bytes of one block hash")
+    lines.append(f"local HISTORY_KEY_SIZE = {HISTORY_KEY_SIZE}  -- bytes of one history key")
     lines.append(f"local CONTEXT_ARGS = {CONTEXT_ARGS}")
     lines.append(f"local CLOCK_STEP = {CLOCK_STEP!r}")
     lines.append(f"local SNAPSHOT_ARGS = {len(SNAPSHOT_FIELDS)}")

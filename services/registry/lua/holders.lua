@@ -3,6 +3,7 @@
 -- A lease a re-registering holder still retains: its SNAPSHOT_ARGS arguments from args[b]
 -- (S_* are their offsets; the quota is 0 for none). One that would put its tenant over the
 -- quota is restored revoked: the holder frees it (a restore makes no room by revoking others).
+-- One restored active is indexed under its history keys again.
 local function restore(hid, args, b)
   local lid, tenant, conv = args[b + S_LEASE_ID], args[b + S_TENANT], args[b + S_CONVERSATION]
   local epoch, age = tonumber(args[b + S_EPOCH]), tonumber(args[b + S_AGE])
@@ -40,6 +41,7 @@ local function restore(hid, args, b)
   if newer then
     redis.call('SET', C, lid)
     redis.call('ZADD', P .. 'lexp', F(x), lid)
+    add_history(lid, tenant, args[b + S_HISTORY_KEYS])
   else
     kill(lid, SUPERSEDED, 0)
   end

@@ -8,6 +8,7 @@ local function grant(keys, args)
   local tokens, blocks = args[9], tonumber(args[10])
   local idle, life, max_leases = tonumber(args[11]), tonumber(args[12]), tonumber(args[13])
   local QL, QB = tonumber(args[14]), tonumber(args[15])  -- the tenant's quota (0: none)
+  local hk = args[16]  -- the history keys, concatenated ('' for none)
   local s = holder_state(hid)
   if not s or s == H_LOST then return {'ERR', ERR_HOLDER_NOT_FOUND} end
   local hbs = redis.call('HGET', P .. 'h:' .. hid, 'bs')
@@ -90,6 +91,7 @@ local function grant(keys, args)
   end
   local x = add_lease(lid, hid, tenant, conv, rrid, payload, tokens, blocks, epoch, idle, life,
                       NOW)
+  add_history(lid, tenant, hk)  -- after the supersession: the keys it shares are its own now
   redis.call('SET', C, lid)
   redis.call('ZADD', P .. 'lexp', F(x), lid)
   emit(EV_GRANTED, lid, tenant, conv, hid, epoch, 0)

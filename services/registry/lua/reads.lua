@@ -14,28 +14,126 @@ local function matching(ours, theirs, blocks)
   return k
 end
 
+-- Whether a lease (its LF fields) of a holder (its HF fields) can be read as they stand: a
+-- live lease of an active, unexpired holder.
+local function live(lf, hf)
+  return hf[9] and tonumber(lf[12]) == ACTIVE and tonumber(lf[11]) > NOW
+         and tonumber(hf[9]) == H_ACTIVE and tonumber(hf[7]) > NOW
+end
+
+-- Whether `key` is one of the history keys `hk` (a lease's, concatenated), last first.
+local function has_key(hk, key)
+  if not hk then return false end
+  for i = #hk - HISTORY_KEY_SIZE + 1, 1, -HISTORY_KEY_SIZE do
+    if string.sub(hk, i, i + HISTORY_KEY_SIZE - 1) == key then return true end
+  end
+  return false
+end
+
+-- Keys a lookup by content reads a call: LOOKUP_FIRST (a turn that continues a lease matches
+-- its last key a few boundaries back: the answer, tool results and the new message follow
+-- it), then LOOKUP_GROWTH times more each call, at most LOOKUP_MOST (unpack has a stack
+-- limit). Against one HGET a key, this halves what a miss over 4096 keys holds Redis for.
+local LOOKUP_FIRST, LOOKUP_GROWTH, LOOKUP_MOST = 4, 8, 256
+
+-- LF and the lease's history keys (built with operators only: loading the library runs this,
+-- and a library's load sees no globals)
+local LF_HK = {}
+for i = 1, #LF do LF_HK[i] = LF[i] end
+LF_HK[#LF + 1] = 'hk'
+
+-- The lookup by content: the tenant's readable lease indexed (`tk:<tenant>`, see store.lua)
+-- under the longest of `keys` (the request's history keys, shortest prefix first). Returns
+-- its id, its LF and its holder's HF fields, how many of `keys` the match covers and whether
+-- the key is the lease's last (1 or 0); nil for none. Each key is read once at most, longest
+-- first, up to the first readable lease. A lease found that cannot be read is skipped:
+-- deadlines that passed are applied (an expired lease, a lost holder's, leave the index with
+-- it) and shorter keys are tried. An entry the index should not hold (its lease gone, dead, another
+-- tenant's, or not granted under the key: left by a replica of an older layout, or by a Redis
+-- that evicted the lease) is dropped as it is met.
+local function found_by_history(tenant, keys)
+  local TK = P .. 'tk:' .. tenant
+  if redis.call('EXISTS', TK) == 0 then return nil end
+  local dead = {}  -- lid -> true: dead (its entries go), false: live but not readable now
+  -- Longest first, a chunk of keys a call (LOOKUP_FIRST...), so that a miss over a long
+  -- history costs a few calls, not one a key. (An entry met later in a chunk may have gone
+  -- since the chunk was read: the lease it names is checked before it is used, and nothing
+  -- is added meanwhile.)
+  local hi, size = math.floor(#keys / HISTORY_KEY_SIZE), LOOKUP_FIRST
+  while hi >= 1 do
+    local lo = math.max(hi - size + 1, 1)
+    local chunk = {}
+    for i = hi, lo, -1 do
+      chunk[#chunk + 1] = string.sub(keys, (i - 1) * HISTORY_KEY_SIZE + 1,
+                                     i * HISTORY_KEY_SIZE)
+    end
+    local lids = redis.call('HMGET', TK, unpack(chunk))
+    for j = 1, #chunk do
+      local key, lid = chunk[j], lids[j]
+      local d = lid and dead[lid]
+      if lid and d == nil then
+        local lf = redis.call('HMGET', P .. 'l:' .. lid, unpack(LF_HK))
+        local hk = lf[#LF_HK]
+        lf[#LF_HK] = nil
+        if not lf[3] then
+          d = true  -- gone
+        elseif lf[1] ~= tenant or not has_key(hk, key) then
+          -- not one of that lease's keys (it may have others): this entry only goes
+          count_entries(-redis.call('HDEL', TK, key))
+        else
+          local hf = redis.call('HMGET', P .. 'h:' .. lf[3], unpack(HF))
+          if live(lf, hf) then
+            local whole = 0
+            if string.sub(hk, -HISTORY_KEY_SIZE) == key then whole = 1 end
+            return lid, lf, hf, hi - j + 1, whole
+          end
+          -- Dead by now: killed just now (its keys left with it) or before, by a replica
+          -- that keeps no index. Else alive but not readable (a draining holder's).
+          d = refresh(lid) ~= ACTIVE
+        end
+        if d ~= nil then dead[lid] = d end
+      end
+      if d then count_entries(-redis.call('HDEL', TK, key)) end
+    end
+    hi, size = lo - 1, math.min(size * LOOKUP_GROWTH, LOOKUP_MOST)
+  end
+  return nil
+end
+
 local function read(keys, args)
   begin(keys, args, true)
-  -- mode: 'a' to match the prompt's hashes, 'p' to pin the whole lease (no prompt)
+  -- mode: 'a' to match the prompt's hashes, 'p' to pin the whole lease (no prompt), 'h' to
+  -- pin the whole lease found by content (`prompt`: the request's history keys, no conv)
   local mode, tenant, conv, prompt = args[1], args[2], args[3], args[4]
   local min_tokens, pin_ttl, pin_id = tonumber(args[5]), tonumber(args[6]), args[7]
   local max_pin = tonumber(args[9])  -- args[8]: whether the pin id came from a request_id
   local max_tenant_pins = tonumber(args[10])  -- 0: no limit
-  local lid = redis.call('GET', P .. 'c:' .. tenant .. ' ' .. conv)
-  if not lid then return {'OK', stamp(), MISS_NO_LEASE, 0, 0, 0} end
-  local L = P .. 'l:' .. lid
-  -- The hot path reads the lease and its holder once each and answers from what it read.
-  -- Anything but a live lease of an active, unexpired holder takes the general path below,
-  -- which applies passed deadlines first (refresh) and reports the miss.
-  local lf = redis.call('HMGET', L, unpack(LF))  -- t c h r p n e i m ct x s k
-  local hid = lf[3]
-  if not hid then return {'OK', stamp(), MISS_NO_LEASE, 0, 0, 0} end  -- a lease now gone
-  local hf = redis.call('HMGET', P .. 'h:' .. hid, unpack(HF))  -- host .. s rb
-  local function miss(reason, k, matched, partial)
-    return {'OK', stamp(), reason, k, matched, partial, lease_enc(lid), holder_enc(hid)}
+  -- Every reply: the miss reason, the blocks matched, the blocks and partial block pinned,
+  -- for a lookup by content how many keys matched and whether whole (else 0 0); then, when
+  -- a lease was found, it and its holder; then, on a hit, the pin.
+  local lid, lf, hid, hf
+  local km, whole = 0, 0
+  if mode == 'h' then
+    lid, lf, hf, km, whole = found_by_history(tenant, prompt)
+    if not lid then return {'OK', stamp(), MISS_NO_LEASE, 0, 0, 0, 0, 0} end
+    mode, hid = 'p', lf[3]
+  else
+    lid = redis.call('GET', P .. 'c:' .. tenant .. ' ' .. conv)
+    if not lid then return {'OK', stamp(), MISS_NO_LEASE, 0, 0, 0, 0, 0} end
+    -- The hot path reads the lease and its holder once each and answers from what it read.
+    -- Anything but a live lease of an active, unexpired holder takes the general path
+    -- below, which applies passed deadlines first (refresh) and reports the miss.
+    lf = redis.call('HMGET', P .. 'l:' .. lid, unpack(LF))  -- t c h r p n e i m ct x s k
+    hid = lf[3]
+    if not hid then return {'OK', stamp(), MISS_NO_LEASE, 0, 0, 0, 0, 0} end  -- now gone
+    hf = redis.call('HMGET', P .. 'h:' .. hid, unpack(HF))  -- host .. s rb
   end
-  if not (hf[9] and tonumber(lf[12]) == ACTIVE and tonumber(lf[11]) > NOW
-          and tonumber(hf[9]) == H_ACTIVE and tonumber(hf[7]) > NOW) then
+  local L = P .. 'l:' .. lid
+  local function miss(reason, k, matched, partial)
+    return {'OK', stamp(), reason, k, matched, partial, km, whole, lease_enc(lid),
+            holder_enc(hid)}
+  end
+  if not live(lf, hf) then
     local s = refresh(lid)
     if s ~= ACTIVE then return miss(MISS_FOR_STATE[s], 0, 0, 0) end
     return miss(MISS_HOLDER_GONE, 0, 0, 0)  -- a live lease whose holder is draining
@@ -86,8 +184,8 @@ local function read(keys, args)
   redis.call('HSET', L, 'x', x, 'k', pins)
   redis.call('ZADD', P .. 'lexp', x, lid)
   lf[11], lf[13] = x, pins
-  return {'OK', stamp(), MISS_HIT, k, k, pflag, lease_enc(lid, lf), holder_enc(hid, hf), pin_id,
-          F(deadline)}
+  return {'OK', stamp(), MISS_HIT, k, k, pflag, km, whole, lease_enc(lid, lf),
+          holder_enc(hid, hf), pin_id, F(deadline)}
 end
 
 local function release(keys, args)

@@ -104,15 +104,70 @@ local function emit_reclaimable(lid, f)
   end
 end
 
+-- The lookup by content: `tk:<tenant>` maps each history key (16 bytes, binary) to the
+-- tenant's ACTIVE lease most recently granted or restored under it; a lease keeps the keys
+-- it was granted with in its `hk` field (concatenated), to leave the index when it stops
+-- being active (`kill`, the one place where a lease does). Keys go a chunk at a time: unpack
+-- has a stack limit. `tkn` counts the entries of every tenant's index (a metric): whatever
+-- adds or removes some counts them.
+local KEYS_A_CALL = 256
+
+local function count_entries(n)
+  if n ~= 0 then redis.call('INCRBY', P .. 'tkn', n) end
+end
+
+local function index(lid, tenant, hk)
+  local TK = P .. 'tk:' .. tenant
+  local step = KEYS_A_CALL * HISTORY_KEY_SIZE
+  for i = 1, #hk, step do
+    local fv = {}
+    for j = i, math.min(i + step, #hk + 1) - 1, HISTORY_KEY_SIZE do
+      fv[#fv + 1] = string.sub(hk, j, j + HISTORY_KEY_SIZE - 1)
+      fv[#fv + 1] = lid
+    end
+    count_entries(redis.call('HSET', TK, unpack(fv)))  -- the new ones
+  end
+end
+
+-- Drop the keys of `hk` that still point to `lid` (a later lease may have taken some).
+local function unindex(lid, tenant, hk)
+  local TK = P .. 'tk:' .. tenant
+  local step = KEYS_A_CALL * HISTORY_KEY_SIZE
+  for i = 1, #hk, step do
+    local keys = {}
+    for j = i, math.min(i + step, #hk + 1) - 1, HISTORY_KEY_SIZE do
+      keys[#keys + 1] = string.sub(hk, j, j + HISTORY_KEY_SIZE - 1)
+    end
+    local at = redis.call('HMGET', TK, unpack(keys))
+    local gone = {}
+    for j = 1, #keys do
+      if at[j] == lid then gone[#gone + 1] = keys[j] end
+    end
+    if #gone > 0 then count_entries(-redis.call('HDEL', TK, unpack(gone))) end
+  end
+end
+
+-- Give an ACTIVE lease the history keys it was granted with ('' for none: no field), and
+-- index it under them.
+local function add_history(lid, tenant, hk)
+  if hk == '' then return end
+  redis.call('HSET', P .. 'l:' .. lid, 'hk', hk)
+  index(lid, tenant, hk)
+end
+
 -- Leases whose hash a key-evicting Redis dropped (see the docs) are skipped by kill and
 -- forget below rather than failing the call: an error there would fail every tick, and no
 -- pin, lease or holder would expire again.
 local function kill(lid, state, lateness)
   local L = P .. 'l:' .. lid
-  local f = redis.call('HMGET', L, 't', 'c', 'h', 'e', 'k', 'b')
+  local f = redis.call('HMGET', L, 't', 'c', 'h', 'e', 'k', 'b', 'hk')
   if not f[1] then
     redis.call('ZREM', P .. 'lexp', lid)
     return false
+  end
+  if f[7] then  -- a dead lease needs its keys no more
+    unindex(lid, f[1], f[7])
+    redis.call('HDEL', L, 'hk')
   end
   redis.call('HSET', L, 's', state)
   redis.call('ZREM', P .. 'lexp', lid)

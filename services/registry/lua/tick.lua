@@ -9,14 +9,15 @@ local function tick(keys, args)
   local owed_per_tick, pin_secret = tonumber(args[5]), args[6]
   local ticker, turn = args[7], tonumber(args[8])  -- '' and 0: an unscheduled tick
   -- Every tick's reply: what it expired and lost, when to tick next, the counts, the layout
-  -- minimum and the pin secret (a replica takes them from any tick, its own turn or not).
+  -- minimum, the pin secret and the history keys indexed (a replica takes them from any tick,
+  -- its own turn or not).
   local function tick_reply(expired, nxt, lost)
     local next_in = ''
     if nxt then next_in = F(nxt - NOW) end
     return {'OK', stamp(), expired, next_in, lost, redis.call('ZCARD', P .. 'lexp'),
             redis.call('ZCARD', P .. 'leases'), redis.call('ZCARD', P .. 'holders'),
             redis.call('ZCARD', P .. 'pexp'), redis.call('HGET', P .. 'layout', 'min') or '0',
-            redis.call('GET', P .. 'pin_secret') or ''}
+            redis.call('GET', P .. 'pin_secret') or '', redis.call('GET', P .. 'tkn') or '0'}
   end
   -- A scheduled tick (the replica's ticker token, and how long its turn holds) is left to the
   -- replica that took the turn while its hold lasts: the fleet's deadlines are processed by
