@@ -235,7 +235,9 @@ def _chat(up: Up, messages: list[dict[str, Any]], *, key: str = "sk-alice",
           recompute: bool = False) -> tuple[str, dict[str, str]]:
     client = openai.OpenAI(base_url=f"{gateway or up.gateway}/v1", api_key=key, max_retries=0,
                            timeout=120)
-    extra: dict[str, Any] = {"tools": tools} if tools else {}
+    # The tiny model never calls a tool by itself, and a vLLM without a tool-call parser
+    # refuses "auto": the tools still shape the prompt; the loop below writes the calls.
+    extra: dict[str, Any] = {"tools": tools, "tool_choice": "none"} if tools else {}
     raw = client.chat.completions.with_raw_response.create(
         model=up.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,  # type: ignore[arg-type]
         extra_headers=RECOMPUTE if recompute else {}, **extra)
