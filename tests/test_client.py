@@ -466,7 +466,7 @@ def test_session_reregisters_after_registry_restart_and_restores_leases(
         holder_clock.advance(7)
         threaded_registry.restart_fresh()  # same port, empty state
         assert threaded_registry.call(lambda: threaded_registry.table.counts()) == {
-            "leases_active": 0, "leases_total": 0, "holders": 0, "pins": 0}
+            "leases_active": 0, "leases_total": 0, "holders": 0, "pins": 0, "history_keys": 0}
         _reregister(session, threaded_registry)
         restored = client.get_lease(lease.lease_id)
         assert restored.state == pb.LEASE_STATE_ACTIVE
