@@ -16,13 +16,21 @@ stack in the same run (ratios, not absolute numbers, are what transfer between m
 - lease renewals per second through the batched RenewLeases;
 - resident memory per lease, from the registry's RSS before and after granting N leases;
 - how late expiry fires (p99), from the registry's own lateness figure on EXPIRED events,
-  with the N leases still live in the expiry queue.
+  with the N leases still live in the expiry queue;
+- the lookup by content (issue 34): PinLease by history keys at the offered rate, hits and
+  misses, beside the echo, on a registry of its own holding N leases across
+  `--lookup-tenants` tenants.
+
+Every lease is granted with history keys as the gateway grants them
+(`kvbridge.history.grant_keys` of a `--lookup-messages` history), so that the memory per lease
+includes the lookup index.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
 import json
 import os
 import re
@@ -43,7 +51,7 @@ from typing import Any
 import click
 import grpc
 
-from kvbridge import aio, grpc_env
+from kvbridge import aio, grpc_env, history
 from kvbridge.clients._registry import AsyncRegistryClient, seconds
 from kvbridge.clients._registry import duration as duration_pb
 from kvbridge.errors import KvbridgeError
@@ -51,11 +59,44 @@ from kvbridge.registry.v1 import registry_pb2 as pb
 
 ECHO_METHOD = "/kvbridge.bench.Echo/Echo"
 ACQUIRE_METHOD = "/kvbridge.registry.v1.RegistryService/AcquireRead"
+PIN_METHOD = "/kvbridge.registry.v1.RegistryService/PinLease"
 _PORT_LINE = re.compile(r"^(?:PORT (\d+)|.*\"listen\": \"[^\"]*:(\d+)\")")
 
 
 def _identity(b: bytes) -> bytes:
     return b
+
+
+def _history_root(tenant: str, conversation: int) -> bytes:
+    """A synthetic conversation's own root: its history keys are derived from it."""
+    return hashlib.blake2b(f"{tenant}/{conversation}".encode(), digest_size=16).digest()
+
+
+def _history_key(root: bytes, boundary: int) -> bytes:
+    """The conversation's history key at message `boundary` (0: after its first message).
+    Keys are opaque 16-byte values to the registry: derived per boundary here (the same keys
+    at the same boundaries for every turn of the conversation, each turn's request continuing
+    the one before), not chained over message text as `history.request_keys` chains them,
+    which would cost the driver a hash per message and change nothing the registry sees."""
+    return hashlib.blake2b(boundary.to_bytes(4, "little"), key=root,
+                           digest_size=history.KEY_SIZE).digest()
+
+
+def _grant_boundaries(messages: int) -> list[int]:
+    """Which of a `messages`-message history's boundaries `history.grant_keys` picks for the
+    lease (0-based, shortest prefix first)."""
+    picked = history.grant_keys([j.to_bytes(history.KEY_SIZE, "big") for j in range(messages)])
+    return [int.from_bytes(k, "big") for k in history.split(picked)]
+
+
+def _lease_history(root: bytes, boundaries: Sequence[int]) -> bytes:
+    """The history keys a lease is granted with (GrantLeaseRequest.history_keys)."""
+    return b"".join(_history_key(root, j) for j in boundaries)
+
+
+def _request_history(root: bytes, messages: int) -> bytes:
+    """A request's history keys, one per message boundary (PinLeaseRequest.history_keys)."""
+    return b"".join(_history_key(root, j) for j in range(messages))
 
 
 async def _flood_main(port: int, tenant: str, polite: bool) -> None:
@@ -263,12 +304,16 @@ def _registry_proc(leases: int, extra: Sequence[str] = (), secured: bool = False
 
 async def _run(leases: int, blocks: int, rate: float, duration: float, concurrency: int,
                rounds: int, log: Callable[[str], None],
-               registries: _Registries | None = None, secured: bool = False
-               ) -> dict[str, Any]:
+               registries: _Registries | None = None, secured: bool = False,
+               lookup_tenants: int = 1000, lookup_messages: int = 200) -> dict[str, Any]:
     block_size = 16
+    # The lookup by content is measured on the memory backend, on a registry of its own (its
+    # leases spread over many tenants, the first registry's all in one).
+    lookup: _Proc | None = None
     if registries is None:
         single = _registry_proc(leases)
         registries = _Registries([single], single.rss_bytes, single.cpu_seconds)
+        lookup = _registry_proc(leases)
     registry = registries.procs[0]
     # The echo runs with the registries' gRPC settings, so that it stays the gRPC floor they
     # are compared with.
@@ -280,8 +325,12 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
     sides: dict[str, _Proc] = {}
     if secured:
         sides["auth"] = _registry_proc(4096, secured=True)
+    boundaries = _grant_boundaries(lookup_messages)
     out: dict[str, Any] = {"leases": leases, "blocks_per_lease": blocks,
                            "offered_rate_rps": rate, "replicas": len(registries.procs),
+                           # every lease's history keys: those of a history this long
+                           "history_messages": lookup_messages,
+                           "history_keys_per_lease": len(boundaries),
                            # gRPC (every process here runs this one) and its core settings
                            "grpc_version": grpc.__version__,
                            "grpc_experiments": _grpc_env()["GRPC_EXPERIMENTS"]}
@@ -292,12 +341,17 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         block_ids = list(range(blocks))
         tokens = blocks * block_size
         hashes = [os.urandom(16 * blocks) for _ in range(256)]  # varied payloads, cheap to make
+        # Each lease's history keys, as the gateway grants them for a `lookup_messages`-message
+        # history: keys of their own (no two conversations share a system prompt here), so
+        # that every key takes its own entry in the registry's index. Made ahead of time.
+        lease_keys = [_lease_history(_history_root("bench", i), boundaries)
+                      for i in range(leases)]
 
         async def grant(i: int, tenant: str = "bench", ttl: float = 3600.0) -> str:
             resp = await client.grant_lease(
                 "bench-decode", tenant, f"conv-{i}", f"req-{i}", block_ids, tokens,
                 hashes[i % 256], idle_ttl=ttl, max_lifetime=max(ttl, 3600.0),
-                request_id=f"{tenant}-{i}")
+                request_id=f"{tenant}-{i}", history_keys=lease_keys[i % leases])
             return str(resp.lease.lease_id)
 
         # Warm up code paths and the allocator, then measure memory per lease.
@@ -317,7 +371,13 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         mem = registries.memory_bytes()
         out["rss_mb"] = round(mem / 2**20, 1)
         out["bytes_per_lease"] = round((mem - rss0) / leases)
-        log(f"  {out['grants_per_s']} grants/s, {out['bytes_per_lease']} bytes/lease")
+        log(f"  {out['grants_per_s']} grants/s, {out['bytes_per_lease']} bytes/lease "
+            f"(history index included)")
+        lookup_probe: _LookupProbe | None = None
+        if lookup is not None:
+            lookup_probe = await _lookup_setup(lookup, leases, lookup_tenants, lookup_messages,
+                                               boundaries, block_ids, tokens, hashes,
+                                               concurrency, out, log)
 
         # Batched renewals.
         batch = 1000
@@ -502,6 +562,8 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         if not registries.redis:
             out.update(await _list_flood(client, registry.port, grant, acquire_probe,
                                          probe_replies, check_hit, rate, duration, log))
+        if lookup_probe is not None:
+            out.update(await lookup_probe.measure(ping, rate, duration, concurrency, log))
         await client.close()
         await channel.close()
         for ch in raw_channels:
@@ -537,7 +599,7 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
                 f"{out[f'max_rps_{name}']} RPC/s, {out[f'server_cpu_us_per_rpc_{name}']} us CPU "
                 f"per call")
     finally:
-        for proc in [*registries.procs, *sides.values()]:
+        for proc in [*registries.procs, *sides.values(), *([lookup] if lookup else [])]:
             proc.stop()
         echo.stop()
     return out
@@ -606,6 +668,142 @@ async def _list_flood(client: AsyncRegistryClient, port: int,
     return out
 
 
+def _tenant(k: int, tenants: int) -> str:
+    """The tenant of the lookup registry's lease `k` (leases dealt round robin)."""
+    return f"tenant-{k % tenants:04d}"
+
+
+async def _lookup_setup(proc: _Proc, leases: int, tenants: int, messages: int,
+                        boundaries: Sequence[int], block_ids: Sequence[int], tokens: int,
+                        hashes: Sequence[bytes], concurrency: int, out: dict[str, Any],
+                        log: Callable[[str], None]) -> _LookupProbe:
+    """Grant the lookup registry `leases` leases across `tenants` tenants, each with the
+    history keys of a `messages`-message conversation of its own, and build the lookups."""
+    tenants = min(tenants, leases)
+    client = AsyncRegistryClient(f"127.0.0.1:{proc.port}", timeout=30, retries=0)
+    await client.register_holder("bench-decode", "127.0.0.1", 5600, 16, "bench-fingerprint",
+                                 ttl=300)
+
+    def root(k: int) -> bytes:
+        return _history_root(_tenant(k, tenants), k // tenants)
+
+    async def grant(k: int, keys: bytes, tenant: str) -> None:
+        await client.grant_lease(
+            "bench-decode", tenant, f"conv-{k // tenants}", f"req-{k}", block_ids, tokens,
+            hashes[k % 256], idle_ttl=3600.0, max_lifetime=3600.0, request_id=f"{tenant}-{k}",
+            history_keys=keys)
+
+    warm = [_lease_history(_history_root("warmup", k), boundaries) for k in range(2000)]
+    await _bounded(lambda k: grant(k, warm[k], "warmup"), len(warm), concurrency)
+    keys = [_lease_history(root(k), boundaries) for k in range(leases)]
+    await asyncio.sleep(0.5)
+    rss0 = proc.rss_bytes()
+    log(f"lookup registry: granting {leases} leases across {tenants} tenants, "
+        f"{len(boundaries)} history keys each ...")
+    await _bounded(lambda k: grant(k, keys[k], _tenant(k, tenants)), leases, concurrency)
+    await asyncio.sleep(0.5)
+    out["lookup_bytes_per_lease"] = round((proc.rss_bytes() - rss0) / leases)
+    await client.close()
+    # Lookups, serialized ahead of time: a hit's request continues lease k by two messages
+    # (its keys at every boundary, the lease's last among them); a miss's carries exactly the
+    # same keys under the next tenant, which holds leases of its own: identical history
+    # (identical keys, even) in another tenant must not match.
+    probes = min(leases, 2048)
+    hits: list[bytes] = []
+    misses: list[bytes] = []
+    expected: list[tuple[str, str]] = []
+    for j in range(probes):
+        k = j * leases // probes
+        request = _request_history(root(k), messages + 2)
+        for tenant, into in ((_tenant(k, tenants), hits), (_tenant(k + 1, tenants), misses)):
+            into.append(pb.PinLeaseRequest(
+                tenant=tenant, history_keys=request, pin_ttl=duration_pb(1.0),
+                reader_id="bench").SerializeToString())
+        expected.append((_tenant(k, tenants), f"conv-{k // tenants}"))
+    out.update({"lookup_leases": leases, "lookup_tenants": tenants,
+                "lookup_request_keys": messages + 2})
+    return _LookupProbe(proc.port, hits, misses, expected, messages)
+
+
+@dataclass
+class _LookupProbe:
+    """PinLease by history keys on the lookup registry, driven as the AcquireRead probes are:
+    requests built ahead of time (each with a request id of its own), replies left as bytes
+    while timed and checked afterwards. Pins are asked for 1 s (as the AcquireRead probes'):
+    at the offered rate, at most about that many live at once."""
+
+    port: int
+    hits: list[bytes]
+    misses: list[bytes]
+    expected: list[tuple[str, str]]  # hits[j]'s lease: tenant, conversation
+    messages: int
+
+    async def measure(self, ping: Callable[[int], Awaitable[None]], rate: float,
+                      duration: float, concurrency: int, log: Callable[[str], None]
+                      ) -> dict[str, Any]:
+        """Hits, misses and the echo, each offered `rate` in windows taken in turn."""
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.port}")
+        call = channel.unary_unary(PIN_METHOD, request_serializer=_identity,
+                                   response_deserializer=_identity)
+        run = uuid.uuid4().hex[:16]
+        hit_replies: list[tuple[int, bytes]] = []
+        miss_replies: list[tuple[int, bytes]] = []
+
+        async def send(templates: list[bytes], i: int) -> bytes:
+            request_id = f"{run}{i:016x}".encode()  # field 6 (request_id), 32 bytes
+            reply: bytes = await call(templates[i % len(templates)] + b"\x32\x20" + request_id,
+                                      timeout=30)
+            return reply
+
+        async def hit(i: int) -> None:
+            hit_replies.append((i % len(self.hits), await send(self.hits, i)))
+
+        async def miss(i: int) -> None:
+            miss_replies.append((i % len(self.misses), await send(self.misses, (1 << 40) + i)))
+
+        try:
+            for first, templates in ((1 << 44, self.hits), (1 << 45, self.misses)):
+                async def warm(i: int, templates: list[bytes] = templates) -> None:
+                    await send(templates, i)
+
+                await _closed_loop(warm, concurrency, 0.5, first=first)
+            windows = await _open_loop_alternating((hit, miss, ping), rate, duration)
+        finally:
+            await channel.close()
+        found = missed = 0
+        for j, reply in hit_replies:
+            resp = pb.PinLeaseResponse.FromString(reply)
+            lease = resp.read.lease
+            found += (resp.read.miss_reason == pb.MISS_REASON_UNSPECIFIED
+                      and bool(resp.read.pin.pin_id) and resp.match.whole
+                      and resp.match.keys_matched == self.messages
+                      and (lease.tenant, lease.conversation_id) == self.expected[j])
+        for _, reply in miss_replies:
+            resp = pb.PinLeaseResponse.FromString(reply)
+            missed += (resp.read.miss_reason == pb.MISS_REASON_NO_LEASE
+                       and not resp.read.pin.pin_id and not resp.HasField("match"))
+        hit_ms, miss_ms, echo_ms = windows
+        out: dict[str, Any] = {
+            "lookup_p50_ms": round(_pct(hit_ms, 0.5), 3),
+            "lookup_p99_ms": round(_pct(hit_ms, 0.99), 3),
+            "lookup_miss_p50_ms": round(_pct(miss_ms, 0.5), 3),
+            "lookup_miss_p99_ms": round(_pct(miss_ms, 0.99), 3),
+            "lookup_echo_p99_ms": round(_pct(echo_ms, 0.99), 3),
+            # outcomes: every hit must pin the lease it continues, every miss find nothing
+            "lookup_hits": len(hit_replies), "lookup_hits_found": found,
+            "lookup_misses": len(miss_replies), "lookup_misses_missed": missed}
+        out["lookup_p99_vs_echo"] = round(out["lookup_p99_ms"] / out["lookup_echo_p99_ms"], 2)
+        out["lookup_miss_p99_vs_hit"] = round(out["lookup_miss_p99_ms"] / out["lookup_p99_ms"],
+                                              2)
+        log(f"  lookup by content: p50 {out['lookup_p50_ms']} ms p99 {out['lookup_p99_ms']} ms "
+            f"({found}/{len(hit_replies)} found); a miss p99 {out['lookup_miss_p99_ms']} ms "
+            f"({missed}/{len(miss_replies)} missed); echo p99 {out['lookup_echo_p99_ms']} ms")
+        if found != len(hit_replies) or missed != len(miss_replies):
+            log("  lookup by content: WRONG OUTCOMES (see lookup_hits_found, "
+                "lookup_misses_missed)")
+        return out
+
+
 _SIDE_NAMES = {"auth": "with bearer tokens"}
 
 
@@ -613,10 +811,13 @@ TARGETS = [
     ("acquire_read_p99_ms", "<=", 2.0, "acquire-read p99 at the offered rate (ms)"),
     ("max_rps", ">=", 4000, "sustained AcquireRead RPC/s"),
     ("renewals_per_s", ">=", 20000, "batched renewals/s"),
-    ("bytes_per_lease", "<=", 2048, "resident bytes per 64-block lease"),
+    ("bytes_per_lease", "<=", 3072,
+     "resident bytes per 64-block lease, its history keys indexed (issue 34)"),
     ("expiry_late_p99_ms", "<=", 50, "expiry lateness p99 (ms)"),
     ("list_flood_p99_ratio", "<=", 1.5,
      "acquire-read p99 while another tenant loops ListLeases / without"),
+    ("lookup_p99_ms", "<=", 1.0,
+     "lookup by content (PinLease by history keys) p99 at the offered rate (ms)"),
 ]
 AUTH_TARGETS = [
     ("acquire_read_p99_ms_auth", "<=", 2.0,
@@ -730,10 +931,19 @@ def _report(result: dict[str, Any], targets: list[tuple[str, str, float, str]]) 
 @click.option("--auth", "secured", is_flag=True,
               help="also measure a registry that authenticates every call by bearer token "
                    "(memory backend), interleaved with the others; its figures end in _auth")
+@click.option("--lookup-tenants", default=1000, show_default=True,
+              type=click.IntRange(min=2),
+              help="tenants the lookup registry's --leases leases are spread over")
+@click.option("--lookup-messages", default=200, show_default=True,
+              type=click.IntRange(1, 4000),
+              help="messages of each lease's history: every lease is granted with the "
+                   "history keys the gateway picks for it, and a lookup continues one by two "
+                   "messages")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def registry_bench(leases: int, blocks: int, rate: float, duration: float, concurrency: int,
                    rounds: int, backend: str, replicas: int, redis_url: str,
-                   redis_leases: int, secured: bool, as_json: bool) -> None:
+                   redis_leases: int, secured: bool, lookup_tenants: int, lookup_messages: int,
+                   as_json: bool) -> None:
     """Measure the registry beside a trivial gRPC echo service (about a minute; with
     --backend redis, a few more). Memory backend: one JSON object. Redis: one object per
     configuration, keyed memory, redis_1, ..., redis_N."""
@@ -743,7 +953,8 @@ def registry_bench(leases: int, blocks: int, rate: float, duration: float, concu
 
     if backend == "memory":
         result = aio.run(_run(leases, blocks, rate, duration, concurrency, rounds, log,
-                              secured=secured))
+                              secured=secured, lookup_tenants=lookup_tenants,
+                              lookup_messages=lookup_messages))
         if as_json:
             click.echo(json.dumps(result, sort_keys=True))
         else:
@@ -753,7 +964,8 @@ def registry_bench(leases: int, blocks: int, rate: float, duration: float, concu
     results: dict[str, dict[str, Any]] = {}
     log("== memory backend")
     results["memory"] = aio.run(_run(leases, blocks, rate, duration, concurrency, rounds, log,
-                                     secured=secured))
+                                     secured=secured, lookup_tenants=lookup_tenants,
+                                     lookup_messages=lookup_messages))
     redis = _RedisServer(redis_url)
     try:
         for n in range(1, replicas + 1):
@@ -761,7 +973,7 @@ def registry_bench(leases: int, blocks: int, rate: float, duration: float, concu
 
             def measure(registries: _Registries) -> dict[str, Any]:
                 return aio.run(_run(redis_leases, blocks, rate, duration, concurrency, rounds,
-                                    log, registries))
+                                    log, registries, lookup_messages=lookup_messages))
 
             namespace = f"kvbridge-bench-{uuid.uuid4().hex[:8]}"
             try:
