@@ -1284,3 +1284,22 @@ def test_a_lapsed_holder_that_held_nothing_is_forgotten_at_once(clock: FakeClock
     table.tick()
     assert "empty" not in table._holders and "holding" in table._holders
     assert table.counts()["leases_total"] == 1  # the lost lease waits for the retention
+
+
+# ---- lookup by content: the in-memory index ---------------------------------------------------
+
+
+def test_keys_sharing_the_indexed_bits_never_find_each_others_lease(table: LeaseTable) -> None:
+    from kvbridge.services.registry._core import holds_key, short_keys
+
+    mine = b"\x01" * 8 + b"A" * 8
+    twin = b"\x01" * 8 + b"B" * 8  # the same first 60 bits, another key
+    assert short_keys(mine) == short_keys(twin)
+    lease = table.grant(gspec(toks(8), history_keys=b"\x09" * 16 + mine)).lease
+    found = table.pin_lease("t1", "", history_keys=b"\x09" * 16 + twin)
+    assert found.lease is lease and found.keys_matched == 1 and not found.whole
+    missed = table.pin_lease("t1", "", history_keys=twin)
+    assert missed.miss is MissReason.NO_LEASE and missed.pin is None
+    # A key found inside the history but across two keys' bytes is not one of its keys.
+    assert not holds_key(b"\x00" * 8 + mine + b"\x00" * 8, mine)
+    assert holds_key(b"\x00" * 16 + mine, mine)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import secrets
 import sys
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -313,6 +314,27 @@ def check_prompt_hashes(cfg: RegistryConfig, hashes: bytes) -> None:
 
 
 
+_SHORT_KEY = (1 << 60) - 1
+
+
+def short_keys(keys: bytes) -> list[int]:
+    """History keys as the in-memory index holds them: 60 bits of each, an int (32 bytes of
+    memory where the 16-byte key as bytes takes 56). A hit is checked against the lease's own
+    full keys (`holds_key`), so two keys that share those bits never find the wrong lease."""
+    words = array("Q", keys)  # two words a key; the first stands for it
+    return [w & _SHORT_KEY for w in words[::2]]
+
+
+def holds_key(history: bytes, key: bytes) -> bool:
+    """Whether `history` (a lease's keys) has `key` as one of its whole keys."""
+    at = history.find(key)
+    while at >= 0:
+        if at % HISTORY_KEY_SIZE == 0:
+            return True
+        at = history.find(key, at + 1)
+    return False
+
+
 def _over_quota(max_leases: int, max_blocks: int, leases: int, used: int, blocks: int) -> bool:
     """Whether one more lease of `blocks` puts a tenant with `leases` active leases holding
     `used` blocks over a quota of `max_leases` / `max_blocks` (0: no limit)."""
@@ -335,9 +357,9 @@ class LeaseTable:
         # current leases, every lease of a tenant, so that listing one tenant (or one of its
         # conversations) costs what that tenant (or conversation) has.
         self._dead_of_tenant: dict[str, dict[str, dict[str, Lease]]] = {}
-        # tenant -> history key -> the active lease most recently granted under it: the
-        # lookup by content (a lease leaves it when it stops being active).
-        self._history: dict[str, dict[bytes, Lease]] = {}
+        # tenant -> history key (`short_keys`) -> the active lease most recently granted under
+        # it: the lookup by content (a lease leaves it when it stops being active).
+        self._history: dict[str, dict[int, Lease]] = {}
         self.history_keys = 0  # entries of `_history`, all tenants
         self._pins: dict[str, Pin] = {}
         self._pin_id = pin_id_maker(secrets.token_bytes(16))  # keyed pin ids (kvbridge.ids)
@@ -760,15 +782,17 @@ class LeaseTable:
         the tenant's own index is looked at: no other tenant's leases are compared."""
         index = self._history.get(tenant)
         if index is not None:
-            end = len(keys)
-            while end:
-                key = keys[end - HISTORY_KEY_SIZE:end]
-                lease = index.get(key)
-                if lease is not None:
-                    readable = self._readable_lease(lease, now)
-                    if readable is not None:
-                        return readable, end // HISTORY_KEY_SIZE, lease.history.endswith(key)
-                end -= HISTORY_KEY_SIZE
+            short = short_keys(keys)
+            for i in range(len(short) - 1, -1, -1):
+                lease = index.get(short[i])
+                if lease is None:
+                    continue
+                key = keys[i * HISTORY_KEY_SIZE:(i + 1) * HISTORY_KEY_SIZE]
+                if not holds_key(lease.history, key):  # another key with the same 60 bits
+                    continue
+                readable = self._readable_lease(lease, now)
+                if readable is not None:
+                    return readable, i + 1, lease.history.endswith(key)
         return Read(MissReason.NO_LEASE, 0, None)
 
     def _readable_lease(self, lease: Lease, now: float) -> Lease | None:
@@ -778,23 +802,20 @@ class LeaseTable:
         return lease
 
     def _index(self, lease: Lease) -> None:
-        keys = lease.history
-        if not keys:
+        if not lease.history:
             return
         index = self._history.setdefault(lease.tenant, {})
         before = len(index)
-        for i in range(0, len(keys), HISTORY_KEY_SIZE):
-            index[keys[i:i + HISTORY_KEY_SIZE]] = lease
+        for key in short_keys(lease.history):
+            index[key] = lease
         self.history_keys += len(index) - before
 
     def _unindex(self, lease: Lease) -> None:
-        keys = lease.history
-        index = self._history.get(lease.tenant) if keys else None
+        index = self._history.get(lease.tenant) if lease.history else None
         if index is None:
             return
         before = len(index)
-        for i in range(0, len(keys), HISTORY_KEY_SIZE):
-            key = keys[i:i + HISTORY_KEY_SIZE]
+        for key in short_keys(lease.history):
             if index.get(key) is lease:
                 del index[key]
         self.history_keys -= before - len(index)
