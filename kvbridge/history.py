@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -99,10 +101,14 @@ def request_keys(tenant: str, body: dict[str, Any], chat: bool) -> list[bytes] |
             return _chain(_root(tenant, model, "text", b""), chunks)
         if (isinstance(prompt, list) and prompt
                 and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
-            chunks = [_canonical(prompt[i:i + CHUNK_TOKENS])
-                      for i in range(0, len(prompt) - CHUNK_TOKENS + 1, CHUNK_TOKENS)]
+            ids = array("q", prompt)
+            if sys.byteorder != "little":  # the same keys on every gateway's host
+                ids.byteswap()
+            data = ids.tobytes()
+            step = 8 * CHUNK_TOKENS
+            chunks = [data[i:i + step] for i in range(0, len(data) - step + 1, step)]
             return _chain(_root(tenant, model, "tokens", b""), chunks)
-    except (TypeError, ValueError, RecursionError):  # not JSON-able after all
+    except (TypeError, ValueError, OverflowError, RecursionError):  # not JSON-able, huge ids
         return None
     return None
 
