@@ -74,9 +74,10 @@ async def _conversation(http: aiohttp.ClientSession, gateway: str, model: str, w
         click.echo(f"{'turn':>4} {'prompt':>6} {'ttft_ms':>8} {'reused':>6} "
                    f"{'recomputed':>10}  {'found':<10} {'decode':<10} lease after the turn")
     for turn in range(1, turns + 1):
-        record = await _turn(http, gateway, model, messages, conversation, max_tokens)
+        record = await _turn(http, gateway, model, messages, conversation if named else "",
+                             max_tokens)
         record["turn"], record["way"] = turn, way
-        if not named:  # the id the gateway found (or gave) this turn
+        if not named:  # the id the gateway found (or gave) this turn: for its lease only
             conversation = record["conversation_id"]
         if think_s:
             await asyncio.sleep(think_s)  # the user reads; decode grants its lease meanwhile
@@ -126,10 +127,10 @@ async def _turn(http: aiohttp.ClientSession, gateway: str, model: str,
                 continue
             chunk = json.loads(line[5:])
             for choice in chunk.get("choices") or []:
+                if not ttft and choice.get("delta") and "role" not in choice["delta"]:
+                    ttft = time.perf_counter() - start  # the first token, even an empty one
                 piece = (choice.get("delta") or {}).get("content")
                 if piece:
-                    if not ttft:
-                        ttft = time.perf_counter() - start
                     answer.append(piece)
             usage = chunk.get("usage") or usage
     return {"ttft_ms": round(ttft * 1000, 1),
