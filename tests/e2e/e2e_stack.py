@@ -88,3 +88,13 @@ def wait_for_newer_lease(registry: str, tenant: str, conversation: str, epoch: i
         if time.monotonic() > deadline:
             raise AssertionError(f"decode granted no lease over {conversation} in {timeout}s")
         time.sleep(0.1)
+
+
+def stop(process: subprocess.Popen[str], sig: int, timeout: float) -> None:
+    """Stop a process this test started: `sig`, then a kill if it outlives `timeout`."""
+    process.send_signal(sig)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

