@@ -28,8 +28,12 @@ KEY_SIZE = 16
 CHUNK_CHARS = 512
 CHUNK_TOKENS = 64
 _VERSION = b"kvbridge-history-v1"
-# Request fields that shape the whole chat prompt (the template's preamble), besides messages.
-_CHAT_ROOT_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "documents")
+# Request fields that shape the whole chat prompt (the template's preamble), besides messages,
+# and vLLM's cache_salt (prompts under different salts must never share KV, nor match here).
+_CHAT_ROOT_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "documents", "cache_salt")
+# Most boundaries a request is keyed at: past it the history is not recognised (served without
+# reuse), so that one request cannot hold the gateway's event loop for long.
+MAX_BOUNDARIES = 16384
 
 
 def _canonical(value: Any) -> bytes:
@@ -87,19 +91,23 @@ def request_keys(tenant: str, body: dict[str, Any], chat: bool) -> list[bytes] |
     try:
         if chat:
             messages = body.get("messages")
-            if not isinstance(messages, list) or not all(
+            if not isinstance(messages, list) or len(messages) > MAX_BOUNDARIES or not all(
                     isinstance(m, dict) and _text_only(m) for m in messages):
                 return None
             extras = _canonical({k: body[k] for k in _CHAT_ROOT_FIELDS if k in body})
             return _chain(_root(tenant, model, "chat", extras),
                           [_message(m) for m in messages])
         prompt = body.get("prompt")
+        salt = _canonical(body.get("cache_salt"))
         if isinstance(prompt, str):
+            if len(prompt) // CHUNK_CHARS > MAX_BOUNDARIES:
+                return None
             # Whole characters per chunk: cut the text, not its bytes.
             chunks = [prompt[i:i + CHUNK_CHARS].encode("utf-8", "surrogatepass")
                       for i in range(0, len(prompt) - CHUNK_CHARS + 1, CHUNK_CHARS)]
-            return _chain(_root(tenant, model, "text", b""), chunks)
+            return _chain(_root(tenant, model, "text", salt), chunks)
         if (isinstance(prompt, list) and prompt
+                and len(prompt) // CHUNK_TOKENS <= MAX_BOUNDARIES
                 and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
             ids = array("q", prompt)
             if sys.byteorder != "little":  # the same keys on every gateway's host
@@ -107,7 +115,7 @@ def request_keys(tenant: str, body: dict[str, Any], chat: bool) -> list[bytes] |
             data = ids.tobytes()
             step = 8 * CHUNK_TOKENS
             chunks = [data[i:i + step] for i in range(0, len(data) - step + 1, step)]
-            return _chain(_root(tenant, model, "tokens", b""), chunks)
+            return _chain(_root(tenant, model, "tokens", salt), chunks)
     except (TypeError, ValueError, OverflowError, RecursionError):  # not JSON-able, huge ids
         return None
     return None

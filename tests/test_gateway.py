@@ -44,6 +44,7 @@ class FakeEngine:
     faults: list[str] = field(default_factory=list)
     runner: web.AppRunner | None = None
     port: int = 0
+    delay: float = 0.0  # before a decode answers (turns in flight at once)
 
     async def start(self) -> None:
         app = web.Application()
@@ -90,6 +91,7 @@ class FakeEngine:
                     "kvbridge_recomputed_tokens": 7}})
         if not params.get("do_remote_prefill"):
             return web.json_response({"error": {"message": "no prefill params"}}, status=400)
+        await asyncio.sleep(self.delay)
         words = ["Hello", " from", f" {self.name}"]
         if body.get("stream"):
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -745,9 +747,18 @@ async def test_session_header_names_the_conversation(stack: Stack) -> None:
         extra_headers={"X-Session-ID": "sess-1", "X-Conversation-Id": "conv-2"})
     assert raw.headers["x-kvbridge-conversation-source"] == "header"
     assert raw.headers["x-kvbridge-conversation-id"] == "conv-2"
+    # Another system's session header that is no valid id names the conversation by its hash.
+    ids = set()
+    for _ in range(2):
+        status, headers, _ = await post(stack, "/v1/chat/completions", {
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+            {"X-Session-ID": "has spaces " + "x" * 300})
+        assert status == 200 and headers["X-Kvbridge-Conversation-Source"] == "session"
+        ids.add(headers["X-Kvbridge-Conversation-Id"])
+    assert len(ids) == 1 and ids.pop().startswith("session-")
     status, _, body = await post(stack, "/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
-        {"X-Session-ID": "has spaces"})
+        {"X-Conversation-Id": "has spaces"})
     assert status == 400 and body["error"]["code"] == "invalid_conversation_id"
 
 
@@ -795,4 +806,29 @@ async def test_a_history_longer_than_a_lookup_sends_its_latest_keys(
             assert resp.headers["X-Kvbridge-History-Matched"] == "4101/4103"
     finally:
         await other.stop()
+        await close(s)
+
+
+async def test_concurrent_continuations_of_one_lease_branch_but_one(
+        registry_server: RegistryServer, tmp_path: Path, kv: Any) -> None:
+    """An agent's parallel calls that each extend a lease's whole history: one continues the
+    conversation, the others branch (else each grant would supersede its sibling's)."""
+    s = await make_stack(registry_server, tmp_path, lease_wait_s=0)
+    try:
+        first = [{"role": "user", "content": "plan"}]
+        await client(s).chat.completions.create(model=MODEL, messages=first, max_tokens=2)
+        await _grant_as_decode(s, kv, s.engines["d0"].received[-1])
+        s.engines["d0"].delay = 0.5
+
+        async def call(task: str) -> str:
+            raw = await client(s).chat.completions.with_raw_response.create(
+                model=MODEL, max_tokens=2, messages=[
+                    *first, {"role": "assistant", "content": "ok"},
+                    {"role": "user", "content": task}])
+            return str(raw.headers["x-kvbridge-conversation-source"])
+
+        sources = await asyncio.gather(call("a"), call("b"), call("c"))
+        assert sources.count("branched") == 2, sources  # the other: recent (or continued)
+        assert len({*sources} & {"recent", "continued"}) == 1, sources
+    finally:
         await close(s)

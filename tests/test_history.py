@@ -35,6 +35,10 @@ def test_tenant_model_endpoint_and_tools_root_the_keys() -> None:
     assert base != history.request_keys("u", chat("a"), True)
     assert base != history.request_keys("t", {**chat("a"), "model": "m2"}, True)
     assert base != history.request_keys("t", chat("a", tools=[{"type": "function"}]), True)
+    assert base != history.request_keys("t", chat("a", cache_salt="s1"), True)
+    assert (history.request_keys("t", {"model": "m", "prompt": "x" * 600}, False)
+            != history.request_keys("t", {"model": "m", "prompt": "x" * 600,
+                                          "cache_salt": "s1"}, False))
     # Sampling settings do not shape the prompt: same keys.
     assert base == history.request_keys("t", chat("a", temperature=0.3, max_tokens=9), True)
 
@@ -60,6 +64,9 @@ def test_unrecognised_histories_get_no_keys() -> None:
     assert history.request_keys("t", image, True) is None
     assert history.request_keys("t", {"model": "m", "prompt": {"x": 1}}, False) is None
     assert history.request_keys("t", {"prompt": "x"}, False) is None  # no model
+    many = {"model": "m", "messages": [{"role": "user", "content": "x"}]
+            * (history.MAX_BOUNDARIES + 1)}
+    assert history.request_keys("t", many, True) is None  # too long to key on the event loop
 
 
 def test_completion_prompts_are_keyed_by_whole_chunks() -> None:

@@ -264,6 +264,36 @@ async def test_reregister_with_known_leases_at_capacity_is_accepted(registry_fac
         assert len((await client.list_leases()).leases) == 2
 
 
+async def test_history_keys_past_the_limit_are_clipped_not_refused(registry_factory, kv):
+    """A grant (or a re-registered lease) with more history keys than --max-history-keys
+    keeps the first and the latest: found by those, the grant and the registration go
+    through."""
+    server = await registry_factory(max_history_keys=3)
+    keys = [bytes([i]) * 16 for i in range(1, 9)]
+    async with AsyncRegistryClient(f"127.0.0.1:{server.port}") as client:
+        reg = await client.register_holder(**kv.holder_args("h1"))
+        assert reg.limits.max_history_keys == 3
+        args = kv.grant_args("h1", "t1", "c1", kv.tokens(8))
+        lease = (await client.grant_lease(**args, history_keys=b"".join(keys))).lease
+
+        async def found(key: bytes) -> str:
+            resp = await client.pin_lease("t1", "", history_keys=key)
+            return resp.read.lease.lease_id
+
+        assert await found(keys[0]) == lease.lease_id
+        assert await found(keys[-1]) == lease.lease_id
+        assert await found(keys[-2]) == lease.lease_id
+        assert await found(keys[3]) == ""  # clipped away
+        held = pb.LeaseSnapshot(
+            lease_id=lease.lease_id, tenant="t1", conversation_id="c1",
+            remote_request_id=args["remote_request_id"], block_ids=args["block_ids"],
+            token_count=8, block_hashes=args["block_hashes"], epoch=lease.epoch,
+            idle_ttl=lease.idle_ttl, max_lifetime=lease.max_lifetime,
+            history_keys=b"".join(keys))
+        resp = await client.register_holder(**kv.holder_args("h1"), held_leases=[held])
+        assert list(resp.restored_lease_ids) == [lease.lease_id]
+
+
 async def test_restarted_registry_reports_nothing_reclaimable_during_grace(registry_factory,
                                                                            kv):
     from kvbridge.clock import FakeClock

@@ -257,6 +257,7 @@ class _Turn:
     source: str = "none"
     keys: list[bytes] | None = None  # the request's history keys (lookup by content)
     keys_matched: int = 0
+    claimed: bool = False  # continuing `conversation` (see Gateway._claim)
 
     def headers(self) -> dict[str, str]:
         out = {REQUEST_ID_HEADER: self.request_id,
@@ -358,6 +359,8 @@ class Gateway:
         # that arrives before decode's grant over that turn lands still continues it.
         self._recent_keys: OrderedDict[tuple[str, bytes], str] = OrderedDict()
         self._latest_key: dict[tuple[str, str], bytes] = {}
+        # (tenant, conversation) a turn of this gateway is continuing now (`_claim`).
+        self._continuing: set[tuple[str, str]] = set()
 
     # ---- the application --------------------------------------------------------------------
 
@@ -451,6 +454,11 @@ class Gateway:
             value, source = request.headers.get(SESSION_HEADER), "session"
         if value is None or value == "":
             return "", "none"
+        if source == "session" and not _ID.fullmatch(value):
+            # Another system's session header (spaces, a long token): named by its hash, not
+            # refused.
+            return "session-" + hashlib.blake2b(value.encode("utf-8", "surrogateescape"),
+                                                digest_size=12).hexdigest(), source
         if not isinstance(value, str) or not _ID.fullmatch(value):
             raise HttpError(400, "conversation_id must be 1-256 printable ASCII characters "
                                  "without spaces", code="invalid_conversation_id")
@@ -513,15 +521,20 @@ class Gateway:
                                 conversation=conversation or None, request_id=turn.request_id)
                     excluded.append(down.instance_id)
         finally:
+            self._release_claim(turn)
             self._log_turn(turn, path)
 
     async def _attempt(self, request: web.Request, path: str, chat: bool, body: dict[str, Any],
                        turn: _Turn, excluded: list[str]) -> web.StreamResponse:
         routing = time.perf_counter()
-        lookup = bool(turn.keys) and not turn.conversation  # find the conversation by content
+        # Find the conversation by content: on the first attempt, and again on a retry of a
+        # turn that found no conversation to continue (its own new id has no lease yet).
+        lookup = bool(turn.keys) and (not turn.conversation
+                                      or turn.source in ("branched", "new"))
         try:
             route = await self.router.route(
-                turn.tenant, turn.conversation, estimate_prompt_tokens(body, chat), turn.model,
+                turn.tenant, "" if lookup else turn.conversation,
+                estimate_prompt_tokens(body, chat), turn.model,
                 excluded, pin_read=bool(turn.conversation) and self.config.pin_at_route,
                 pin_ttl=self.config.pin_ttl_s,
                 history_keys=(history.join(turn.keys[-_LOOKUP_KEYS:]) if lookup and turn.keys
@@ -545,7 +558,7 @@ class Gateway:
         turn.decode_reason = (router_pb.DecodeReason.Name(route.decode_reason)
                               .removeprefix("DECODE_REASON_").lower())
         if lookup:
-            self._found(turn, route)
+            self._found(turn, route, retry=bool(turn.conversation))
         key: dict[str, dict[str, Any]] = (
             {CONVERSATION_KEY: {"tenant": turn.tenant, "conversation_id": turn.conversation}}
             if turn.conversation else {})
@@ -730,18 +743,38 @@ class Gateway:
             if conversation is None:
                 continue
             ended = self._ended.get((turn.tenant, conversation))
-            if ended is not None and now - ended <= _RECENT_TURN_S:
+            if (ended is not None and now - ended <= _RECENT_TURN_S
+                    and self._claim(turn, conversation)):
                 turn.source, turn.keys_matched = "recent", i + 1
                 return conversation
             return ""
         return ""
 
+    def _claim(self, turn: _Turn, conversation: str) -> bool:
+        """Take `conversation` for this turn's continuation, unless another turn of this
+        gateway is continuing it right now: then this one branches (concurrent continuations,
+        as an agent's parallel calls, would otherwise supersede each other's leases)."""
+        key = (turn.tenant, conversation)
+        if key in self._continuing:
+            return False
+        self._continuing.add(key)
+        turn.claimed = True
+        return True
+
+    def _release_claim(self, turn: _Turn) -> None:
+        if turn.claimed:
+            self._continuing.discard((turn.tenant, turn.conversation))
+            turn.claimed = False
+
     def _remember_keys(self, tenant: str, key: bytes, conversation: str) -> None:
         """`key` is now the last key of the conversation's latest turn (its previous one no
         longer continues it: a request with that history branches)."""
         previous = self._latest_key.pop((tenant, conversation), None)
-        if previous is not None:
-            self._recent_keys.pop((tenant, previous), None)
+        if previous is not None and self._recent_keys.get((tenant, previous)) == conversation:
+            del self._recent_keys[(tenant, previous)]
+        replaced = self._recent_keys.get((tenant, key))
+        if replaced is not None and replaced != conversation:  # another ended on this history
+            self._latest_key.pop((tenant, replaced), None)
         self._latest_key[(tenant, conversation)] = key
         self._recent_keys[(tenant, key)] = conversation
         self._recent_keys.move_to_end((tenant, key))
@@ -749,26 +782,28 @@ class Gateway:
             (old_tenant, _), old = self._recent_keys.popitem(last=False)
             self._latest_key.pop((old_tenant, old), None)
 
-    @staticmethod
-    def _found(turn: _Turn, route: router_pb.RouteResponse) -> None:
+    def _found(self, turn: _Turn, route: router_pb.RouteResponse, retry: bool = False) -> None:
         """Name the turn's conversation from what the lookup by content found: a request that
         has a lease's whole history and more continues it (its grant supersedes that lease,
-        as the next turn of a named conversation does); one that shares only part of it
-        branches (a new conversation, reading the shared part, leaving the lease to the
-        others); nothing found: a new conversation."""
+        as the next turn of a named conversation does) unless another turn of this gateway is
+        continuing it now; one that shares only part of it branches (a new conversation,
+        reading the shared part, leaving the lease to the others); nothing found: a new
+        conversation. A retry keeps the id its first attempt chose."""
         read = route.read.read if route.HasField("read") else None
         match = route.read.match if route.HasField("read") else None
         found = read.lease.conversation_id if read is not None else ""
+        source = "new"
         if found and match is not None and match.keys_matched:
             sent = min(len(turn.keys or ()), _LOOKUP_KEYS)
             turn.keys_matched = len(turn.keys or ()) - sent + match.keys_matched
-            if match.whole and turn.keys_matched < len(turn.keys or ()):
+            source = "branched"
+            if (not retry and match.whole and turn.keys_matched < len(turn.keys or ())
+                    and self._claim(turn, found)):
                 turn.source, turn.conversation = "continued", found
                 return
-            turn.source = "branched"
-        else:
-            turn.source = "new"
-        turn.conversation = "kvb-" + uuid.uuid4().hex[:24]
+        turn.source = source
+        if not retry:
+            turn.conversation = "kvb-" + uuid.uuid4().hex[:24]
 
     def _turn_ended(self, tenant: str, conversation: str) -> None:
         key = (tenant, conversation)

@@ -253,6 +253,17 @@ def check_history_keys(field: str, keys: bytes, most: int) -> int:
     return n
 
 
+def clip_history_keys(keys: bytes, most: int) -> bytes:
+    """A grant's history keys within `most`: the first and the latest kept (the ones a later
+    turn finds it by), so that a holder granting more (or re-registering leases granted under
+    a higher limit) is not refused. Bad lengths are left to `check_history_keys`."""
+    if len(keys) % HISTORY_KEY_SIZE or len(keys) <= most * HISTORY_KEY_SIZE or most < 1:
+        return keys
+    if most == 1:
+        return keys[-HISTORY_KEY_SIZE:]
+    return keys[:HISTORY_KEY_SIZE] + keys[-(most - 1) * HISTORY_KEY_SIZE:]
+
+
 def grant_ttls(cfg: RegistryConfig, g: GrantSpec) -> tuple[float, float]:
     """(idle TTL, maximum lifetime) of a grant, defaults applied."""
     idle = g.idle_ttl or cfg.default_idle_ttl_s

@@ -38,6 +38,7 @@ from kvbridge.services.registry._core import (
     HolderSpec,
     Read,
     Snapshot,
+    clip_history_keys,
 )
 from kvbridge.services.registry._metrics import RegistryMetrics
 from kvbridge.services.registry._model import (
@@ -167,7 +168,8 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
             token_count=r.token_count, hashes=r.block_hashes,
             idle_ttl=_seconds(r.idle_ttl, prefix + "idle_ttl"),
             max_lifetime=_seconds(r.max_lifetime, prefix + "max_lifetime"),
-            request_id=getattr(r, "request_id", ""), history_keys=r.history_keys,
+            request_id=getattr(r, "request_id", ""),
+            history_keys=clip_history_keys(r.history_keys, self.store.config.max_history_keys),
         )
 
     # ---- holders ----------------------------------------------------------------------------

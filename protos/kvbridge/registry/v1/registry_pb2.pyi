@@ -707,7 +707,8 @@ class GrantLeaseRequest(_message.Message):
     """Concatenated 16-byte keys of the turn's history at some of its message boundaries,
     shortest prefix first, the whole prompt last (derived by the gateway; opaque here). The
     tenant's lease lookup by content (PinLeaseRequest.history_keys) finds this lease under
-    them while it is active. At most RegistryLimits.max_history_keys keys.
+    them while it is active. Past RegistryLimits.max_history_keys, the first and the latest
+    are kept.
     """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -1202,8 +1203,9 @@ class PinLeaseRequest(_message.Message):
     """Makes retries idempotent: a retried pin returns the same pin."""
     history_keys: _builtins.bytes
     """With an empty conversation_id: find the conversation by content. The request's history
-    keys at every message boundary, shortest prefix first (16 bytes each); the registry pins
-    the tenant's active lease indexed under the longest of them (a miss: NO_LEASE).
+    keys at its message boundaries (the latest ones, at most max_lookup_keys), shortest prefix
+    first (16 bytes each); the registry pins the tenant's readable lease indexed under the
+    longest of them, skipping a lease that turns out not readable (a miss: NO_LEASE).
     """
     @_builtins.property
     def pin_ttl(self) -> _duration_pb2.Duration:
