@@ -832,3 +832,18 @@ async def test_concurrent_continuations_of_one_lease_branch_but_one(
         assert len({*sources} & {"recent", "continued"}) == 1, sources
     finally:
         await close(s)
+
+
+def test_recent_turns_keep_one_entry_per_conversation_and_history(stack: Stack) -> None:
+    """Repeated identical one-shot prompts (a new conversation each) must not grow the
+    gateway's memory of recent turns, and a conversation moving on must not drop the entry
+    another conversation now holds."""
+    gw = stack.gateway.gateway
+    key, other = b"k" * 16, b"o" * 16
+    for i in range(50):
+        gw._remember_keys("t", key, f"kvb-{i}")
+    assert gw._recent_keys == {("t", key): "kvb-49"} and gw._latest_key == {("t", "kvb-49"): key}
+    gw._remember_keys("t", key, "kvb-x")  # another conversation ends on the same history
+    gw._remember_keys("t", other, "kvb-49")  # the first moves on
+    assert gw._recent_keys == {("t", key): "kvb-x", ("t", other): "kvb-49"}
+    assert gw._latest_key == {("t", "kvb-x"): key, ("t", "kvb-49"): other}
