@@ -116,13 +116,26 @@ local function count_entries(n)
   if n ~= 0 then redis.call('INCRBY', P .. 'tkn', n) end
 end
 
-local function index(lid, tenant, hk)
-  local TK = P .. 'tk:' .. tenant
+-- The keys of `hk`, KEYS_A_CALL to a list.
+local function key_chunks(hk)
+  local chunks = {}
   local step = KEYS_A_CALL * HISTORY_KEY_SIZE
   for i = 1, #hk, step do
-    local fv = {}
+    local keys = {}
     for j = i, math.min(i + step, #hk + 1) - 1, HISTORY_KEY_SIZE do
-      fv[#fv + 1] = string.sub(hk, j, j + HISTORY_KEY_SIZE - 1)
+      keys[#keys + 1] = string.sub(hk, j, j + HISTORY_KEY_SIZE - 1)
+    end
+    chunks[#chunks + 1] = keys
+  end
+  return chunks
+end
+
+local function index(lid, tenant, hk)
+  local TK = P .. 'tk:' .. tenant
+  for _, keys in ipairs(key_chunks(hk)) do
+    local fv = {}
+    for _, key in ipairs(keys) do
+      fv[#fv + 1] = key
       fv[#fv + 1] = lid
     end
     count_entries(redis.call('HSET', TK, unpack(fv)))  -- the new ones
@@ -132,12 +145,7 @@ end
 -- Drop the keys of `hk` that still point to `lid` (a later lease may have taken some).
 local function unindex(lid, tenant, hk)
   local TK = P .. 'tk:' .. tenant
-  local step = KEYS_A_CALL * HISTORY_KEY_SIZE
-  for i = 1, #hk, step do
-    local keys = {}
-    for j = i, math.min(i + step, #hk + 1) - 1, HISTORY_KEY_SIZE do
-      keys[#keys + 1] = string.sub(hk, j, j + HISTORY_KEY_SIZE - 1)
-    end
+  for _, keys in ipairs(key_chunks(hk)) do
     local at = redis.call('HMGET', TK, unpack(keys))
     local gone = {}
     for j = 1, #keys do
