@@ -304,13 +304,7 @@ def check_read(cfg: RegistryConfig, tenant: str, conversation_id: str, min_token
     """A read's fields. `history_keys` (a lookup by content) stands for an empty
     conversation_id; a read names one or the other."""
     check.identifier("tenant", tenant, cfg.max_id_length)
-    if history_keys and conversation_id:
-        raise check.InvalidArgument("history_keys", "a read names a conversation_id or "
-                                    "history_keys, not both")
-    if history_keys:
-        check_history_keys("history_keys", history_keys, cfg.max_lookup_keys)
-    else:
-        check.identifier("conversation_id", conversation_id, cfg.max_id_length)
+    check_named_or_found(conversation_id, history_keys, cfg.max_id_length, cfg.max_lookup_keys)
     check.in_range("min_tokens", min_tokens, 0, 2**31)
     if not pin_ttl >= 0:  # also rejects NaN
         raise check.InvalidArgument("pin_ttl", "must not be negative")
@@ -318,6 +312,19 @@ def check_read(cfg: RegistryConfig, tenant: str, conversation_id: str, min_token
         check.identifier("reader_id", reader_id, cfg.max_id_length)
     if request_id:
         check.identifier("request_id", request_id, cfg.max_id_length)
+
+
+def check_named_or_found(conversation_id: str, history_keys: bytes, max_id_length: int,
+                         most_keys: int) -> None:
+    """A conversation named by its id, or to be found by its history keys: one or the
+    other."""
+    if history_keys and conversation_id:
+        raise check.InvalidArgument("history_keys", "a conversation_id or history_keys, not "
+                                    "both")
+    if history_keys:
+        check_history_keys("history_keys", history_keys, most_keys)
+    else:
+        check.identifier("conversation_id", conversation_id, max_id_length)
 
 
 def check_prompt_hashes(cfg: RegistryConfig, hashes: bytes) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
@@ -16,12 +17,12 @@ from kvbridge import __version__, auth
 from kvbridge._grpc_status import to_status
 from kvbridge.clients._registry import AsyncRegistryClient
 from kvbridge.errors import KvbridgeError, Unavailable
-from kvbridge.history import KEY_SIZE as HISTORY_KEY_SIZE
 from kvbridge.registry.v1 import registry_pb2 as reg_pb
 from kvbridge.registry.v1 import registry_pb2_grpc as reg_grpc
 from kvbridge.router.v1 import router_pb2 as pb
 from kvbridge.router.v1 import router_pb2_grpc as pb_grpc
 from kvbridge.services.registry import _validate as check
+from kvbridge.services.registry._core import check_named_or_found
 from kvbridge.services.router._policy import (
     Instance,
     InstanceSpec,
@@ -225,14 +226,10 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         pinned: reg_pb.PinLeaseResponse | None = None
         if request.conversation_id or request.history_keys:
             check.identifier("tenant", request.tenant, cfg.max_id_length)
-            if request.conversation_id:
-                check.identifier("conversation_id", request.conversation_id, cfg.max_id_length)
-            if request.history_keys:  # a lookup by content always pins what it finds
-                if request.conversation_id:
-                    raise check.InvalidArgument("history_keys", "a turn names a conversation_id "
-                                                "or history_keys, not both")
-                if len(request.history_keys) % HISTORY_KEY_SIZE:
-                    raise check.InvalidArgument("history_keys", "not whole 16-byte keys")
+            # How many keys a lookup may carry is the registry's to say.
+            check_named_or_found(request.conversation_id, request.history_keys,
+                                 cfg.max_id_length, sys.maxsize)
+            # A lookup by content always pins what it finds.
             if request.pin_read or request.history_keys:
                 _seconds(request.pin_ttl, "pin_ttl")  # bad input fails before any pin
                 holder, pinned = await self._pin_read(request)
