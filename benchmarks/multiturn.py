@@ -367,9 +367,9 @@ def kvbridge_stack(model: Path, max_len: int, work: Path, engine_timeout: float
             time.sleep(0.5)
         urls = json.loads(ready.read_text())
         stack.gateway_url = urls["gateway"]
-        stack.prefill_url = urls["engines"]["prefill"]
-        stack.decode_url = urls["engines"]["decode"]
-        stack.prefill_connector_metrics = urls.get("connector_metrics", {}).get("prefill", "")
+        stack.prefill_url = urls["engines"]["prefill-0"]
+        stack.decode_url = urls["engines"]["decode-0"]
+        stack.prefill_connector_metrics = urls.get("connector_metrics", {}).get("prefill-0", "")
         stack.model = urls["model"]
         yield stack
     finally:

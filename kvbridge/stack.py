@@ -1,7 +1,7 @@
 """`kvbridge up`: the embedded stack. Registry, router and gateway in this process; with
-`--cpu-engines`, also a prefill and a decode vLLM engine on the CPU with the connector, each
-registered with the router by an instance agent. Ctrl-C (or SIGTERM) stops everything it
-started.
+`--cpu-engines`, also prefill and decode vLLM engines on the CPU with the connector (one of
+each unless `--prefills`/`--decodes`), each registered with the router by an instance
+agent. Ctrl-C (or SIGTERM) stops everything it started.
 """
 
 from __future__ import annotations
@@ -79,6 +79,9 @@ class UpOptions:
     engine_timeout_s: float = 600.0
     max_model_len: int = 2048
     ready_json: Path | None = None  # where to write the URLs (JSON) once everything is up
+    prefills: int = 1
+    decodes: int = 1
+    decode_kv_cache_mb: int = 0  # 0: vLLM's (VLLM_CPU_KVCACHE_SPACE)
 
 
 @dataclass
@@ -169,29 +172,31 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
         await loop.run_in_executor(None, make_tiny, model, TinyModelSpec())
     name = TINY_MODEL_NAME if opts.model is None else model.name
     urls.model = name
-    cpus = os.cpu_count() or 1
     engines = []
-    for role, cpu in (("prefill", 0), ("decode", 1 % cpus)):
+    for role, index, cpu in engine_cores(opts.prefills, opts.decodes, os.cpu_count() or 1):
+        instance = f"{role}-{index}"
         metrics_port = _free_port()
         settings: dict[str, Any] = {"read_deadline_s": opts.read_deadline_s, "router": router,
                                     "metrics_port": metrics_port, "rpc_timeout_s": 5.0}
         if role == "decode":
             settings = {"idle_ttl_s": opts.idle_ttl_s, "metrics_port": metrics_port,
                         "rpc_timeout_s": 5.0, "holder_ttl_s": opts.holder_ttl_s}
-        urls.connector_metrics[role] = f"http://127.0.0.1:{metrics_port}/metrics"
-        spec = EngineSpec(role, str(model), _free_port(), _free_port(), f"kvbridge-{role}-0",
+        urls.connector_metrics[instance] = f"http://127.0.0.1:{metrics_port}/metrics"
+        spec = EngineSpec(role, str(model), _free_port(), _free_port(), f"kvbridge-{instance}",
                           registry, cpu=cpu, kvbridge=settings, served_name=name,
-                          log_stats=True, max_model_len=opts.max_model_len)
+                          log_stats=True, max_model_len=opts.max_model_len,
+                          kv_cache_bytes=(opts.decode_kv_cache_mb << 20 if role == "decode"
+                                          else None))
         engine = start_engine(spec, work)
-        engines.append(engine)
+        engines.append((instance, engine))
 
         async def stop_engine(e: Any = engine) -> None:
             await loop.run_in_executor(None, e.stop)
 
         cleanups.append(stop_engine)
-        log.info("engine_starting", role=role, url=spec.url, log=str(engine.log_path),
+        log.info("engine_starting", instance=instance, url=spec.url, log=str(engine.log_path),
                  cpu=cpu)
-    for engine in engines:
+    for instance, engine in engines:
         waiter: asyncio.Future[Any] = loop.run_in_executor(None, wait_ready, engine,
                                                            opts.engine_timeout_s)
         stopper: asyncio.Future[Any] = asyncio.ensure_future(stop.wait())
@@ -200,12 +205,12 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
         if waiter not in done:
             return  # stopping while engines start: cleanups stop them
         waiter.result()
-        urls.engines[engine.spec.role] = engine.spec.url
-        log.info("engine_ready", role=engine.spec.role, url=engine.spec.url)
+        urls.engines[instance] = engine.spec.url
+        log.info("engine_ready", instance=instance, url=engine.spec.url)
     # This process (registry, router, gateway, agents) runs at a higher priority than the
     # engines: off the prefill's core, its RPCs during a prefill (pin release, lease renewal)
     # never preempt the prefill's compute.
-    cores = control_plane_cpus({e.spec.cpu for e in engines})
+    cores = control_plane_cpus({e.spec.cpu for _, e in engines})
     pin_own_threads(cores)
     log.info("control_plane_pinned", cpus=sorted(cores))
     client = AsyncRouterClient(router, timeout=2.0)
@@ -213,9 +218,9 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
     # CPU engines busy-poll their cores and can answer /metrics late; the agents know their
     # processes, so only a process that exits drops an engine from the router.
     tasks = [asyncio.ensure_future(InstanceAgent(
-        client, f"{e.spec.role}-0", e.spec.role, e.spec.url, e.spec.engine_id, name,
+        client, instance, e.spec.role, e.spec.url, e.spec.engine_id, name,
         "127.0.0.1", e.spec.nixl_port, ttl=30.0,
-        alive=_running(e.process)).run(agents_stop)) for e in engines]
+        alive=_running(e.process)).run(agents_stop)) for instance, e in engines]
 
     async def stop_agents() -> None:
         agents_stop.set()
@@ -223,13 +228,23 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
         await client.close()
 
     cleanups.append(stop_agents)
-    # The gateway routes only to registered instances: wait until both are.
+    # The gateway routes only to registered instances: wait until all are.
     for _ in range(100):
         listed = await client.list_instances()
         if len(listed) >= len(engines):
             return
         await asyncio.sleep(0.1)
     raise click.ClickException("the engines did not register with the router")
+
+
+def engine_cores(prefills: int, decodes: int, cpus: int) -> list[tuple[str, int, int]]:
+    """(role, index, core) of each CPU engine. Prefills take cores of their own first: their
+    compute is every turn's time to first token. Decodes share the remaining cores (all of
+    them when prefills took every core), round robin."""
+    prefill_cores = [i % cpus for i in range(prefills)]
+    rest = [c for c in range(cpus) if c not in prefill_cores] or list(range(cpus))
+    return ([("prefill", i, prefill_cores[i]) for i in range(prefills)]
+            + [("decode", j, rest[j % len(rest)]) for j in range(decodes)])
 
 
 def _write_ready_json(path: Path, urls: Urls) -> None:
@@ -261,8 +276,18 @@ def _print_ready(urls: Urls) -> None:
 
 @click.command("up")
 @click.option("--cpu-engines", is_flag=True,
-              help="also start a prefill and a decode vLLM engine on the CPU (makes the tiny "
+              help="also start prefill and decode vLLM engines on the CPU (makes the tiny "
                    "test model first if --model is not given)")
+@click.option("--prefills", default=1, show_default=True, type=click.IntRange(1, 8),
+              help="with --cpu-engines: how many prefill engines (each on a core of its own "
+                   "while cores last)")
+@click.option("--decodes", default=1, show_default=True, type=click.IntRange(1, 8),
+              help="with --cpu-engines: how many decode engines (they share the cores the "
+                   "prefills left; the router spreads new conversations over them by load)")
+@click.option("--decode-kv-cache-mb", default=0, show_default=True,
+              type=click.IntRange(min=0),
+              help="with --cpu-engines: each decode's KV cache in MiB (0: vLLM's default, "
+                   "VLLM_CPU_KVCACHE_SPACE); small pools show retention under memory pressure")
 @click.option("--model", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="model folder for --cpu-engines (default: WORK_DIR/tiny-model, made if "
                    "missing)")
@@ -299,17 +324,22 @@ def _print_ready(urls: Urls) -> None:
               default="info", show_default=True,
               help="least severe log line printed (on stderr) by the registry, router, gateway "
                    "and the stack itself; engines log to files under --work-dir")
-def up_command(cpu_engines: bool, model: Path | None, work_dir: Path, registry_listen: str,
-               router_listen: str, gateway_listen: str, idle_ttl_s: float, holder_ttl_s: float,
+def up_command(cpu_engines: bool, prefills: int, decodes: int, decode_kv_cache_mb: int,
+               model: Path | None,
+               work_dir: Path, registry_listen: str, router_listen: str, gateway_listen: str,
+               idle_ttl_s: float, holder_ttl_s: float,
                api_keys_file: str, demo_turns: int, as_json: bool, max_model_len: int,
                ready_json: Path | None, log_level: str) -> None:
-    """Start registry, router and gateway in one process (and, with --cpu-engines, a prefill
-    and a decode vLLM engine on this CPU), wait until all are healthy, print the URLs, and run
-    until Ctrl-C.
+    """Start registry, router and gateway in one process (and, with --cpu-engines, prefill
+    and decode vLLM engines on this CPU: one of each unless --prefills/--decodes), wait until
+    all are healthy, print the URLs, and run until Ctrl-C.
 
     A local stack: it runs in insecure local mode (no tokens or TLS on the gRPC services, every
     caller an admin; any API key accepted unless --api-keys-file) and says so when it starts.
     For a secured deployment run the services on their own (`kvbridge auth --help`)."""
+    if (prefills != 1 or decodes != 1 or decode_kv_cache_mb) and not cpu_engines:
+        raise click.UsageError("--prefills, --decodes and --decode-kv-cache-mb need "
+                               "--cpu-engines")
     if demo_turns and not cpu_engines:
         raise click.UsageError("--demo needs --cpu-engines (or run `kvbridge demo` against "
                                "a stack with engines)")
@@ -318,7 +348,9 @@ def up_command(cpu_engines: bool, model: Path | None, work_dir: Path, registry_l
     opts = UpOptions(registry_listen, router_listen, gateway_listen, cpu_engines, model,
                      work_dir, idle_ttl_s, holder_ttl_s=holder_ttl_s,
                      api_keys_file=api_keys_file,
-                     max_model_len=max_model_len, ready_json=ready_json)
+                     max_model_len=max_model_len, ready_json=ready_json,
+                     prefills=prefills, decodes=decodes,
+                     decode_kv_cache_mb=decode_kv_cache_mb)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -78,7 +78,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
                 break
         text = "".join(lines)
         gateway = re.search(r"gateway\s+(http://\S+)/v1", text)
-        decode = re.search(r"decode\s+\S+\s+\(connector metrics (\S+)\)", text)
+        decode = re.search(r"decode-0\s+\S+\s+\(connector metrics (\S+)\)", text)
         model = re.search(r"model\s+(\S+)", text)
         registry = re.search(r"registry\s+(\S+)", text)
         router = re.search(r"router\s+(\S+)", text)
