@@ -268,6 +268,7 @@ class Stack:
     model: str
     gateway_url: str = ""
     prefill_connector_metrics: str = ""  # kvbridge: the prefill connector's /metrics
+    engines: dict[str, str] = field(default_factory=dict)  # kvbridge: every engine, by name
     stop_actions: list[Any] = field(default_factory=list)
     roots: list[int] = field(default_factory=list)  # process trees of its engines
     frozen: bool = False
@@ -326,9 +327,10 @@ def two_step_stack(leg: str, model: Path, max_len: int, work: Path,
 
 
 @contextmanager
-def kvbridge_stack(model: Path, max_len: int, work: Path, engine_timeout: float
-                   ) -> Iterator[Stack]:
-    """`kvbridge up --cpu-engines` in a process of its own, as a user runs it."""
+def kvbridge_stack(model: Path, max_len: int, work: Path, engine_timeout: float,
+                   extra: tuple[str, ...] = ()) -> Iterator[Stack]:
+    """`kvbridge up --cpu-engines` in a process of its own, as a user runs it (`extra`: more
+    of its arguments)."""
     ready = work / "ready.json"
     ready.unlink(missing_ok=True)
     log_path = work / "kvbridge-up.log"
@@ -339,7 +341,7 @@ def kvbridge_stack(model: Path, max_len: int, work: Path, engine_timeout: float
                "--gateway-listen", "127.0.0.1:0", "--idle-ttl-s", "600",
                # Side by side with other legs, this stack is stopped between its turns: the
                # decode's heartbeats must outlast the other legs' turns.
-               "--holder-ttl-s", "120"]
+               "--holder-ttl-s", "120", *extra]
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     stack = Stack("", "", model.name)
@@ -369,6 +371,7 @@ def kvbridge_stack(model: Path, max_len: int, work: Path, engine_timeout: float
         stack.gateway_url = urls["gateway"]
         stack.prefill_url = urls["engines"]["prefill-0"]
         stack.decode_url = urls["engines"]["decode-0"]
+        stack.engines = dict(urls["engines"])
         stack.prefill_connector_metrics = urls.get("connector_metrics", {}).get("prefill-0", "")
         stack.model = urls["model"]
         yield stack

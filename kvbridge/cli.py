@@ -34,7 +34,8 @@ def main(log_level: str) -> None:
     Operations: kvbridge doctor, kvbridge leases list|show|renew|revoke|watch,
                 kvbridge holders list, kvbridge instances list
     Benchmarks: kvbridge bench registry, kvbridge bench multiturn,
-                kvbridge bench lease-policy, kvbridge bench soak
+                kvbridge bench agentic, kvbridge bench lease-policy,
+                kvbridge bench soak
     Demo:       kvbridge demo (through a gateway), kvbridge registry demo (leases only)
     Models:     kvbridge model make-tiny PATH
     Security:   kvbridge auth token|check (token tables for --auth-tokens-file)
@@ -49,6 +50,7 @@ def bench_group() -> None:
 
 
 def _register_benchmarks() -> None:
+    from kvbridge.benchmarks.agentic import agentic_bench
     from kvbridge.benchmarks.lease_policy import lease_policy_bench
     from kvbridge.benchmarks.multiturn import multiturn_bench
     from kvbridge.benchmarks.registry_bench import registry_bench
@@ -56,6 +58,7 @@ def _register_benchmarks() -> None:
 
     bench_group.add_command(registry_bench)
     bench_group.add_command(multiturn_bench)
+    bench_group.add_command(agentic_bench)
     bench_group.add_command(lease_policy_bench)
     bench_group.add_command(soak_bench)
 

@@ -81,7 +81,7 @@ class UpOptions:
     ready_json: Path | None = None  # where to write the URLs (JSON) once everything is up
     prefills: int = 1
     decodes: int = 1
-    decode_kv_cache_mb: int = 0  # 0: vLLM's (VLLM_CPU_KVCACHE_SPACE)
+    kv_cache_mb: int = 0  # each engine's; 0: vLLM's (VLLM_CPU_KVCACHE_SPACE)
 
 
 @dataclass
@@ -185,8 +185,7 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
         spec = EngineSpec(role, str(model), _free_port(), _free_port(), f"kvbridge-{instance}",
                           registry, cpu=cpu, kvbridge=settings, served_name=name,
                           log_stats=True, max_model_len=opts.max_model_len,
-                          kv_cache_bytes=(opts.decode_kv_cache_mb << 20 if role == "decode"
-                                          else None))
+                          kv_cache_bytes=opts.kv_cache_mb << 20 or None)
         engine = start_engine(spec, work)
         engines.append((instance, engine))
 
@@ -284,9 +283,8 @@ def _print_ready(urls: Urls) -> None:
 @click.option("--decodes", default=1, show_default=True, type=click.IntRange(1, 8),
               help="with --cpu-engines: how many decode engines (they share the cores the "
                    "prefills left; the router spreads new conversations over them by load)")
-@click.option("--decode-kv-cache-mb", default=0, show_default=True,
-              type=click.IntRange(min=0),
-              help="with --cpu-engines: each decode's KV cache in MiB (0: vLLM's default, "
+@click.option("--kv-cache-mb", default=0, show_default=True, type=click.IntRange(min=0),
+              help="with --cpu-engines: each engine's KV cache in MiB (0: vLLM's default, "
                    "VLLM_CPU_KVCACHE_SPACE); small pools show retention under memory pressure")
 @click.option("--model", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="model folder for --cpu-engines (default: WORK_DIR/tiny-model, made if "
@@ -324,7 +322,7 @@ def _print_ready(urls: Urls) -> None:
               default="info", show_default=True,
               help="least severe log line printed (on stderr) by the registry, router, gateway "
                    "and the stack itself; engines log to files under --work-dir")
-def up_command(cpu_engines: bool, prefills: int, decodes: int, decode_kv_cache_mb: int,
+def up_command(cpu_engines: bool, prefills: int, decodes: int, kv_cache_mb: int,
                model: Path | None,
                work_dir: Path, registry_listen: str, router_listen: str, gateway_listen: str,
                idle_ttl_s: float, holder_ttl_s: float,
@@ -337,9 +335,8 @@ def up_command(cpu_engines: bool, prefills: int, decodes: int, decode_kv_cache_m
     A local stack: it runs in insecure local mode (no tokens or TLS on the gRPC services, every
     caller an admin; any API key accepted unless --api-keys-file) and says so when it starts.
     For a secured deployment run the services on their own (`kvbridge auth --help`)."""
-    if (prefills != 1 or decodes != 1 or decode_kv_cache_mb) and not cpu_engines:
-        raise click.UsageError("--prefills, --decodes and --decode-kv-cache-mb need "
-                               "--cpu-engines")
+    if (prefills != 1 or decodes != 1 or kv_cache_mb) and not cpu_engines:
+        raise click.UsageError("--prefills, --decodes and --kv-cache-mb need --cpu-engines")
     if demo_turns and not cpu_engines:
         raise click.UsageError("--demo needs --cpu-engines (or run `kvbridge demo` against "
                                "a stack with engines)")
@@ -350,7 +347,7 @@ def up_command(cpu_engines: bool, prefills: int, decodes: int, decode_kv_cache_m
                      api_keys_file=api_keys_file,
                      max_model_len=max_model_len, ready_json=ready_json,
                      prefills=prefills, decodes=decodes,
-                     decode_kv_cache_mb=decode_kv_cache_mb)
+                     kv_cache_mb=kv_cache_mb)
 
     async def main() -> None:
         stop = asyncio.Event()
