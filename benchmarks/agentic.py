@@ -145,6 +145,10 @@ def engine_counts(url: str) -> dict[str, float]:
             out[key] = out.get(key, 0.0) + value
         elif name == "vllm:request_queue_time_seconds_count":
             out["queued"] = out.get("queued", 0.0) + value
+        elif name in ("vllm:request_time_per_output_token_seconds_sum",
+                      "vllm:request_time_per_output_token_seconds_count"):
+            key = "tpot_" + name.rsplit("_", 1)[1]
+            out[key] = out.get(key, 0.0) + value
         elif (name == "vllm:request_queue_time_seconds_bucket"
               and float(labels.get("le", "inf")) == WAIT_S):
             out["queued_within"] = out.get("queued_within", 0.0) + value
@@ -477,6 +481,9 @@ def summarize(results: list[TurnResult], delta: dict[str, dict[str, float]],
     decodes = [name for name in delta if name.startswith("decode-")]
     waited = sum(delta[d].get("queued", 0.0) - delta[d].get("queued_within", 0.0)
                  for d in decodes)
+    tpot_count = sum(delta[d].get("tpot_count", 0.0) for d in decodes)
+    engine_tpot = (round(sum(delta[d].get("tpot_sum", 0.0) for d in decodes) / tpot_count
+                         * 1000, 2) if tpot_count else None)
     unanswered = len(results) - len(done)
     # Retained block-seconds: each decode's used blocks, sampled every second, integrated.
     block_seconds = 0.0
@@ -495,6 +502,9 @@ def summarize(results: list[TurnResult], delta: dict[str, dict[str, float]],
         "ttft_p50_ms": _percentile(ttft, 0.5), "ttft_p90_ms": _percentile(ttft, 0.9),
         "ttft_p99_ms": _percentile(ttft, 0.99),
         "tpot_p50_ms": _percentile(tpot, 0.5), "tpot_p90_ms": _percentile(tpot, 0.9),
+        # The decodes' own mean (vLLM's histogram): what decoding cost, without the hops to
+        # the client (kvbridge's answers stream through the gateway).
+        "decode_engine_tpot_ms": engine_tpot,
         "ttft_estimated": any(r.estimated for r in done),
         # Waited in a decode's queue for at least WAIT_S, or never answered within the leg.
         "turns_waited_1s": round(waited) + unanswered,
@@ -561,6 +571,7 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
     rows = [("TTFT p50 / p90 / p99 ms", lambda s: f"{s['ttft_p50_ms']} / {s['ttft_p90_ms']} / "
              f"{s['ttft_p99_ms']}" + (" (est.)" if s["ttft_estimated"] else "")),
             ("TPOT p50 / p90 ms", lambda s: f"{s['tpot_p50_ms']} / {s['tpot_p90_ms']}"),
+            ("decode engines' mean TPOT ms", lambda s: str(s["decode_engine_tpot_ms"])),
             ("turns answered / all", lambda s: f"{s['turns_answered']} / {s['turns']}"),
             ("turns waited >= 1 s", lambda s: str(s["turns_waited_1s"])),
             ("reuse hit rate (turns 2+)", lambda s: str(s["reuse_hit_rate"])),

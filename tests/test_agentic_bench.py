@@ -50,8 +50,10 @@ def test_summary_counts_waits_reuse_blocks_and_balance() -> None:
                _turn(1, 2, 60.0, "decode-1", 0, 100), _turn(2, 1, None, "")]
     delta = {"prefill-0": {"tokens_local_cache_hit": 1024.0, "tokens_external_kv_transfer": 900,
                            "tokens_local_compute": 3076.0},
-             "decode-0": {"queued": 3.0, "queued_within": 2.0},
-             "decode-1": {"queued": 2.0, "queued_within": 2.0}}
+             "decode-0": {"queued": 3.0, "queued_within": 2.0, "tpot_sum": 0.02,
+                          "tpot_count": 3.0},
+             "decode-1": {"queued": 2.0, "queued_within": 2.0, "tpot_sum": 0.01,
+                          "tpot_count": 2.0}}
     samples = [(0.0, "decode-0", 10.0), (2.0, "decode-0", 30.0), (3.0, "decode-0", 0.0),
                (0.0, "decode-1", 5.0), (4.0, "decode-1", 5.0)]
     s = summarize(results, delta, samples, 30.0, [])
@@ -65,6 +67,7 @@ def test_summary_counts_waits_reuse_blocks_and_balance() -> None:
     assert s["turns_local_and_read_back"] == 0
     assert s["turns_per_minute"] == 8.0
     assert s["ttft_p50_ms"] == 60.0 and s["ttft_p90_ms"] == 120.0
+    assert s["decode_engine_tpot_ms"] == 6.0
 
 
 def _leg(**overrides: object) -> dict[str, object]:
