@@ -5,17 +5,24 @@ bidirectional transfer and recompute-on-failure where they belong), runs it in t
 with its output on ours, registers it with the router once healthy and heartbeats its load,
 forwards SIGTERM/SIGINT to it, deregisters, and exits with its status. This is the command the
 engine containers in docker-compose.yml run.
+
+`kvbridge engine attach`: the instance agent alone, for an engine started by something else (a
+plain `vllm serve` with the connector in its --kv-transfer-config, as the Kubernetes manifests
+run it): waits for the engine's /health, registers it with the router and heartbeats its load
+until SIGTERM, then deregisters. In a pod it is the sidecar beside vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -25,7 +32,8 @@ import structlog
 
 from kvbridge import aio, logs
 from kvbridge.auth import TOKEN_ENV
-from kvbridge.clients._cli import address_callback
+from kvbridge.clients._cli import address_callback, client_security, security_options
+from kvbridge.errors import InvalidArgument, KvbridgeError, PermissionDenied, Unauthenticated
 
 log = structlog.get_logger("kvbridge.engine")
 
@@ -167,6 +175,106 @@ async def _run(spec: Any, process: subprocess.Popen[bytes], router: str, ttl: fl
         code = await exited
     log.info("engine_exited", role=spec.role, engine_id=spec.engine_id, code=code)
     return int(code)
+
+
+def _engine_url(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    parsed = urllib.parse.urlsplit(value)
+    try:
+        port = parsed.port
+    except ValueError:
+        port = None
+    if (parsed.scheme not in ("http", "https") or not parsed.hostname or port is None
+            or parsed.path.strip("/") or parsed.query or parsed.fragment or parsed.username):
+        raise click.BadParameter(
+            f"{value!r}: expected http://HOST:PORT (how the router, the gateway and other "
+            "engines reach the engine)")
+    return value.rstrip("/")
+
+
+@engine_group.command("attach")
+@click.option("--role", type=click.Choice(["prefill", "decode"]), required=True,
+              help="the engine's role, as its kv-transfer-config says (kv_producer: prefill, "
+                   "kv_consumer: decode)")
+@click.option("--url", "url", required=True, callback=_engine_url,
+              help="the engine's HTTP URL, http://HOST:PORT, as the router, the gateway and "
+                   "other engines reach it (in a pod: the pod's IP); its /health and /metrics "
+                   "are read there too")
+@click.option("--engine-id", required=True,
+              help="the engine_id of the engine's kv-transfer-config (decode: its holder id "
+                   "at the registry)")
+@click.option("--model", required=True, help="the model name clients send (vLLM's "
+                                             "--served-model-name, else its model)")
+@click.option("--router", required=True, callback=address_callback(),
+              help="router HOST:PORT to register with")
+@click.option("--instance-id", default="", help="the router's name for it; default: "
+                                                 "--engine-id")
+@click.option("--nixl-host", default="",
+              help="host of the engine's NIXL side channel; default: --url's host")
+@click.option("--nixl-port", default=5600, show_default=True, type=click.IntRange(1, 65535),
+              help="port of the engine's NIXL side channel (VLLM_NIXL_SIDE_CHANNEL_PORT)")
+@click.option("--instance-ttl-s", default=10.0, show_default=True,
+              type=click.FloatRange(min=1),
+              help="seconds the router keeps the engine without a heartbeat (sent every "
+                   "third of it)")
+@security_options
+def engine_attach(role: str, url: str, engine_id: str, model: str, router: str,
+                  instance_id: str, nixl_host: str, nixl_port: int,
+                  instance_ttl_s: float) -> None:
+    """Register a running engine with the router and heartbeat its load until SIGTERM.
+
+    For an engine started by something else (a plain `vllm serve` with the kvbridge connector
+    in its --kv-transfer-config): waits until the engine's /health answers, registers it, reads
+    its load from its /metrics every third of --instance-ttl-s, and deregisters on
+    SIGTERM/SIGINT (exit status 0). An engine that stops answering is dropped by the router
+    and registered again when it answers. A router that refuses the registration (token,
+    engine id or URL not allowed) ends it with exit status 1 and the router's reason. The
+    token is the engine's own (decode: holder, prefill: reader), in KVBRIDGE_TOKEN.
+    """
+    logs.configure("info", "auto")
+    host = urllib.parse.urlsplit(url).hostname or ""
+    code = aio.run(_attach(role, url, engine_id, model, router, instance_id or engine_id,
+                           nixl_host or host, nixl_port, instance_ttl_s, client_security()))
+    raise SystemExit(code)
+
+
+async def _attach(role: str, url: str, engine_id: str, model: str, router: str,
+                  instance_id: str, nixl_host: str, nixl_port: int, ttl: float,
+                  security: dict[str, Any]) -> int:
+    from kvbridge.clients._agent import InstanceAgent
+    from kvbridge.clients._router import AsyncRouterClient
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("engine_attach_waiting", role=role, engine_id=engine_id, url=url, router=router)
+    while not await _healthy(url):
+        if stop.is_set():
+            return 0
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 1.0)
+    client = AsyncRouterClient(router, timeout=2.0, **security)
+    try:
+        agent = InstanceAgent(client, instance_id, role, url, engine_id, model, nixl_host,
+                              nixl_port, ttl)
+        try:
+            # A refusal is final (the token, the engine id or the URL): say so and stop,
+            # rather than retry it for ever. Anything else the agent retries.
+            await client.register_instance(instance_id, role, url, engine_id, model,
+                                           nixl_host, nixl_port, ttl)
+        except (PermissionDenied, Unauthenticated, InvalidArgument) as err:
+            log.error("engine_attach_refused", instance=instance_id, reason=err.reason,
+                      error=err.message)
+            click.echo(f"error: {err.reason}: the router at {router} refused {instance_id}: "
+                       f"{err.message}", err=True)
+            return 1
+        except KvbridgeError as err:
+            log.warning("router_register_failed", instance=instance_id, error=str(err))
+        await agent.run(stop)
+    finally:
+        await client.close()
+    log.info("engine_detached", instance=instance_id, engine_id=engine_id)
+    return 0
 
 
 async def _healthy(url: str) -> bool:
