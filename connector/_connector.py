@@ -98,11 +98,16 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         # this engine has read from (NIXL handshake done: their reads may be synchronous).
         self._sync_planned: set[str] = set()
         self._read_from: set[str] = set()
-        # With prefix caching, a request not loading asynchronously has its full blocks hashed
-        # (cached) when they are allocated, and NIXL reads only into the blocks still unhashed:
-        # a synchronous read would leave the reused tokens' blocks unfilled yet cached under
-        # the prompt's hashes. So such an engine reads asynchronously only.
+        # Per request planned for a synchronous read: the tokens of its prompt this engine's
+        # own prefix cache holds (block-aligned), after which the read lands.
+        self._local_tokens: dict[str, int] = {}
+        # With prefix caching, a request not loading asynchronously has its blocks hashed (so
+        # findable by other requests) as they are allocated, before the read fills them. A
+        # read that fails is recomputed, but under async scheduling the next step is
+        # scheduled before the failure is known: another request could be computed over
+        # those blocks' garbage. So that combination reads asynchronously.
         self._prefix_caching = _vllm.prefix_caching(vllm_config.cache_config)
+        self._async_scheduling = _vllm.async_scheduling(vllm_config.scheduler_config)
         self.pin_guard: PinGuard | None = None
         self._boot_id = boot_id()
         if role == KVConnectorRole.WORKER:
@@ -170,9 +175,10 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             if transfer.kv_load_failure_policy != "recompute":
                 raise ValueError("kvbridge needs kv_load_failure_policy 'recompute' on prefill "
                                  "engines, so that a failed read recomputes")
-            if self.settings.sync_reads and self._prefix_caching:
-                log.info("kvbridge_sync_reads_off", why="prefix caching is on: reads are "
-                         "asynchronous (run prefill with --no-enable-prefix-caching for reads "
+            if self.settings.sync_reads and self._prefix_caching and self._async_scheduling:
+                log.info("kvbridge_sync_reads_off", why="prefix caching with async "
+                         "scheduling: reads are asynchronous (run prefill with "
+                         "--no-async-scheduling, or --no-enable-prefix-caching, for reads "
                          "within the step)")
             reads: ReadClient | None = (
                 RouterClient(self.settings.router, timeout=self.settings.rpc_timeout_s,
@@ -245,14 +251,23 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             if decided is None:
                 return None, False
             count, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+            req_id = request.request_id
             if decided and not count:
                 self.prefill.decline(request)
             elif count and load_async and (
-                    request.request_id in self._sync_planned  # asked again: no blocks then
+                    req_id in self._sync_planned  # asked again: no blocks then
                     or (decided and self._may_read_sync(request))):
-                self._sync_planned.add(request.request_id)
-                self.prefill.reading_sync(request.request_id)
-                return count, False
+                # vLLM lays a request's blocks out as [local hit | external | new]: the read
+                # lands after the local hit, which must then end on a block boundary (vLLM
+                # offers connectors only block-aligned hits; anything else reads async).
+                if num_computed_tokens % self._block_size() == 0:
+                    self._sync_planned.add(req_id)
+                    self._local_tokens[req_id] = num_computed_tokens
+                    self.prefill.reading_sync(req_id)
+                    return count, False
+                self._sync_planned.discard(req_id)
+                self._local_tokens.pop(req_id, None)
+                self.prefill.reading_sync(req_id, False)
             return count, load_async
         count, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         return count, load_async
@@ -262,19 +277,68 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         if self.decode is not None:
             self.decode.allocated(request.request_id)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
-        if request.request_id in self._sync_planned:
-            self._trim_sync_read(request.request_id, num_external_tokens)
+        req_id = request.request_id
+        if req_id in self._sync_planned:
+            self._place_sync_read(request, blocks, num_external_tokens)
+        elif (num_external_tokens == 0 and self.prefill is not None
+              and self.prefill.reading(req_id) and self._sync_usable()):
+            # The scheduler kept a local hit that ends inside a block and reaches as far as
+            # the read would: nothing to read (NIXL queued a notification only).
+            _vllm.drop_pending_recv(_vllm.nixl_scheduler(self), req_id)
+            self.prefill.decline(request, "local_cache")
 
-    def _trim_sync_read(self, request_id: str, num_external_tokens: int) -> None:
-        """A synchronously read request is allocated the blocks of this step's new tokens too
-        (an asynchronous one only those of the external tokens): read into as many of its
-        fresh blocks as the external tokens fill, no more."""
+    def _place_sync_read(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Read a synchronously read request's external tokens into exactly their blocks.
+        NIXL's scheduler queued the request's unhashed blocks, right only when nothing is
+        hashed at allocation: with prefix caching, all of a synchronously loading request's
+        full blocks are (local hit, external and new tokens alike), and a local hit comes
+        first. vLLM's layout is [local hit | external | new]: the read goes into blocks
+        first..first+count-1 (first: the local hit's blocks, count: the external tokens'),
+        from the remote blocks at the same places."""
+        req_id = request.request_id
+        local = self._local_tokens.pop(req_id, 0)
         scheduler = _vllm.nixl_scheduler(self)
-        if _vllm.pending_recv_blocks(scheduler, request_id) is None:
-            self._sync_planned.discard(request_id)
+        if _vllm.pending_recv_blocks(scheduler, req_id) is None:
+            self._sync_planned.discard(req_id)
             return
-        count = -(-num_external_tokens // _vllm.scheduler_block_size(scheduler))
-        _vllm.trim_pending_recv(scheduler, request_id, count)
+        if num_external_tokens == 0:
+            # The scheduler kept a local hit ending inside a block (as far as the read would
+            # reach): nothing to read. NIXL's queued read goes first: its metadata is built
+            # from the remote fields that declining removes.
+            _vllm.drop_pending_recv(scheduler, req_id)
+            self._sync_planned.discard(req_id)
+            if self.prefill is not None:
+                self.prefill.decline(request, "local_cache")
+            return
+        block_size = self._block_size()
+        first = local // block_size
+        count = -(-num_external_tokens // block_size)
+        groups = _vllm.request_block_ids(blocks)
+        if any(len(group) < first + count for group in groups):
+            # vLLM allocates blocks for the local hit, the external and the new tokens.
+            raise RuntimeError(f"kvbridge: request {req_id} has fewer blocks than its local "
+                               f"hit ({first}) and read ({count}) need")
+        params = request.kv_transfer_params
+        remote = params.get("remote_block_ids")
+        if (not isinstance(remote, list) or len(remote) != len(groups)
+                or any(len(r) < first + count for r in remote)):
+            # The lease's blocks do not reach past the local hit as the read would: do not
+            # read; the pin guard fails the read and the scheduler recomputes its blocks.
+            log.error("sync_read_misplaced", request_id=req_id, local_blocks=first,
+                      read_blocks=count, remote_blocks=[len(r) for r in remote or []])
+            if self.prefill is not None:
+                self.prefill.spoil(req_id)
+        else:
+            # NIXL's worker aligns the remote list on the end of the local one: hand it
+            # exactly the remote blocks at the read's places.
+            params["remote_block_ids"] = [list(r[first:first + count]) for r in remote]
+        _vllm.place_pending_recv(scheduler, req_id,
+                                 [group[first:first + count] for group in groups], first)
+        if self.prefill is not None:
+            self.prefill.placed(req_id, local=local, reused=num_external_tokens)
+
+    def _block_size(self) -> int:
+        return _vllm.scheduler_block_size(_vllm.nixl_scheduler(self))
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         if self.decode is not None:
@@ -298,17 +362,23 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                     self.prefill.read_posted(req_id)
         return meta
 
+    def _sync_usable(self) -> bool:
+        """Whether this vLLM has every name synchronous reads use (here and in the worker
+        processes); asked once (the scheduler is this connector's for good)."""
+        if self._sync_names is None:
+            scheduler = _vllm.nixl_scheduler(self)
+            self._sync_names = _vllm.usable(_vllm.SYNC_READS, {_vllm.SCHEDULER: scheduler})
+        return self._sync_names
+
     def _may_read_sync(self, request: Any) -> bool:
         """Read within the step (see `_sync_reads`) when this engine already has a NIXL
         handshake with the holder and the layout is one KV cache group of equal blocks, and
         this vLLM has every name synchronous reads use (here and in the worker processes)."""
-        if not self.settings.sync_reads or self._prefix_caching:
+        if not self.settings.sync_reads or (self._prefix_caching and self._async_scheduling):
+            return False
+        if not self._sync_usable():
             return False
         scheduler = _vllm.nixl_scheduler(self)
-        if self._sync_names is None:  # the scheduler is this connector's for good: once
-            self._sync_names = _vllm.usable(_vllm.SYNC_READS, {_vllm.SCHEDULER: scheduler})
-        if not self._sync_names:
-            return False
         if _vllm.uses_host_buffer(scheduler) or len(_vllm.kv_cache_groups(self)) != 1:
             return False
         return request.kv_transfer_params.get("remote_engine_id") in self._read_from
@@ -390,6 +460,7 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super().request_finished_all_groups(request, block_ids)
         self._sync_planned.discard(request.request_id)
+        self._local_tokens.pop(request.request_id, None)
         if self.prefill is not None:
             outcome = self.prefill.finished(request.request_id)
             if outcome and params is not None:

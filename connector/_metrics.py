@@ -12,6 +12,10 @@ class ConnectorMetrics:
         r = self.registry
         self.reused_tokens = Counter(
             "kvbridge_connector_reused_tokens", "Prompt tokens read back from decode", registry=r)
+        self.local_tokens = Counter(
+            "kvbridge_connector_local_tokens",
+            "Prompt tokens of conversation requests found in this engine's own prefix cache",
+            registry=r)
         self.recomputed_tokens = Counter(
             "kvbridge_connector_recomputed_tokens",
             "Prompt tokens of conversation requests computed by this prefill engine", registry=r)

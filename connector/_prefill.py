@@ -208,7 +208,7 @@ class PrefillReuse:
             del self._pending[request.request_id]
             pending.future.add_done_callback(self._release_late)
             self._decide(request, "deadline", 0, len(tokens) - num_computed_tokens,
-                         conversation=pending.conversation)
+                         local=num_computed_tokens, conversation=pending.conversation)
             return False
         del self._pending[request.request_id]
         answered = pending.answered or self._now()
@@ -217,13 +217,15 @@ class PrefillReuse:
             read = pending.future.result()
         except KvbridgeError as err:
             self._decide(request, "registry_error", 0, len(tokens) - num_computed_tokens,
-                         conversation=pending.conversation, lookup_ms=lookup_ms,
+                         local=num_computed_tokens, conversation=pending.conversation,
+                         lookup_ms=lookup_ms,
                          source=pending.source, error=err.reason)
             return False
         if read.miss_reason != pb.MISS_REASON_UNSPECIFIED:
             reason = pb.MissReason.Name(read.miss_reason).removeprefix("MISS_REASON_").lower()
             self._decide(request, f"miss_{reason}", 0, len(tokens) - num_computed_tokens,
-                         conversation=pending.conversation, lookup_ms=lookup_ms,
+                         local=num_computed_tokens, conversation=pending.conversation,
+                         lookup_ms=lookup_ms,
                          source=pending.source,
                          mismatch_block=read.mismatch_block)
             return False
@@ -258,7 +260,8 @@ class PrefillReuse:
         if why is not None:
             self._release(read.pin.pin_id)
             self._decide(request, why, 0, len(tokens) - num_computed_tokens,
-                         conversation=pending.conversation, lookup_ms=lookup_ms,
+                         local=num_computed_tokens, conversation=pending.conversation,
+                         lookup_ms=lookup_ms,
                          source=pending.source)
             return False
 
@@ -276,8 +279,8 @@ class PrefillReuse:
             read.pin.pin_id, usable - num_computed_tokens, self._now(),
             pending.conversation, params, pin_end=pin_end)
         self._decide(request, "hit", usable - num_computed_tokens, len(tokens) - usable,
-                     conversation=pending.conversation, lookup_ms=lookup_ms,
-                     source=pending.source,
+                     local=num_computed_tokens, conversation=pending.conversation,
+                     lookup_ms=lookup_ms, source=pending.source,
                      lease_id=read.lease.lease_id,
                      epoch=read.lease.epoch, holder=read.holder.holder_id)
         return True
@@ -310,14 +313,46 @@ class PrefillReuse:
             log.info("prefill_hit_withdrawn", request_id=request.request_id, why=why,
                      conversation=active.conversation, tokens=active.tokens)
 
-    def reading_sync(self, request_id: str) -> None:
-        """The hit will be read within the step that computes the request (`_sync_reads`)."""
+    def reading_sync(self, request_id: str, sync: bool = True) -> None:
+        """The hit will be read within the step that computes the request (`_sync_reads`),
+        or (`sync` False) by NIXL's asynchronous path after all."""
         active = self._active.get(request_id)
         if active is not None:
-            active.sync = True
+            active.sync = sync
         outcome = self._outcomes.get(request_id)
         if outcome is not None:
-            outcome["kvbridge_load"] = "sync"
+            if sync:
+                outcome["kvbridge_load"] = "sync"
+            else:
+                outcome.pop("kvbridge_load", None)
+
+    def reading(self, request_id: str) -> bool:
+        """Whether the request has a hit whose read has not gone to the worker yet."""
+        active = self._active.get(request_id)
+        return active is not None and not active.sent
+
+    def placed(self, request_id: str, *, local: int, reused: int) -> None:
+        """The scheduler allocated the request: `local` prompt tokens come from this engine's
+        prefix cache, `reused` from the read (what the scheduler settled on, which may differ
+        from the decision when it asked again later)."""
+        active = self._active.get(request_id)
+        if active is not None:
+            active.tokens = reused
+        outcome = self._outcomes.get(request_id)
+        if outcome is not None:
+            total = (outcome.get("kvbridge_local_tokens", 0) + outcome["kvbridge_reused_tokens"]
+                     + outcome["kvbridge_recomputed_tokens"])
+            outcome["kvbridge_local_tokens"] = local
+            outcome["kvbridge_reused_tokens"] = reused
+            outcome["kvbridge_recomputed_tokens"] = max(total - local - reused, 0)
+
+    def spoil(self, request_id: str) -> None:
+        """The read must not happen (it could not be placed): its pin is taken as over, so
+        the worker's pin guard fails it and the scheduler recomputes its blocks."""
+        active = self._active.get(request_id)
+        if active is not None:
+            # Now, not minus infinity: the guard forgets ends long past (and would then post).
+            active.pin_end = min(active.pin_end, self._now())
 
     def read_posted(self, request_id: str) -> None:
         """The read is posted in this step: should the request be preempted later, it
@@ -392,7 +427,10 @@ class PrefillReuse:
                 # scheduler recomputes its blocks first), so finishing means it landed; the
                 # worker's own report of it comes after this.
                 self.metrics.reused_tokens.inc(active.tokens)
-        return self._outcomes.pop(request_id, None)
+        outcome = self._outcomes.pop(request_id, None)
+        if outcome is not None and outcome.get("kvbridge_local_tokens"):
+            self.metrics.local_tokens.inc(outcome["kvbridge_local_tokens"])
+        return outcome
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -400,10 +438,12 @@ class PrefillReuse:
     # ---- helpers ----------------------------------------------------------------------------
 
     def _decide(self, request: Any, decision: str, reused: int, recomputed: int,
-                **fields: Any) -> None:
+                local: int = 0, **fields: Any) -> None:
+        # local + reused + recomputed: the prompt (local: this engine's own prefix cache, as
+        # far as the scheduler offered it, block-aligned).
         self._outcomes[request.request_id] = {
             "kvbridge_decision": decision, "kvbridge_reused_tokens": reused,
-            "kvbridge_recomputed_tokens": max(recomputed, 0)}
+            "kvbridge_recomputed_tokens": max(recomputed, 0), "kvbridge_local_tokens": local}
         if "lookup_ms" in fields:  # how long the AcquireRead took, as seen by the engine
             self._outcomes[request.request_id]["kvbridge_lookup_ms"] = fields["lookup_ms"]
         if "source" in fields:  # "route": pinned by the gateway's route; "lookup": our own call
@@ -416,7 +456,7 @@ class PrefillReuse:
             self.metrics.recomputed_tokens.inc(recomputed)
         log.info("prefill_decision", request_id=request.request_id, decision=decision,
                  reused_tokens=reused, recomputed_tokens=max(recomputed, 0),
-                 prompt_tokens=len(request.prompt_token_ids or []), **fields)
+                 local_tokens=local, prompt_tokens=len(request.prompt_token_ids or []), **fields)
 
     def _undo_reuse(self, request_id: str, decision: str, tokens: int) -> None:
         outcome = self._outcomes.get(request_id)

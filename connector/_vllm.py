@@ -64,9 +64,11 @@ REQ_META = f"{_NIXL}.metadata.ReqMeta"
 REMOTE_META = f"{_NIXL}.metadata.RemoteMeta"
 STATS = f"{_NIXL}.stats.NixlKVConnectorStats"
 KV_CACHE_MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
+KV_CACHE_BLOCKS = "vllm.v1.core.kv_cache_manager.KVCacheBlocks"
 BLOCK_POOL = "vllm.v1.core.block_pool.BlockPool"
 REQUEST = "vllm.v1.request.Request"
 CACHE_CONFIG = "vllm.config.cache.CacheConfig"
+SCHEDULER_CONFIG = "vllm.config.scheduler.SchedulerConfig"
 VLLM_CONFIG = "vllm.config.vllm.VllmConfig"
 AGENT = "nixl._api.nixl_agent"
 
@@ -97,6 +99,9 @@ NAMES: tuple[Name, ...] = (
     *_names(SCHEDULER, (REUSE,), "kv_recompute_threshold"),
     *_names(SCHEDULER, (SYNC_READS,), "_reqs_need_recv", "block_size", "use_host_buffer"),
     *_names(CACHE_CONFIG, (SYNC_READS,), "enable_prefix_caching"),
+    *_names(SCHEDULER_CONFIG, (SYNC_READS,), "async_scheduling"),
+    # A request's blocks, in token order: where a synchronous read lands (`place_pending_recv`).
+    *_names(KV_CACHE_BLOCKS, (SYNC_READS,), "get_block_ids"),
     # The block pool: retained blocks hold one reference each.
     *_names(KV_CACHE_MANAGER, (RETENTION,), "block_pool"),
     *_names(BLOCK_POOL, (RETENTION,), "blocks", "touch", "free_blocks", "num_gpu_blocks",
@@ -265,12 +270,21 @@ def pending_recv_blocks(scheduler: Any, request_id: str) -> Any:
     return None if pending is None else pending[1]
 
 
-def trim_pending_recv(scheduler: Any, request_id: str, blocks: int) -> None:
-    """Synchronous reads: read into only the first `blocks` blocks of each group (the rest
-    are this step's new tokens), and mark the read as not awaiting KV."""
-    request, block_ids, cached, _awaiting = scheduler._reqs_need_recv[request_id]
+def place_pending_recv(scheduler: Any, request_id: str, block_ids: list[list[int]],
+                       computed_blocks: int) -> None:
+    """Synchronous reads: read into exactly `block_ids` (per group: the blocks after the
+    request's `computed_blocks` blocks from the local prefix cache that the external tokens
+    fill), and mark the read as not awaiting KV. NIXL's worker aligns the remote block list
+    on the end of these, so the remote blocks read are those after the local hit."""
+    request, _blocks, _cached, _awaiting = scheduler._reqs_need_recv[request_id]
     scheduler._reqs_need_recv[request_id] = (
-        request, tuple(list(group[:blocks]) for group in block_ids), cached, False)
+        request, tuple(list(group) for group in block_ids),
+        tuple(computed_blocks for _ in block_ids), False)
+
+
+def drop_pending_recv(scheduler: Any, request_id: str) -> None:
+    """Synchronous reads: NIXL's scheduler forgets a read it queued (nothing to read)."""
+    scheduler._reqs_need_recv.pop(request_id, None)
 
 
 def scheduler_block_size(scheduler: Any) -> int:
@@ -306,11 +320,26 @@ def side_channel(scheduler: Any) -> tuple[str, int]:
 
 
 def prefix_caching(cache_config: Any) -> bool:
-    """Synchronous reads: whether prefix caching is on. Unknown counts as on (reads stay
-    asynchronous, see `KVBridgeConnector._prefix_caching`)."""
+    """Synchronous reads: whether prefix caching is on. Unknown counts as on."""
     if not usable(SYNC_READS, {CACHE_CONFIG: cache_config}, owners=[CACHE_CONFIG]):
         return True
     return bool(cache_config.enable_prefix_caching)
+
+
+def async_scheduling(scheduler_config: Any) -> bool:
+    """Synchronous reads: whether the engine schedules a step before the previous step's
+    output is in (vLLM's async scheduling). Unknown counts as on."""
+    if not usable(SYNC_READS, {SCHEDULER_CONFIG: scheduler_config},
+                  owners=[SCHEDULER_CONFIG]):
+        return True
+    return bool(scheduler_config.async_scheduling)
+
+
+def request_block_ids(blocks: Any) -> list[list[int]]:
+    """Synchronous reads: a request's block ids per KV cache group, in token order (the
+    local prefix hit first, then the external tokens', then the new tokens'), from the
+    `KVCacheBlocks` the scheduler hands `update_state_after_alloc`."""
+    return [list(group) for group in blocks.get_block_ids()]
 
 
 # ---- the block pool --------------------------------------------------------------------------

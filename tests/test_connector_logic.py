@@ -1164,7 +1164,8 @@ def test_prefill_read_done_ok_releases_and_counts(prefill: PrefillKit, client: R
     timings = ("kvbridge_transfer_ms", "kvbridge_lookup_ms")
     assert {k: v for k, v in outcome.items() if k not in timings} == {
         "kvbridge_decision": "hit", "kvbridge_reused_tokens": 38,
-        "kvbridge_recomputed_tokens": len(EXTRA), "kvbridge_read_source": "lookup"}
+        "kvbridge_recomputed_tokens": len(EXTRA), "kvbridge_read_source": "lookup",
+        "kvbridge_local_tokens": 0}
     assert prefill.reuse.finished("p-1") is None
 
 
@@ -1183,7 +1184,8 @@ def test_prefill_read_done_failed_counts_recompute(prefill: PrefillKit, client: 
     assert outcome is not None and outcome.pop("kvbridge_lookup_ms") >= 0
     assert outcome == {
         "kvbridge_decision": "transfer_failed", "kvbridge_reused_tokens": 0,
-        "kvbridge_recomputed_tokens": len(prompt), "kvbridge_read_source": "lookup"}
+        "kvbridge_recomputed_tokens": len(prompt), "kvbridge_read_source": "lookup",
+        "kvbridge_local_tokens": 0}
     # The 10 tokens past the lease, then the 38 the failed read should have brought.
     assert sample(m, "kvbridge_connector_recomputed_tokens_total") == len(prompt)
     assert prefill.decision("transfer_failed") == 1
@@ -1704,6 +1706,46 @@ def test_prefill_sync_read_counts_when_the_request_finishes(prefill: PrefillKit,
     # The worker's report arrives after the request finished: nothing is counted twice.
     assert prefill.reuse.read_done("p-1", ok=True) is None
     assert sample(prefill.metrics, "kvbridge_connector_reused_tokens_total") == 38
+
+
+def test_prefill_outcome_counts_local_reused_and_recomputed_tokens(prefill: PrefillKit,
+                                                                    client: RegistryClient):
+    """The scheduler offered a local prefix hit of 16 tokens: the read brings the lease's
+    tokens past it, the rest is computed; the three add up to the prompt. Where the scheduler
+    settled on another hit (asked again later), the allocation's figures stand."""
+    lease = grant(client, "c1", LEASE_TOKENS)
+    prompt = LEASE_TOKENS + EXTRA
+    request = prefill.request("p-1", prompt)
+    assert prefill.resolve(request, computed=16) is True
+    prefill.reuse.reading_sync("p-1")
+    prefill.reuse.placed("p-1", local=8, reused=30)
+    prefill.reuse.read_posted("p-1")
+    outcome = prefill.reuse.finished("p-1")
+    assert outcome is not None
+    assert (outcome["kvbridge_local_tokens"], outcome["kvbridge_reused_tokens"],
+            outcome["kvbridge_recomputed_tokens"]) == (8, 30, len(EXTRA))
+    assert sample(prefill.metrics, "kvbridge_connector_local_tokens_total") == 8
+    assert sample(prefill.metrics, "kvbridge_connector_reused_tokens_total") == 30
+    wait_unpinned(client, lease.lease_id)
+
+
+def test_prefill_spoiled_read_is_failed_by_the_pin_guard(prefill: PrefillKit,
+                                                         client: RegistryClient):
+    """A read the connector could not place: its pin end goes to the worker as past, so the
+    worker's guard never posts it (and the scheduler recomputes its blocks)."""
+    grant(client, "c1", LEASE_TOKENS)
+    request = prefill.request("p-1", LEASE_TOKENS + EXTRA)
+    assert prefill.resolve(request) is True
+    prefill.reuse.spoil("p-1")
+    end = prefill.reuse.read_sent("p-1")
+    assert end is not None
+    from types import SimpleNamespace
+
+    from kvbridge.connector._pin_guard import PIN_ENDS_ATTR, PinEnds, PinGuard
+
+    guard = PinGuard(margin_s=1.0, boot="b")
+    guard.update(SimpleNamespace(**{PIN_ENDS_ATTR: PinEnds("b", 0.0, {"p-1": end})}))
+    assert not guard.may_post("p-1")
 
 
 def test_prefill_sync_read_failure_recomputes(prefill: PrefillKit, client: RegistryClient):

@@ -5,6 +5,7 @@ real engines, is in tests/e2e (reuse equals recompute; decode killed mid-read)."
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -155,13 +156,81 @@ def test_results_aggregate_over_tensor_parallel_ranks() -> None:
     assert out.why == {"r1": "transfer_failed"}
 
 
-@pytest.mark.parametrize(("prefix_caching", "expected"), [(False, True), (True, False)])
-def test_no_synchronous_reads_on_an_engine_with_prefix_caching(prefix_caching: bool,
-                                                                expected: bool) -> None:
-    """With prefix caching, blocks allocated for a request that is not loading asynchronously
-    are hashed at once, and NIXL reads only into unhashed ones: a synchronous read would leave
-    the reused tokens' blocks unfilled under the prompt's hashes. Such an engine reads
-    asynchronously (the scheduler side's decision, `_may_read_sync`)."""
+# ---- the scheduler side: whether to read synchronously, and into which blocks -------------------
+
+
+class Block:
+    """A block of vLLM's pool as NIXL's scheduler sees it: hashed (in the prefix cache) or not."""
+
+    def __init__(self, block_id: int, hashed: bool) -> None:
+        self.block_id = block_id
+        self.block_hash = b"h" if hashed else None
+        self.is_null = False
+
+
+class Blocks:
+    """vLLM's KVCacheBlocks, one group: the request's blocks in token order."""
+
+    def __init__(self, ids: list[int], hashed: int) -> None:
+        self.blocks = ([Block(b, i < hashed) for i, b in enumerate(ids)],)
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        return [[b.block_id for b in group if b.block_hash is None] for group in self.blocks]
+
+
+class NixlScheduler:
+    """What NixlPullConnectorScheduler does with a read-back (pull_scheduler.py): external
+    tokens are the remote ones past the local hit; the read goes into the unhashed blocks."""
+
+    block_size = 16
+    use_host_buffer = False
+
+    def __init__(self) -> None:
+        self._reqs_need_recv: dict[str, Any] = {}
+
+    def get_num_new_matched_tokens(self, request: Any, computed: int) -> tuple[int, bool]:
+        count = request.kv_transfer_params["remote_num_tokens"] - computed
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Blocks, external: int) -> None:
+        unhashed = blocks.get_unhashed_block_ids_all_groups() if external > 0 else ()
+        cached = tuple(sum(b.block_hash is not None for b in g) for g in blocks.blocks)
+        self._reqs_need_recv[request.request_id] = (request, unhashed, cached, external > 0)
+
+
+class Prefill:
+    """PrefillReuse, as the connector's scheduler side calls it: every request is a hit."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.sent: set[str] = set()
+
+    def resolve(self, request: Any, computed: int) -> bool:
+        return True
+
+    def reading_sync(self, request_id: str, sync: bool = True) -> None:
+        self.calls.append(("sync", request_id, sync))
+
+    def reading(self, request_id: str) -> bool:
+        return request_id not in self.sent
+
+    def decline(self, request: Any, why: str = "declined_by_engine") -> None:
+        self.calls.append(("decline", request.request_id, why))
+        for name in ("remote_block_ids", "remote_engine_id", "remote_num_tokens"):
+            request.kv_transfer_params.pop(name, None)
+
+    def placed(self, request_id: str, *, local: int, reused: int) -> None:
+        self.calls.append(("placed", request_id, local, reused))
+
+    def spoil(self, request_id: str) -> None:
+        self.calls.append(("spoil", request_id))
+
+
+def scheduler_connector(*, prefix_caching: bool = True, async_scheduling: bool = False,
+                        read_from: set[str] | None = None) -> Any:
     from types import SimpleNamespace
 
     from kvbridge.connector._connector import KVBridgeConnector
@@ -170,10 +239,176 @@ def test_no_synchronous_reads_on_an_engine_with_prefix_caching(prefix_caching: b
     connector = KVBridgeConnector.__new__(KVBridgeConnector)
     connector.settings = ConnectorSettings(registry="127.0.0.1:1")
     connector._prefix_caching = prefix_caching
-    connector.__dict__["connector_scheduler"] = SimpleNamespace(
-        use_host_buffer=False, block_size=16, _reqs_need_recv={})
+    connector._async_scheduling = async_scheduling
+    connector.__dict__["connector_scheduler"] = NixlScheduler()
     connector.__dict__["_kv_cache_config"] = SimpleNamespace(kv_cache_groups=[object()])
-    connector._read_from = {"decode-0"}
+    connector._read_from = {"decode-0"} if read_from is None else read_from
+    connector._sync_planned = set()
+    connector._local_tokens = {}
+    connector.decode = None
+    connector.prefill = Prefill()
+    return connector
+
+
+def read_request(request_id: str, usable: int, remote: list[int], prompt: int = 200) -> Any:
+    from types import SimpleNamespace
+
+    return SimpleNamespace(request_id=request_id, prompt_token_ids=list(range(prompt)),
+                           kv_transfer_params={
+                               "do_remote_decode": True, "remote_engine_id": "decode-0",
+                               "remote_block_ids": [list(remote)], "remote_num_tokens": usable})
+
+
+REMOTE = list(range(100, 110))  # decode's blocks of 150 tokens (block size 16): 10 blocks
+MINE = list(range(1, 14))  # the request's blocks for its 200 tokens: 13
+
+
+@pytest.mark.parametrize(("prefix_caching", "async_scheduling", "expected"), [
+    (False, False, True), (False, True, True), (True, False, True), (True, True, False)])
+def test_synchronous_reads_with_prefix_caching_unless_scheduling_is_async(
+        prefix_caching: bool, async_scheduling: bool, expected: bool) -> None:
+    """With prefix caching, blocks allocated for a request that is not loading asynchronously
+    are hashed at once, before the read fills them. A failed read is recomputed, but under
+    async scheduling the next step is scheduled before the failure is known: another request
+    could be computed over those blocks. That combination reads asynchronously
+    (`_may_read_sync`); everywhere else reads are synchronous."""
+    connector = scheduler_connector(prefix_caching=prefix_caching,
+                                    async_scheduling=async_scheduling)
     request = SimpleNamespace(kv_transfer_params={"remote_engine_id": "decode-0"})
     assert connector.settings.sync_reads
     assert connector._may_read_sync(request) is expected
+    # The first read from a decode engine handshakes: asynchronous.
+    assert scheduler_connector(read_from=set())._may_read_sync(request) is False
+
+
+def plan_and_allocate(connector: Any, request: Any, local: int, hashed: int,
+                      external: int | None = None) -> tuple[int | None, bool]:
+    """The scheduler's admission of a request: the connector's answer for its local hit, then
+    (when it is a synchronous load, as vLLM does) the allocation of all its blocks."""
+    count, load_async = connector.get_num_new_matched_tokens(request, local)
+    if not load_async:
+        connector.update_state_after_alloc(request, Blocks(MINE, hashed),
+                                           count if external is None else external)
+    return count, load_async
+
+
+def queued(connector: Any, request_id: str) -> Any:
+    return connector.connector_scheduler._reqs_need_recv.get(request_id)
+
+
+def test_a_sync_read_with_prefix_caching_lands_in_the_external_tokens_blocks() -> None:
+    """Every full block of a synchronously loading request is hashed at allocation: NIXL's
+    own choice (the unhashed blocks) would be the last, partial block alone, and its worker
+    would read the lease's last block into it, leaving the reused tokens' blocks unfilled. The
+    read goes into blocks 0..9, from the remote blocks 0..9."""
+    connector = scheduler_connector()
+    request = read_request("r1", 150, REMOTE)
+    assert plan_and_allocate(connector, request, local=0, hashed=12) == (150, False)
+    _req, blocks, cached, awaiting = queued(connector, "r1")
+    assert blocks == ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10],) and cached == (0,) and not awaiting
+    assert request.kv_transfer_params["remote_block_ids"] == [REMOTE]
+    assert connector.prefill.calls == [("sync", "r1", True), ("placed", "r1", 0, 150)]
+
+
+def test_a_local_hit_and_a_sync_read_in_one_request() -> None:
+    """The first 64 tokens (4 blocks) are in this engine's prefix cache: the read fills blocks
+    4..9 from the remote blocks 4..9, the tokens 64..149; the rest is computed."""
+    connector = scheduler_connector()
+    request = read_request("r1", 150, REMOTE)
+    assert plan_and_allocate(connector, request, local=64, hashed=12) == (86, False)
+    _, blocks, cached, awaiting = queued(connector, "r1")
+    assert blocks == ([5, 6, 7, 8, 9, 10],) and cached == (4,) and not awaiting
+    # NIXL's worker aligns the remote list on the end of the local one: exactly those.
+    assert request.kv_transfer_params["remote_block_ids"] == [REMOTE[4:10]]
+    assert ("placed", "r1", 64, 86) in connector.prefill.calls
+
+
+def test_a_sync_read_without_prefix_caching_is_placed_as_before() -> None:
+    """Prefix caching off: nothing is hashed, no local hit; the read goes into the first
+    blocks as many as the external tokens fill (NIXL's list trimmed, as it always was)."""
+    connector = scheduler_connector(prefix_caching=False)
+    request = read_request("r1", 150, REMOTE)
+    assert plan_and_allocate(connector, request, local=0, hashed=0) == (150, False)
+    assert queued(connector, "r1")[1] == ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10],)
+    assert request.kv_transfer_params["remote_block_ids"] == [REMOTE]
+
+
+def test_a_local_hit_reaching_as_far_as_the_read_reads_nothing() -> None:
+    """The scheduler kept a local hit ending inside a block (its partial tail reaches as far
+    as the read): no external tokens. The queued read goes before the hit is declined (its
+    metadata would be built from the remote fields declining removes)."""
+    connector = scheduler_connector()
+    request = read_request("r1", 150, REMOTE)
+    assert plan_and_allocate(connector, request, local=144, hashed=12, external=0) == (
+        6, False)
+    assert queued(connector, "r1") is None
+    assert "r1" not in connector._sync_planned and "r1" not in connector._local_tokens
+    assert connector.prefill.calls[-1] == ("decline", "r1", "local_cache")
+    assert "remote_block_ids" not in request.kv_transfer_params
+
+
+def test_an_asynchronous_read_with_nothing_left_to_read_is_declined() -> None:
+    """The same for a read NIXL would make itself (the first from a decode engine): no hit is
+    reported for tokens that came from the local cache."""
+    connector = scheduler_connector(read_from=set())
+    request = read_request("r1", 150, REMOTE)
+    assert connector.get_num_new_matched_tokens(request, 144) == (6, True)
+    connector.update_state_after_alloc(request, Blocks(MINE, 9), 0)
+    assert queued(connector, "r1") is None
+    assert connector.prefill.calls == [("decline", "r1", "local_cache")]
+
+
+def test_an_asynchronous_read_keeps_nixls_placement() -> None:
+    """Asynchronous loads are allocated unhashed (vLLM caches them once loaded): NIXL's own
+    choice of blocks is right and stays."""
+    connector = scheduler_connector(read_from=set())
+    request = read_request("r1", 150, REMOTE)
+    assert connector.get_num_new_matched_tokens(request, 64) == (86, True)
+    connector.update_state_after_alloc(request, Blocks(MINE[:10], 4), 86)
+    assert queued(connector, "r1")[1] == [[5, 6, 7, 8, 9, 10]]
+    assert request.kv_transfer_params["remote_block_ids"] == [REMOTE]
+
+
+def test_a_local_hit_off_a_block_boundary_reads_asynchronously() -> None:
+    """vLLM offers connectors block-aligned hits only; were one not, the read could not start
+    on a block of its own: NIXL's asynchronous read instead."""
+    connector = scheduler_connector()
+    request = read_request("r1", 150, REMOTE)
+    assert connector.get_num_new_matched_tokens(request, 70) == (80, True)
+    assert "r1" not in connector._sync_planned
+    assert connector.prefill.calls == [("sync", "r1", False)]
+
+
+def test_asked_again_with_another_local_hit_places_the_read_by_the_last() -> None:
+    """No blocks the first time; asked again, the local hit has changed (evicted here): the
+    read is placed by what the scheduler allocated on."""
+    connector = scheduler_connector()
+    request = read_request("r1", 150, REMOTE)
+    assert connector.get_num_new_matched_tokens(request, 64) == (86, False)
+    assert plan_and_allocate(connector, request, local=32, hashed=12) == (118, False)
+    assert queued(connector, "r1")[1] == ([3, 4, 5, 6, 7, 8, 9, 10],)
+    assert request.kv_transfer_params["remote_block_ids"] == [REMOTE[2:10]]
+    assert connector.prefill.calls[-1] == ("placed", "r1", 32, 118)
+
+
+def test_a_lease_too_short_for_the_placement_is_not_read() -> None:
+    """Should the lease's blocks not reach past the local hit as far as the read (cannot
+    happen: the external tokens are the lease's past the hit), the read is spoiled: the pin
+    guard fails it on the worker, and vLLM recomputes its blocks."""
+    connector = scheduler_connector()
+    request = read_request("r1", 150, REMOTE[:8])
+    plan_and_allocate(connector, request, local=64, hashed=12)
+    assert ("spoil", "r1") in connector.prefill.calls
+    assert queued(connector, "r1")[1] == ([5, 6, 7, 8, 9, 10],)
+
+
+def test_the_request_blocks_are_read_from_vllms_own_kv_cache_blocks() -> None:
+    """`_vllm.request_block_ids` on the installed vLLM's KVCacheBlocks: token order, the
+    hashed blocks included."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvbridge.connector import _vllm
+
+    blocks = KVCacheBlocks(([KVCacheBlock(block_id=b) for b in (7, 3, 9)],))
+    assert _vllm.request_block_ids(blocks) == [[7, 3, 9]]
