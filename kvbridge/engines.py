@@ -61,7 +61,8 @@ class EngineSpec:
     connector: str = "kvbridge"
     bidirectional: bool = True
     decoder_kv_blocks_ttl: float | None = None  # stock NIXL's fixed retention on decode
-    # None: off on prefill (reuse can only come from decode), vLLM's default (on) on decode.
+    # None: vLLM's default (on) for both roles. A kvbridge prefill then serves a prompt's
+    # leading blocks from its own cache and reads only the rest from decode.
     prefix_caching: bool | None = None
 
     def __post_init__(self) -> None:
@@ -116,10 +117,7 @@ class EngineSpec:
             cmd.append("--disable-log-stats")
         if self.served_name:
             cmd += ["--served-model-name", self.served_name]
-        prefix_caching = self.prefix_caching
-        if prefix_caching is None:
-            # As in a cache-evicted prefill: reuse can only come from decode.
-            prefix_caching = self.role == "decode"
+        prefix_caching = True if self.prefix_caching is None else self.prefix_caching
         if not prefix_caching:
             cmd.append("--no-enable-prefix-caching")
         elif self.role == "prefill":
@@ -387,6 +385,8 @@ class TurnResult:
     prefill_s: float
     total_s: float
     decode_params: dict[str, Any] | None
+    # The prefill response's: with kvbridge, what it decided (kvbridge_decision, ...).
+    prefill_params: dict[str, Any] | None = None
 
 
 def two_step(prefill_url: str, decode_url: str, model: str, prompt_ids: list[int],
@@ -412,4 +412,4 @@ def two_step(prefill_url: str, decode_url: str, model: str, prompt_ids: list[int
     })
     choice = decode["choices"][0]
     return TurnResult(list(choice.get("token_ids") or []), choice.get("text", ""), prefill_s,
-                      time.perf_counter() - start, decode.get("kv_transfer_params"))
+                      time.perf_counter() - start, decode.get("kv_transfer_params"), params)

@@ -131,10 +131,15 @@ def test_stock_nixl_engines_get_vllms_own_connector_and_no_kvbridge_settings() -
     assert json.loads(cmd[cmd.index("--kv-transfer-config") + 1]) == config
 
 
-def test_kvbridge_prefill_keeps_prefix_caching_off_by_default() -> None:
+def test_kvbridge_prefill_has_prefix_caching_on_by_default() -> None:
+    """Its own cache serves a prompt's leading blocks; reads from decode bring the rest (in
+    one request, synchronously too)."""
     spec = EngineSpec("prefill", "/m", 1, 2, "p0", registry="127.0.0.1:1")
-    assert "--no-enable-prefix-caching" in spec.command()
+    assert "--enable-prefix-caching" in spec.command()
+    assert "--no-enable-prefix-caching" not in spec.command()
     assert spec.kv_transfer_config()["kv_connector"] == "KVBridgeConnector"
+    off = EngineSpec("prefill", "/m", 1, 2, "p0", registry="127.0.0.1:1", prefix_caching=False)
+    assert "--no-enable-prefix-caching" in off.command()
     decode = EngineSpec("decode", "/m", 1, 2, "d0", registry="127.0.0.1:1")
     assert "--no-enable-prefix-caching" not in decode.command()
     with pytest.raises(ValueError, match="connector must be"):
