@@ -316,8 +316,8 @@ class Runner:
                        timeout: float) -> list[int]:
         stack, model = self.stack, self.stack.model
         params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
-        if self.leg == "upstream" and result.conversation in self.params:
-            params = self.params[result.conversation]
+        if self.leg == "upstream":  # decode's params of the last answer, when it gave any
+            params = self.params.get(result.conversation) or params
         prefill, _, prefill_s = _post(f"{stack.prefill}/v1/completions", {
             "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
             "kv_transfer_params": params}, timeout=timeout)
