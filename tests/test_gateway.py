@@ -37,6 +37,7 @@ class FakeEngine:
     role: str
     name: str
     reused: int = 0
+    local: int = 0  # prompt tokens from prefill's own prefix cache (reported when > 0)
     received: list[dict[str, Any]] = field(default_factory=list)
     # Failures to play, one per request, first first: "disconnect" (the engine dies with the
     # request: connection lost, no answer), or an HTTP status to answer with. Engines may
@@ -88,7 +89,8 @@ class FakeEngine:
                     "remote_request_id": "r1", "remote_host": "127.0.0.1", "remote_port": 1,
                     "kvbridge_decision": "hit" if self.reused else "miss_no_lease",
                     "kvbridge_reused_tokens": self.reused,
-                    "kvbridge_recomputed_tokens": 7}})
+                    "kvbridge_recomputed_tokens": 7,
+                    **({"kvbridge_local_tokens": self.local} if self.local else {})}})
         if not params.get("do_remote_prefill"):
             return web.json_response({"error": {"message": "no prefill params"}}, status=400)
         await asyncio.sleep(self.delay)
@@ -192,6 +194,7 @@ async def post(stack: Stack, path: str, body: Any, headers: dict[str, str] | Non
 
 async def test_completion_turn_runs_prefill_then_decode(stack: Stack) -> None:
     stack.engines["p0"].reused = 96
+    stack.engines["p0"].local = 64
     raw = await client(stack).completions.with_raw_response.create(
         model=MODEL, prompt=[5] * 40, max_tokens=8, extra_body={"conversation_id": "conv-1"})
     completion = raw.parse()
@@ -217,6 +220,7 @@ async def test_completion_turn_runs_prefill_then_decode(stack: Stack) -> None:
     headers = raw.headers
     assert headers["x-kvbridge-reused-tokens"] == "96"
     assert headers["x-kvbridge-recomputed-tokens"] == "7"
+    assert headers["x-kvbridge-local-tokens"] == "64"  # from prefill's own prefix cache
     assert headers["x-kvbridge-decision"] == "hit"
     assert headers["x-kvbridge-prefill-instance"] == "p0"
     assert headers["x-kvbridge-decode-instance"] == "d0"

@@ -87,7 +87,7 @@ _REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("kvbridge_requ
                                                                   default="")
 _OUTCOME_FIELDS = ("kvbridge_decision", "kvbridge_reused_tokens", "kvbridge_recomputed_tokens",
                    "kvbridge_lookup_ms", "kvbridge_transfer_ms", "kvbridge_mismatch_block",
-                   "kvbridge_read_source", "kvbridge_load")
+                   "kvbridge_read_source", "kvbridge_load", "kvbridge_local_tokens")
 
 
 class HttpError(Exception):
