@@ -117,6 +117,7 @@ def test_a_shared_prefix_from_prefill_and_a_history_from_decode_in_one_request(
     assert first["kvbridge_reused_tokens"] == 0, first
     history = history + out + [rng.randrange(10, 1000) for _ in range(30)]
     _, second = turn(history, b_key)
+    print("shared prefix, turn 2:", {k: v for k, v in second.items() if k.startswith("kvbridge")})
     assert second["kvbridge_decision"] == "hit", second
     assert second["kvbridge_local_tokens"] >= len(system), second
     assert second["kvbridge_reused_tokens"] > 0, second
