@@ -40,7 +40,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -568,7 +568,8 @@ def check_targets(summary: dict[str, dict[str, Any]]) -> dict[str, bool | None]:
 
 
 def table(summary: dict[str, dict[str, Any]]) -> str:
-    rows = [("TTFT p50 / p90 / p99 ms", lambda s: f"{s['ttft_p50_ms']} / {s['ttft_p90_ms']} / "
+    rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+            ("TTFT p50 / p90 / p99 ms", lambda s: f"{s['ttft_p50_ms']} / {s['ttft_p90_ms']} / "
              f"{s['ttft_p99_ms']}" + (" (est.)" if s["ttft_estimated"] else "")),
             ("TPOT p50 / p90 ms", lambda s: f"{s['tpot_p50_ms']} / {s['tpot_p90_ms']}"),
             ("decode engines' mean TPOT ms", lambda s: str(s["decode_engine_tpot_ms"])),
