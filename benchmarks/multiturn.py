@@ -1068,8 +1068,12 @@ def multiturn_bench(out_dir: Path, lengths: str, conversations: int, off_convers
                             # Side by side, the id and noid legs share a stack (module doc);
                             # its files go under the first one's folder.
                             leg_work.mkdir(exist_ok=True)
+                            # Prefill's own cache off: one conversation at a time would
+                            # find its whole history there (the local leg), and what these
+                            # legs measure is reading it back from decode.
                             gateway_stack = stacks.enter_context(kvbridge_stack(
-                                model, shape.max_len, leg_work, engine_timeout_s))
+                                model, shape.max_len, leg_work, engine_timeout_s,
+                                ("--no-prefill-prefix-caching",)))
                         stack = gateway_stack
                         runners[leg] = GatewayRunner(stack, workload, send_id=leg != NOID)
                     else:

@@ -1,5 +1,6 @@
 """`kvbridge demo`: a multi-turn conversation through the gateway, turn by turn: TTFT, the
-prompt tokens prefill read back from decode (reused) and computed (recomputed), and the
+prompt tokens prefill took from its own prefix cache (local), read back from decode (reused)
+and computed (recomputed), and the
 conversation's lease after the turn. It runs twice by default: once naming its conversation
 (`conversation_id`), as a client written for kvbridge does, and once naming none, as the
 OpenAI SDK, agent frameworks and chat front-ends do: the gateway then finds the conversation
@@ -71,7 +72,7 @@ async def _conversation(http: aiohttp.ClientSession, gateway: str, model: str, w
         what = (f"conversation {conversation}" if named
                 else "a conversation that names no id (the gateway finds it by content)")
         click.echo(f"{what} on {model} via {gateway}")
-        click.echo(f"{'turn':>4} {'prompt':>6} {'ttft_ms':>8} {'reused':>6} "
+        click.echo(f"{'turn':>4} {'prompt':>6} {'ttft_ms':>8} {'local':>5} {'reused':>6} "
                    f"{'recomputed':>10}  {'found':<10} {'decode':<10} lease after the turn")
     for turn in range(1, turns + 1):
         record = await _turn(http, gateway, model, messages, conversation if named else "",
@@ -96,11 +97,13 @@ async def _conversation(http: aiohttp.ClientSession, gateway: str, model: str, w
             released = (await resp.json()).get("released", 0) if resp.status == 200 else 0
     prompt = sum(r["prompt_tokens"] for r in records)
     reused = sum(r["reused_tokens"] for r in records)
+    local = sum(r["local_tokens"] for r in records)
     if not as_json:
         share = f" ({reused / prompt:.0%})" if prompt else ""
-        click.echo(f"{way}: reused {reused} of {prompt} prompt tokens{share} over {turns} "
-                   "turns" + ("" if keep else f"; conversation ended, {released} lease "
-                                              "released"))
+        cached = f", {local} from prefill's own cache" if local else ""
+        click.echo(f"{way}: reused {reused} of {prompt} prompt tokens{share} (read back from "
+                   f"decode){cached} over {turns} turns"
+                   + ("" if keep else f"; conversation ended, {released} lease released"))
     return records
 
 
@@ -138,6 +141,7 @@ async def _turn(http: aiohttp.ClientSession, gateway: str, model: str,
             "prompt_tokens": int(usage.get("prompt_tokens", 0)),
             "completion_tokens": int(usage.get("completion_tokens", 0)),
             "reused_tokens": int(headers.get("X-Kvbridge-Reused-Tokens", 0)),
+            "local_tokens": int(headers.get("X-Kvbridge-Local-Tokens", 0)),
             "recomputed_tokens": int(headers.get("X-Kvbridge-Recomputed-Tokens", 0)),
             "decision": headers.get("X-Kvbridge-Decision", ""),
             "prefill_instance": headers.get("X-Kvbridge-Prefill-Instance", ""),
@@ -156,7 +160,8 @@ def _print_turn(record: dict[str, Any], as_json: bool) -> None:
     state = (f"{lease['state']} epoch {lease['epoch']}, {lease['tokens']} tokens on "
              f"{lease['holder']}, {lease['expires_in_s']:.0f}s left" if lease else "none")
     click.echo(f"{record['turn']:>4} {record['prompt_tokens']:>6} {record['ttft_ms']:>8.1f} "
-               f"{record['reused_tokens']:>6} {record['recomputed_tokens']:>10}  "
+               f"{record['local_tokens']:>5} {record['reused_tokens']:>6} "
+               f"{record['recomputed_tokens']:>10}  "
                f"{record['source']:<10} {record['decode_instance']:<10} {state}")
 
 

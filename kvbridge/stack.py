@@ -82,6 +82,7 @@ class UpOptions:
     prefills: int = 1
     decodes: int = 1
     kv_cache_mb: int = 0  # each engine's; 0: vLLM's (VLLM_CPU_KVCACHE_SPACE)
+    prefill_prefix_caching: bool = True  # vLLM's default
 
 
 @dataclass
@@ -185,7 +186,9 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
         spec = EngineSpec(role, str(model), _free_port(), _free_port(), f"kvbridge-{instance}",
                           registry, cpu=cpu, kvbridge=settings, served_name=name,
                           log_stats=True, max_model_len=opts.max_model_len,
-                          kv_cache_bytes=opts.kv_cache_mb << 20 or None)
+                          kv_cache_bytes=opts.kv_cache_mb << 20 or None,
+                          prefix_caching=None if role == "decode"
+                          else opts.prefill_prefix_caching)
         engine = start_engine(spec, work)
         engines.append((instance, engine))
 
@@ -286,6 +289,11 @@ def _print_ready(urls: Urls) -> None:
 @click.option("--kv-cache-mb", default=0, show_default=True, type=click.IntRange(min=0),
               help="with --cpu-engines: each engine's KV cache in MiB (0: vLLM's default, "
                    "VLLM_CPU_KVCACHE_SPACE); small pools show retention under memory pressure")
+@click.option("--prefill-prefix-caching/--no-prefill-prefix-caching", default=True,
+              show_default=True,
+              help="with --cpu-engines: prefill's own prefix cache (vLLM's default). Off, "
+                   "every turn's history is read back from decode, as on a busy fleet whose "
+                   "prefills' caches no longer hold the conversation")
 @click.option("--model", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="model folder for --cpu-engines (default: WORK_DIR/tiny-model, made if "
                    "missing)")
@@ -323,7 +331,7 @@ def _print_ready(urls: Urls) -> None:
               help="least severe log line printed (on stderr) by the registry, router, gateway "
                    "and the stack itself; engines log to files under --work-dir")
 def up_command(cpu_engines: bool, prefills: int, decodes: int, kv_cache_mb: int,
-               model: Path | None,
+               prefill_prefix_caching: bool, model: Path | None,
                work_dir: Path, registry_listen: str, router_listen: str, gateway_listen: str,
                idle_ttl_s: float, holder_ttl_s: float,
                api_keys_file: str, demo_turns: int, as_json: bool, max_model_len: int,
@@ -335,8 +343,10 @@ def up_command(cpu_engines: bool, prefills: int, decodes: int, kv_cache_mb: int,
     A local stack: it runs in insecure local mode (no tokens or TLS on the gRPC services, every
     caller an admin; any API key accepted unless --api-keys-file) and says so when it starts.
     For a secured deployment run the services on their own (`kvbridge auth --help`)."""
-    if (prefills != 1 or decodes != 1 or kv_cache_mb) and not cpu_engines:
-        raise click.UsageError("--prefills, --decodes and --kv-cache-mb need --cpu-engines")
+    if (prefills != 1 or decodes != 1 or kv_cache_mb or not prefill_prefix_caching
+            ) and not cpu_engines:
+        raise click.UsageError("--prefills, --decodes, --kv-cache-mb and "
+                               "--no-prefill-prefix-caching need --cpu-engines")
     if demo_turns and not cpu_engines:
         raise click.UsageError("--demo needs --cpu-engines (or run `kvbridge demo` against "
                                "a stack with engines)")
@@ -347,7 +357,7 @@ def up_command(cpu_engines: bool, prefills: int, decodes: int, kv_cache_mb: int,
                      api_keys_file=api_keys_file,
                      max_model_len=max_model_len, ready_json=ready_json,
                      prefills=prefills, decodes=decodes,
-                     kv_cache_mb=kv_cache_mb)
+                     kv_cache_mb=kv_cache_mb, prefill_prefix_caching=prefill_prefix_caching)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -9,5 +9,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck disable=SC1091
 . "$root/scripts/setup.sh"
 cd "$root"
-exec kvbridge up --cpu-engines --demo 5 --registry-listen 127.0.0.1:0 \
-  --router-listen 127.0.0.1:0 --gateway-listen 127.0.0.1:0 "$@"
+# Prefill's own prefix cache is off here: one conversation on one prefill would find its whole
+# history there, and this job shows the read back from decode that a busy fleet's prefills need
+# (their caches no longer hold the conversation). `kvbridge up --cpu-engines` keeps vLLM's
+# default (on), and the demo's "local" column then shows what came from that cache.
+exec kvbridge up --cpu-engines --no-prefill-prefix-caching --demo 5 \
+  --registry-listen 127.0.0.1:0 --router-listen 127.0.0.1:0 --gateway-listen 127.0.0.1:0 "$@"

