@@ -8,13 +8,10 @@ processes, with their listen addresses moved to 127.0.0.1 port 0, and must come 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +19,7 @@ import click
 import grpc
 import pytest
 import yaml
+from cli_procs import run_until_logged
 from click.testing import CliRunner
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -106,23 +104,6 @@ def test_every_command_is_a_kvbridge_command_that_parses(service: str) -> None:
     assert result.exit_code == 0, result.output
 
 
-def _run_until(command: list[str], env: dict[str, str], event: str) -> tuple[
-        subprocess.Popen[str], dict[str, Any]]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvbridge.cli", *command], env=env,
-                            stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        record = json.loads(line)
-        if record["event"] == event:
-            return proc, record
-    proc.kill()
-    raise AssertionError(f"{command[:2]} did not log {event}")
-
-
 @pytest.mark.slow
 def test_compose_control_plane_commands_serve(redis_server: Any, redis_namespace: str) -> None:
     services = _compose()["services"]
@@ -136,7 +117,7 @@ def test_compose_control_plane_commands_serve(redis_server: Any, redis_namespace
             registry_cmd[registry_cmd.index("--redis-url") + 1] = redis_server.url
             env = {**os.environ, **services[name]["environment"],
                    "KVBRIDGE_REGISTRY_REDIS_NAMESPACE": redis_namespace}
-            registry, started = _run_until(registry_cmd, env, "registry_started")
+            registry, started = run_until_logged(registry_cmd, env, "registry_started")
             procs.append(registry)
             assert started["backend"] == "redis"
             listens.append(started["listen"])
@@ -144,7 +125,7 @@ def test_compose_control_plane_commands_serve(redis_server: Any, redis_namespace
         for flag in ("--listen", "--metrics-listen"):
             router_cmd[router_cmd.index(flag) + 1] = "127.0.0.1:0"
         router_cmd[router_cmd.index("--registry") + 1] = ",".join(listens)
-        router, router_started = _run_until(
+        router, router_started = run_until_logged(
             router_cmd, {**os.environ, **services["router"]["environment"]}, "router_started")
         procs.append(router)
         for address, service in ((listens[0], "kvbridge.registry.v1.RegistryService"),

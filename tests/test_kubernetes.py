@@ -32,6 +32,7 @@ import click
 import grpc
 import pytest
 import yaml
+from cli_procs import run_until_logged
 from click.testing import CliRunner
 
 from kvbridge.cli import main
@@ -91,23 +92,6 @@ def fake_engine() -> Iterator[str]:
     server.server_close()
 
 
-def _start(args: list[str], env: dict[str, str], event: str
-           ) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    """Run `kvbridge ARGS` until it logs `event` (JSON lines on stderr)."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvbridge.cli", *args],
-                            env={**os.environ, **env}, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        if line.startswith("{") and json.loads(line)["event"] == event:
-            return proc, json.loads(line)
-    proc.kill()
-    raise AssertionError(f"kvbridge {args[:2]} did not log {event}")
-
-
 def _stop(proc: subprocess.Popen[str]) -> int:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -120,7 +104,7 @@ def _stop(proc: subprocess.Popen[str]) -> int:
 
 @pytest.fixture
 def router() -> Iterator[str]:
-    proc, started = _start(
+    proc, started = run_until_logged(
         ["router", "serve", "--listen", "127.0.0.1:0", "--metrics-listen", "", "--registry", "",
          "--engine-url-allow", "127.0.0.0/8"],
         {"KVBRIDGE_AUTH_TOKENS": TABLE, "KVBRIDGE_ROUTER_LOG_FORMAT": "json"},
@@ -148,7 +132,7 @@ def _attach_args(router: str, url: str, role: str = "decode",
 @pytest.mark.slow
 def test_engine_attach_registers_heartbeats_and_deregisters(router: str,
                                                             fake_engine: str) -> None:
-    proc, _ = _start(_attach_args(router, fake_engine),
+    proc, _ = run_until_logged(_attach_args(router, fake_engine),
                      {"KVBRIDGE_TOKEN": TOKENS["decode"]},
                      "instance_attached")
     try:
@@ -191,7 +175,7 @@ def test_engine_attach_stops_when_the_router_refuses(router: str, fake_engine: s
 
 def test_engine_attach_waits_for_the_engine_and_stops_on_sigterm(router: str) -> None:
     # Nothing listens on the engine's port yet: it waits (registers nothing) until SIGTERM.
-    proc, started = _start(_attach_args(router, "http://127.0.0.1:9"),
+    proc, started = run_until_logged(_attach_args(router, "http://127.0.0.1:9"),
                            {"KVBRIDGE_TOKEN": TOKENS["decode"]},
                            "engine_attach_waiting")
     assert started["url"] == "http://127.0.0.1:9"
@@ -714,7 +698,7 @@ def test_registry_and_router_serve_the_secrets_and_pass_their_probes(
                 argv[i:i + 4] = ["--backend", "memory"]
             else:
                 argv[argv.index("--registry") + 1] = ""
-            proc, started = _start(argv, {"KVBRIDGE_REGISTRY_LOG_FORMAT": "json",
+            proc, started = run_until_logged(argv, {"KVBRIDGE_REGISTRY_LOG_FORMAT": "json",
                                           "KVBRIDGE_ROUTER_LOG_FORMAT": "json"}, event)
             procs.append(proc)
             port = started["listen"].rsplit(":", 1)[1]
