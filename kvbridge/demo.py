@@ -100,9 +100,9 @@ async def _conversation(http: aiohttp.ClientSession, gateway: str, model: str, w
     local = sum(r["local_tokens"] for r in records)
     if not as_json:
         share = f" ({reused / prompt:.0%})" if prompt else ""
-        cached = f", {local} from prefill's own cache" if local else ""
-        click.echo(f"{way}: reused {reused} of {prompt} prompt tokens{share} (read back from "
-                   f"decode){cached} over {turns} turns"
+        cached = f", {local} from prefill's own cache," if local else ""
+        click.echo(f"{way}: reused {reused} of {prompt} prompt tokens{share} from decode"
+                   f"{cached} over {turns} turns"
                    + ("" if keep else f"; conversation ended, {released} lease released"))
     return records
 
