@@ -103,9 +103,12 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         self._local_tokens: dict[str, int] = {}
         # With prefix caching, a request not loading asynchronously has its blocks hashed (so
         # findable by other requests) as they are allocated, before the read fills them. A
-        # read that fails is recomputed, but under async scheduling the next step is
-        # scheduled before the failure is known: another request could be computed over
-        # those blocks' garbage. So that combination reads asynchronously.
+        # read that fails is recomputed, but only as fast as the token budget allows, and the
+        # blocks stay cached meanwhile (under async scheduling the next step is even scheduled
+        # before the failure is known): another request with the same prefix could be
+        # computed over their garbage. So with prefix caching, reads are asynchronous (vLLM
+        # caches an asynchronously loaded request's blocks once they landed) until a failed
+        # read evicts its blocks (`_SYNC_WITH_PREFIX_CACHING`).
         self._prefix_caching = _vllm.prefix_caching(vllm_config.cache_config)
         self._async_scheduling = _vllm.async_scheduling(vllm_config.scheduler_config)
         self.pin_guard: PinGuard | None = None
@@ -175,11 +178,10 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             if transfer.kv_load_failure_policy != "recompute":
                 raise ValueError("kvbridge needs kv_load_failure_policy 'recompute' on prefill "
                                  "engines, so that a failed read recomputes")
-            if self.settings.sync_reads and self._prefix_caching and self._async_scheduling:
-                log.info("kvbridge_sync_reads_off", why="prefix caching with async "
-                         "scheduling: reads are asynchronous (run prefill with "
-                         "--no-async-scheduling, or --no-enable-prefix-caching, for reads "
-                         "within the step)")
+            if self.settings.sync_reads and self._sync_off_by_caching():
+                log.info("kvbridge_sync_reads_off", why="prefix caching: reads are "
+                         "asynchronous, so that a failed read's blocks are never cached (run "
+                         "prefill with --no-enable-prefix-caching for reads within the step)")
             reads: ReadClient | None = (
                 RouterClient(self.settings.router, timeout=self.settings.rpc_timeout_s,
                              retries=1, **security) if self.settings.router else client)
@@ -370,11 +372,20 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             self._sync_names = _vllm.usable(_vllm.SYNC_READS, {_vllm.SCHEDULER: scheduler})
         return self._sync_names
 
+    # Synchronous reads on a prefill with prefix caching: off until a failed read evicts the
+    # blocks it was placed in (see `_prefix_caching`). The placement itself is built and
+    # tested (`_place_sync_read`).
+    _SYNC_WITH_PREFIX_CACHING = False
+
+    def _sync_off_by_caching(self) -> bool:
+        return self._prefix_caching and (self._async_scheduling
+                                         or not self._SYNC_WITH_PREFIX_CACHING)
+
     def _may_read_sync(self, request: Any) -> bool:
         """Read within the step (see `_sync_reads`) when this engine already has a NIXL
         handshake with the holder and the layout is one KV cache group of equal blocks, and
         this vLLM has every name synchronous reads use (here and in the worker processes)."""
-        if not self.settings.sync_reads or (self._prefix_caching and self._async_scheduling):
+        if not self.settings.sync_reads or self._sync_off_by_caching():
             return False
         if not self._sync_usable():
             return False

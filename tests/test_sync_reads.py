@@ -240,6 +240,9 @@ def scheduler_connector(*, prefix_caching: bool = True, async_scheduling: bool =
     connector.settings = ConnectorSettings(registry="127.0.0.1:1")
     connector._prefix_caching = prefix_caching
     connector._async_scheduling = async_scheduling
+    # The placement after a local hit is tested here; in engines it waits for failed reads
+    # to evict their blocks (test_sync_reads_with_prefix_caching_stay_off_for_now).
+    connector._SYNC_WITH_PREFIX_CACHING = True
     connector.__dict__["connector_scheduler"] = NixlScheduler()
     connector.__dict__["_kv_cache_config"] = SimpleNamespace(kv_cache_groups=[object()])
     connector._read_from = {"decode-0"} if read_from is None else read_from
@@ -279,6 +282,19 @@ def test_synchronous_reads_with_prefix_caching_unless_scheduling_is_async(
     assert connector._may_read_sync(request) is expected
     # The first read from a decode engine handshakes: asynchronous.
     assert scheduler_connector(read_from=set())._may_read_sync(request) is False
+
+
+def test_sync_reads_with_prefix_caching_stay_off_for_now() -> None:
+    """A failed synchronous read leaves its blocks hashed until the request recomputes them,
+    and another request with the same prefix could hit them: until such a read evicts its
+    blocks, a prefill with prefix caching reads asynchronously."""
+    request = SimpleNamespace(kv_transfer_params={"remote_engine_id": "decode-0"})
+    cached = scheduler_connector(prefix_caching=True)
+    del cached._SYNC_WITH_PREFIX_CACHING  # the class's setting, as in an engine
+    assert cached._may_read_sync(request) is False
+    cold = scheduler_connector(prefix_caching=False)
+    del cold._SYNC_WITH_PREFIX_CACHING
+    assert cold._may_read_sync(request) is True
 
 
 def plan_and_allocate(connector: Any, request: Any, local: int, hashed: int,
