@@ -42,7 +42,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -364,14 +364,14 @@ def run_trace(runner: Runner, system: tuple[int, ...], plans: list[ConversationP
             history.extend(turn.added)
             result = TurnResult(runner.leg, plan.index, number, time.monotonic() - started,
                                 len(history), repeated)
+            with lock:  # before the turn: one still in flight at the leg's end is unanswered
+                results.append(result)
             answer: list[int] = []
             try:
                 answer = runner.turn(result, history, turn.answer_tokens, timeout=left)
             except (OSError, ValueError, KeyError, click.ClickException) as exc:
                 result.ttft_ms = None
                 result.error = f"{type(exc).__name__}: {exc}"[:300]
-            with lock:
-                results.append(result)
             if result.ttft_ms is None or len(answer) != turn.answer_tokens:
                 result.error = result.error or f"answered {len(answer)} tokens"
                 return
@@ -384,8 +384,8 @@ def run_trace(runner: Runner, system: tuple[int, ...], plans: list[ConversationP
         thread.start()
     for thread in threads:
         thread.join(max(deadline - time.monotonic(), 0.0) + 5.0)
-    with lock:
-        return sorted(results, key=lambda r: r.start_s)
+    with lock:  # copies: a turn still in flight must not change what is summarized
+        return sorted((replace(r) for r in results), key=lambda r: r.start_s)
 
 
 # ---- stacks ------------------------------------------------------------------------------------
