@@ -1,5 +1,5 @@
-"""`kvbridge` commands run as processes by the tests that check deployment files (compose,
-Kubernetes): started, then read until they log a given event."""
+"""`kvbridge` commands as the tests of deployment files (compose, Kubernetes) check them:
+parsed as the CLI would, or run as processes until they log a given event."""
 
 from __future__ import annotations
 
@@ -27,3 +27,26 @@ def run_until_logged(args: list[str], env: dict[str, str], event: str, timeout: 
             return proc, record
     proc.kill()
     raise AssertionError(f"kvbridge {args[:2]} did not log {event}")
+
+
+def parse_kvbridge(args: list[str]) -> tuple[list[str], dict[str, Any]]:
+    """Parse `kvbridge ARGS` (without the leading `kvbridge`) as the CLI would, without running
+    it: (the command's path, its parameters). Unknown commands or options, bad values and
+    missing required options fail here; the command's --help must work too."""
+    import click
+    from click.testing import CliRunner
+
+    from kvbridge.cli import main
+
+    command: click.Command = main
+    path: list[str] = []
+    while isinstance(command, click.Group) and args and not args[0].startswith("-"):
+        sub = command.get_command(click.Context(command), args[0])
+        assert sub is not None, f"`kvbridge {' '.join(path + args[:1])}` is unknown"
+        command, path, args = sub, path + [args[0]], args[1:]
+    assert not isinstance(command, click.Group), f"{path} is a group"
+    with command.make_context(" ".join(path), list(args)) as ctx:
+        params = dict(ctx.params)
+    result = CliRunner().invoke(main, [*path, "--help"])
+    assert result.exit_code == 0, result.output
+    return path, params

@@ -28,11 +28,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import click
 import grpc
 import pytest
 import yaml
-from cli_procs import run_until_logged
+from cli_procs import parse_kvbridge, run_until_logged
 from click.testing import CliRunner
 
 from kvbridge.cli import main
@@ -335,19 +334,8 @@ def _argv(overlay: str, container: dict[str, Any]) -> list[str]:
 
 
 def _parse_kvbridge(argv: list[str]) -> tuple[list[str], dict[str, Any]]:
-    """Parse `kvbridge ...` as the CLI does (as tests/test_compose.py does): (path, params)."""
-    command: click.Command = main
-    path: list[str] = []
-    args = argv[1:]
-    while isinstance(command, click.Group) and args and not args[0].startswith("-"):
-        sub = command.get_command(click.Context(command), args[0])
-        assert sub is not None, f"`kvbridge {' '.join(path + args[:1])}` is unknown"
-        command, path, args = sub, path + [args[0]], args[1:]
-    assert not isinstance(command, click.Group), f"{path} is a group"
-    with command.make_context(" ".join(path), list(args)) as ctx:
-        params = dict(ctx.params)
-    assert CliRunner().invoke(main, [*path, "--help"]).exit_code == 0
-    return path, params
+    """Parse `kvbridge ...` (argv[0] is `kvbridge`) as the CLI does: (path, params)."""
+    return parse_kvbridge(argv[1:])
 
 
 @functools.cache
