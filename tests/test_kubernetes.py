@@ -453,6 +453,9 @@ def test_engines_are_plain_vllm_serve_with_the_connector(overlay: str, role: str
     assert settings.tls_ca == "/etc/kvbridge/tls/ca.crt"
     assert settings.router == ("kvbridge-router:50061" if role == "prefill" else "")
     assert settings.token_env == "KVBRIDGE_TOKEN"
+    # The connector's metrics, on the port the engines' Service names for the ServiceMonitor.
+    assert (settings.metrics_host, settings.metrics_port) == ("0.0.0.0", 9400)
+    assert {"name": "kv-metrics", "containerPort": 9400} in vllm["ports"]
     env = _env(overlay, vllm)
     assert env["KVBRIDGE_TOKEN"] == SECRET_VALUE  # from kvbridge-client-tokens, never inline
     assert SECRET_VALUE not in " ".join(argv)
@@ -587,9 +590,22 @@ def test_monitoring_objects_have_their_shape_and_real_metrics() -> None:
     assert set(scraped) == {"kvbridge-registry", "kvbridge-router", "kvbridge-gateway",
                             "kvbridge-engines"}
     ports = {p["name"] for s in scraped.values() for p in s["spec"]["ports"]}
+    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {"metrics", "http",
+                                                                  "kv-metrics", "https"}
+    engine_ports = {p["name"]: p["port"] for p in services["kvbridge-engines"]["spec"]["ports"]}
+    assert engine_ports == {"http": 8000, "kv-metrics": 9400}
     for endpoint in monitor["spec"]["endpoints"]:
-        assert set(endpoint) <= {"port", "path", "interval", "scheme", "tlsConfig"}
+        assert set(endpoint) <= {"port", "path", "interval", "scheme", "tlsConfig",
+                                 "relabelings"}
         assert endpoint["port"] in ports and endpoint["path"] == "/metrics"
+        if endpoint["port"] in engine_ports:
+            # The engines' targets get `component` (prefill, decode) from the pod's label, as
+            # the compose Prometheus gives them (the Grafana dashboard reads it).
+            assert endpoint["relabelings"] == [{
+                "sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
+                "targetLabel": "component"}]
+        else:
+            assert "relabelings" not in endpoint
         if endpoint.get("scheme") == "https":
             assert endpoint["tlsConfig"]["ca"]["secret"]["key"] in SECRETS["kvbridge-tls"]
     [rule] = _objects("gpu", "PrometheusRule").values()
