@@ -1,9 +1,11 @@
 """docker-compose.yml stays valid and runs real `kvbridge` commands.
 
-Docker has no engine on the CI machine, so: the file is parsed; every service's command is
-resolved to a `kvbridge` command and parsed by it (options and values checked as the command
-itself checks them, and its --help works); and the control-plane commands are run here as
-processes, with their listen addresses moved to 127.0.0.1 port 0, and must come up serving.
+Docker has no engine on the CI machine, so: the file is parsed (the observability profile's
+mounts name files that exist, and its Prometheus scrapes the ports the services serve); every
+service's command is resolved to a `kvbridge` command and parsed by it (options and values
+checked as the command itself checks them, and its --help works); and the control-plane
+commands are run here as processes, with their listen addresses moved to 127.0.0.1 port 0, and
+must come up serving.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ def _command(service: str) -> list[str]:
     return [_DEFAULTED.sub(r"\1", arg) for arg in _compose()["services"][service]["command"]]
 
 
-# Services that run kvbridge (redis runs its own image).
+# Services that run kvbridge (redis, Prometheus and Grafana run their own images).
 SERVICES = sorted(name for name, svc in _compose()["services"].items()
-                  if svc.get("image") != "redis:7-alpine")
+                  if svc["image"].startswith("kvbridge"))
 
 
 def test_compose_file_is_well_formed() -> None:
@@ -81,6 +83,76 @@ def test_compose_file_is_well_formed() -> None:
         command = _command(engine)
         cores.append(command[command.index("--cpu") + 1] if "--cpu" in command else "0")
     assert cores == ["0", "1"]
+
+
+def _mounts(service: str) -> dict[str, Path]:
+    """The service's bind mounts from this repository: container path -> file or folder here."""
+    out = {}
+    for volume in _compose()["services"][service].get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith("./"):
+            out[target] = ROOT / source
+    return out
+
+
+def test_observability_profile_loads_the_files_under_deploy() -> None:
+    services = _compose()["services"]
+    assert set(SERVICES) | {"redis", "prometheus", "grafana"} == set(services)
+    for name in ("prometheus", "grafana"):
+        assert services[name]["profiles"] == ["observability"]
+        for source in _mounts(name).values():
+            assert source.exists(), f"{name} mounts {source}, which does not exist"
+        binds = [v for v in services[name]["volumes"] if v.startswith("./")]
+        assert binds and all(v.endswith(":ro") for v in binds), name
+    # Prometheus: its config, and the rule file the config names beside it.
+    prometheus = services["prometheus"]
+    mounts = _mounts("prometheus")
+    config_path = next(c.split("=", 1)[1] for c in prometheus["command"]
+                       if c.startswith("--config.file="))
+    config = yaml.safe_load(mounts[config_path].read_text())
+    for rule_file in config["rule_files"]:
+        in_container = str(Path(config_path).parent / rule_file)
+        assert mounts[in_container] == ROOT / "deploy" / "prometheus" / "alerts.yml"
+    # Every scrape job reaches compose services on the ports their commands serve.
+    served: dict[str, set[int]] = {}
+    for name in SERVICES:
+        command = _command(name)
+        ports = served.setdefault(name, set())
+        for flag in ("--listen", "--metrics-listen"):
+            if flag in command:
+                ports.add(int(command[command.index(flag) + 1].rsplit(":", 1)[1]))
+        if "--port" in command:
+            ports.add(int(command[command.index("--port") + 1]))
+        ports |= {int(s.split("=")[1]) for s in command if s.startswith("metrics_port=")}
+        if any(s.startswith("metrics_port=") for s in command):
+            assert "metrics_host=0.0.0.0" in command, name  # reachable from Prometheus
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"kvbridge-registry", "kvbridge-router", "kvbridge-gateway",
+                         "kvbridge-engines", "kvbridge-connector"}
+    engines = {"prefill", "decode", "prefill-cpu", "decode-cpu"}
+    for job in jobs.values():
+        [sd] = job["dns_sd_configs"]
+        for host in sd["names"]:
+            assert sd["port"] in served[host], (job["job_name"], host, sd["port"])
+        if set(sd["names"]) == engines:
+            assert {r["target_label"] for r in job["relabel_configs"]} == {"component", "pod"}
+    assert {n for job in jobs.values() for n in job["dns_sd_configs"][0]["names"]} == {
+        "registry", "registry-2", "router", "gateway", *engines}
+    # Grafana: the provisioned datasource is this Prometheus; the dashboard provider reads the
+    # folder the dashboard is mounted at.
+    grafana = _mounts("grafana")
+    datasources = yaml.safe_load(
+        (grafana["/etc/grafana/provisioning/datasources"] / "prometheus.yml").read_text())
+    [source] = datasources["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    assert "9090:9090" in prometheus["ports"]
+    providers = yaml.safe_load(
+        (grafana["/etc/grafana/provisioning/dashboards"] / "kvbridge.yml").read_text())
+    [provider] = providers["providers"]
+    folder = grafana[provider["options"]["path"]]
+    assert (folder / "kvbridge.json").is_file()
+    home = services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert grafana[str(Path(home).parent)] / Path(home).name == folder / "kvbridge.json"
 
 
 @pytest.mark.parametrize("service", SERVICES)
