@@ -112,6 +112,7 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         self._prefix_caching = _vllm.prefix_caching(vllm_config.cache_config)
         self._async_scheduling = _vllm.async_scheduling(vllm_config.scheduler_config)
         self.pin_guard: PinGuard | None = None
+        self._learn_costs = False  # prefill: the cost model learns (`_vllm.COST` usable)
         self._boot_id = boot_id()
         if role == KVConnectorRole.WORKER:
             worker = _vllm.nixl_worker(self)
@@ -186,10 +187,11 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                 RouterClient(self.settings.router, timeout=self.settings.rpc_timeout_s,
                              retries=1, **security) if self.settings.router else client)
             assert reads is not None
+            self._learn_costs = _vllm.usable(_vllm.COST)
             self.prefill = PrefillReuse(
                 self.settings, reads, reader_id=_vllm.engine_id(self), block_size=block_size,
                 fingerprint=fingerprint, threshold=_vllm.recompute_threshold(scheduler),
-                metrics=self.metrics)
+                metrics=self.metrics, learn_costs=self._learn_costs)
             self.prefill.warm()
         log.info("kvbridge_connector_started", role=transfer.kv_role,
                  engine_id=_vllm.engine_id(self),
@@ -280,6 +282,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             self.decode.allocated(request.request_id)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         req_id = request.request_id
+        if self.prefill is not None:
+            self.prefill.allocated(req_id)
         if req_id in self._sync_planned:
             self._place_sync_read(request, blocks, num_external_tokens)
         elif (num_external_tokens == 0 and self.prefill is not None
@@ -408,7 +412,10 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             if isinstance(results, SyncReadResults):
                 for req_id, ok in results.ok.items():
                     if ok:  # counted when the request finishes
-                        self.metrics.transfer_seconds.observe(results.ms.get(req_id, 0.0) / 1000)
+                        read_ms = results.ms.get(req_id)
+                        if read_ms is not None:
+                            self.prefill.read_measured(req_id, read_ms / 1000)
+                        self.metrics.transfer_seconds.observe((read_ms or 0.0) / 1000)
                         copy_ms = results.layered.get(req_id)
                         self.metrics.sync_reads.labels(
                             "whole" if copy_ms is None else "layered").inc()
@@ -473,7 +480,9 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         self._sync_planned.discard(request.request_id)
         self._local_tokens.pop(request.request_id, None)
         if self.prefill is not None:
-            outcome = self.prefill.finished(request.request_id)
+            outcome = self.prefill.finished(
+                request.request_id, prompt_tokens=len(request.prompt_token_ids or []),
+                normal=self._learn_costs and _vllm.finished_normally(request))
             if outcome and params is not None:
                 params = {**params, **outcome}
         if self.decode is not None and not delay:

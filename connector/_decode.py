@@ -34,7 +34,6 @@ from kvbridge.connector._settings import (
 
 log = structlog.get_logger("kvbridge.connector")
 
-_NORMAL_FINISH = ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 # How long a RevokeLease round may take before the scheduler stops deferring preemption for
 # it: a registry that answers answers within milliseconds (see `make_room`).
 _REVOKE_WAIT_S = 0.25
@@ -132,7 +131,7 @@ class DecodeRetention:
         self._demand.pop(request.request_id, None)
         key = conversation_of(request.kv_transfer_params)
         if (key is None or self._pool is None
-                or _vllm.finish_status(request) not in _NORMAL_FINISH):
+                or not _vllm.finished_normally(request)):
             return None
         if len(block_ids) != 1:
             log.warning("retention_skipped", request_id=request.request_id,

@@ -21,6 +21,11 @@ class ConnectorMetrics:
             "Prompt tokens of conversation requests computed by this prefill engine", registry=r)
         self.decisions = Counter(
             "kvbridge_connector_decisions", "Prefill reuse decisions", ["decision"], registry=r)
+        self.cost_estimates = Gauge(
+            "kvbridge_connector_cost_estimate_seconds",
+            "Prefill: what reading and recomputing cost on this engine, as learned from its "
+            "recent requests: fixed parts and per-token rates (recompute_per_token at the "
+            "latest prompt's length), and the registry lookup", ["estimate"], registry=r)
         self.transfer_seconds = Histogram(
             "kvbridge_connector_transfer_seconds", "Decision to finished D->P read",
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0), registry=r)

@@ -3,7 +3,7 @@
 All methods run on the engine-core scheduler thread except the RPCs, which run on a small
 thread pool so that AcquireRead overlaps the request's own queueing. The control plane is never
 trusted blindly: a miss, an error, a deadline, a partial block whose hash differs, a pin close
-to its end, or fewer reusable tokens than the threshold all mean "recompute".
+to its end, or a read expected to be slower than recomputing (`_cost`) all mean "recompute".
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import structlog
 from kvbridge import blockhash
 from kvbridge.clients import seconds
 from kvbridge.clock import Clock, monotonic
+from kvbridge.connector._cost import PROBE, CostModel, Decision
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._pin_guard import LANDED_LATE, NOT_POSTED
 from kvbridge.connector._routed import (
@@ -44,6 +45,14 @@ PIN_FAILURES = (NOT_POSTED, LANDED_LATE)
 REMOTE_FIELDS = ("remote_block_ids", "remote_engine_id", "remote_request_id", "remote_host",
                  "remote_port", "remote_num_tokens", "tp_size")
 
+
+
+def _estimates(decision: Decision) -> dict[str, Any]:
+    """What a cost decision was made on, for its log line (nothing while not learned)."""
+    if decision.read_s is None or decision.recompute_s is None:
+        return {}
+    return {"read_est_ms": round(decision.read_s * 1000, 2),
+            "recompute_est_ms": round(decision.recompute_s * 1000, 2)}
 
 
 def _forget_remote_blocks(params: dict[str, Any]) -> None:
@@ -88,12 +97,14 @@ class _Active:
     sync: bool = False  # read within the step that computes the request
     posted: bool = False  # the read went out (a synchronous one, in this step)
     sent: bool = False  # handed to the worker to post (either kind): a READ may be in flight
+    read_s: float | None = None  # how long a synchronous read took (the worker's figure)
 
 
 class PrefillReuse:
     def __init__(self, settings: ConnectorSettings, client: ReadClient, *, reader_id: str,
                  block_size: int, fingerprint: str, threshold: int,
-                 metrics: ConnectorMetrics, clock: Clock | None = None) -> None:
+                 metrics: ConnectorMetrics, clock: Clock | None = None,
+                 learn_costs: bool = True) -> None:
         self.settings = settings
         # Pin ends are compared with times on this clock (and, on one host, with the gateway's
         # and the workers' `monotonic()`): tests inject a FakeClock, engines use the deadline
@@ -103,8 +114,25 @@ class PrefillReuse:
         self.reader_id = reader_id
         self.block_size = block_size
         self.fingerprint = fingerprint
-        self.threshold = threshold
         self.metrics = metrics
+        # `learn_costs` False: this vLLM lacks what the compute model learns from
+        # (`_vllm.COST`), and the threshold decides.
+        self.cost = CostModel(threshold=threshold,
+                              by_cost=settings.decision == "cost" and learn_costs,
+                              margin=settings.read_margin,
+                              probe_interval_s=settings.probe_interval_s, now=self._now)
+        # For the compute model, per request: when it was last allocated (it computes from
+        # then on), and the prompt tokens this engine's prefix cache offered it.
+        self._allocated: dict[str, float] = {}
+        self._local: dict[str, int] = {}
+        # Decode engines read from: a first read opens NIXL's connection (a one-off cost the
+        # read model must not learn).
+        self._engines_read: set[str] = set()
+        # Finished requests whose synchronous read's time is still to come from the worker
+        # (it reports after the request finished): (the read, computed tokens, prompt length,
+        # seconds from allocated to finished).
+        self._awaiting_read: dict[str, tuple[_Active, int, int, float]] = {}
+        self._context = 1024  # the latest prompt length, for the per-token gauge
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvbridge-read")
         self._pending: dict[str, _Pending] = {}
         self._active: dict[str, _Active] = {}
@@ -139,7 +167,7 @@ class PrefillReuse:
             self._drop_routed_pin(params)
             return
         tokens = request.prompt_token_ids or []
-        if len(tokens) < max(self.threshold, self.block_size):
+        if len(tokens) < max(self.cost.floor(), self.block_size):
             self._drop_routed_pin(params)
             self._decide(request, "short_prompt", 0, len(tokens))
             return
@@ -147,6 +175,12 @@ class PrefillReuse:
         if scope is None:  # inputs the block hashes cannot cover: recompute
             self._drop_routed_pin(params)
             self._decide(request, "unsupported_inputs", 0, len(tokens))
+            return
+        # Even reading all of the prompt but its last token would not pay: no lookup at all.
+        best = self.cost.decide(len(tokens) - 1, len(tokens), before_lookup=True)
+        if not best.read:
+            self._drop_routed_pin(params)
+            self._decide(request, best.reason, 0, len(tokens), **_estimates(best))
             return
         hashes = blockhash.block_hashes(tokens, self.block_size, *scope)
         tenant, conversation = key
@@ -157,7 +191,7 @@ class PrefillReuse:
             return
         future = self._pool.submit(
             self.client.acquire_read, tenant, conversation, hashes,
-            min_tokens=max(self.threshold, 1), pin_ttl=self.settings.pin_ttl_s,
+            min_tokens=self.cost.floor(), pin_ttl=self.settings.pin_ttl_s,
             reader_id=self.reader_id, request_id=request.request_id,
             timeout=self.settings.read_deadline_s)
         pending = _Pending(tenant, conversation, hashes, future,
@@ -198,6 +232,7 @@ class PrefillReuse:
     def resolve(self, request: Any, num_computed_tokens: int) -> bool | None:
         """Decide for a request: None while its AcquireRead is pending (ask again), True when
         its kv_transfer_params now name verified remote blocks to read, False to recompute."""
+        self._local[request.request_id] = num_computed_tokens
         pending = self._pending.get(request.request_id)
         if pending is None:
             return self._asked_again(request)
@@ -213,6 +248,8 @@ class PrefillReuse:
         del self._pending[request.request_id]
         answered = pending.answered or self._now()
         lookup_ms = round((answered - pending.started) * 1000, 2)
+        if pending.source == "lookup":
+            self.cost.looked_up(answered - pending.started)
         try:
             read = pending.future.result()
         except KvbridgeError as err:
@@ -251,18 +288,20 @@ class PrefillReuse:
         base = pending.started if pending.pin_base is None else pending.pin_base
         pin_end = base + seconds(read.pin.expires_in)
         why = None
+        cost = Decision(False, "local_cache")
         if usable <= num_computed_tokens:
             why = "local_cache"
-        elif usable - num_computed_tokens < self.threshold:
-            why = "below_threshold"
-        elif pin_end - self._now() < self.settings.pin_margin_s:
-            why = "pin_margin"
+        else:
+            cost = self.cost.decide(usable - num_computed_tokens, len(tokens))
+            if not cost.read:
+                why = cost.reason
+            elif pin_end - self._now() < self.settings.pin_margin_s:
+                why = "pin_margin"
         if why is not None:
             self._release(read.pin.pin_id)
             self._decide(request, why, 0, len(tokens) - num_computed_tokens,
                          local=num_computed_tokens, conversation=pending.conversation,
-                         lookup_ms=lookup_ms,
-                         source=pending.source)
+                         lookup_ms=lookup_ms, source=pending.source, **_estimates(cost))
             return False
 
         params = request.kv_transfer_params
@@ -282,7 +321,8 @@ class PrefillReuse:
                      local=num_computed_tokens, conversation=pending.conversation,
                      lookup_ms=lookup_ms, source=pending.source,
                      lease_id=read.lease.lease_id,
-                     epoch=read.lease.epoch, holder=read.holder.holder_id)
+                     epoch=read.lease.epoch, holder=read.holder.holder_id,
+                     probe=cost.reason == PROBE, **_estimates(cost))
         return True
 
     def _asked_again(self, request: Any) -> bool:
@@ -391,6 +431,7 @@ class PrefillReuse:
         if ok:
             self.metrics.reused_tokens.inc(active.tokens)
             self.metrics.transfer_seconds.observe(elapsed)
+            self._learn_read(active, elapsed)
             outcome = self._outcomes.get(request_id)
             if outcome is not None:
                 outcome["kvbridge_transfer_ms"] = round(elapsed * 1000, 2)
@@ -407,10 +448,34 @@ class PrefillReuse:
         engine = active.params.get("remote_engine_id")
         return engine if isinstance(engine, str) else None
 
-    def finished(self, request_id: str) -> dict[str, Any] | None:
+    def allocated(self, request_id: str) -> None:
+        """The scheduler allocated the request's blocks: it computes from now on (a request
+        that reads asynchronously is allocated again once its read landed)."""
+        self._allocated[request_id] = self._now()
+
+    def read_measured(self, request_id: str, seconds: float) -> None:
+        """A synchronous read landed after `seconds` (the worker's figure, reported after the
+        step: before the request finished, or after when the step finished it)."""
+        active = self._active.get(request_id)
+        if active is not None:
+            active.read_s = seconds
+            self._learn_read(active, seconds)
+            return
+        waiting = self._awaiting_read.pop(request_id, None)
+        if waiting is not None:
+            read, computed, context, elapsed = waiting
+            self._learn_read(read, seconds)
+            self._learn_compute(computed, context, elapsed - seconds)
+
+    def finished(self, request_id: str, *, prompt_tokens: int = 0,
+                 normal: bool = False) -> dict[str, Any] | None:
         """The request ended (possibly aborted): let go of whatever it still holds. Returns
         what was decided for it (kvbridge_decision, kvbridge_reused_tokens, ...), for the
-        response's kv_transfer_params; None for a request outside any conversation."""
+        response's kv_transfer_params; None for a request outside any conversation.
+        `normal`: it finished as asked (stopped or at its length), so its compute time is a
+        sample of this engine's speed."""
+        started = self._allocated.pop(request_id, None)
+        local = self._local.pop(request_id, 0)
         pending = self._pending.pop(request_id, None)
         if pending is not None:
             pending.future.add_done_callback(self._release_late)
@@ -430,14 +495,45 @@ class PrefillReuse:
         outcome = self._outcomes.pop(request_id, None)
         if outcome is not None and outcome.get("kvbridge_local_tokens"):
             self.metrics.local_tokens.inc(outcome["kvbridge_local_tokens"])
+        if normal and started is not None:
+            reused = 0 if outcome is None else outcome["kvbridge_reused_tokens"]
+            computed = prompt_tokens - local - reused
+            elapsed = now - started
+            if active is not None and active.sync and active.read_s is None:
+                # The read's own time is reported after this: the samples wait for it.
+                if len(self._awaiting_read) >= 64:
+                    del self._awaiting_read[next(iter(self._awaiting_read))]
+                self._awaiting_read[request_id] = (active, computed, prompt_tokens, elapsed)
+            else:
+                read_s = active.read_s if active is not None and active.sync else None
+                self._learn_compute(computed, prompt_tokens, elapsed - (read_s or 0.0))
         return outcome
+
+    def _learn_compute(self, tokens: int, context: int, seconds: float) -> None:
+        self.cost.computed(tokens, context, seconds)
+        self._show_estimates(context)
+
+    def _learn_read(self, active: _Active, seconds: float) -> None:
+        engine = active.params.get("remote_engine_id")
+        if engine not in self._engines_read:  # the first read opened NIXL's connection
+            if isinstance(engine, str) and len(self._engines_read) < 4096:
+                self._engines_read.add(engine)
+            return
+        self.cost.read(active.tokens, seconds)
+        self._show_estimates(None)
+
+    def _show_estimates(self, context: int | None) -> None:
+        if context is not None:
+            self._context = context
+        for name, value in self.cost.estimates(self._context).items():
+            self.metrics.cost_estimates.labels(name).set(value)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- helpers ----------------------------------------------------------------------------
 
-    def _decide(self, request: Any, decision: str, reused: int, recomputed: int,
+    def _decide(self, request: Any, decision: str, reused: int, recomputed: int, *,
                 local: int = 0, **fields: Any) -> None:
         # local + reused + recomputed: the prompt (local: this engine's own prefix cache, as
         # far as the scheduler offered it, block-aligned).

@@ -39,6 +39,17 @@ class ConnectorSettings:
     router: str = ""
     """Prefill: ask this routing service (HOST:PORT) for reads instead of the registry; it
     also refuses KV held by engines it knows are dead. Decode always talks to the registry."""
+    decision: str = "cost"
+    """Prefill: how to choose between reading decode's KV and recomputing it. "cost": read
+    only when the read is expected to be faster, by this engine's own measured compute and
+    read times (`kvbridge.connector._cost`; until it has measured both, as "threshold");
+    "threshold": read whenever at least `kv_recompute_threshold` tokens are reusable."""
+    read_margin: float = 0.1
+    """Prefill, decision "cost": read only when expected to take at most (1 - this) of the
+    time recomputing would."""
+    probe_interval_s: float = 60.0
+    """Prefill, decision "cost": while reads are estimated slower, read once in this long
+    anyway to measure them again (0: never)."""
     read_deadline_s: float = 0.05
     """Prefill: how long a request may wait for its AcquireRead before recomputing."""
     rpc_timeout_s: float = 2.0
@@ -116,6 +127,11 @@ class ConnectorSettings:
         if not 0.0 <= self.headroom_cap <= 1.0:
             raise ValueError("kvbridge.headroom_cap must be in [0, 1]")
         parse_cpus(self.read_cpus)  # a bad list fails here, at start-up
+        if self.decision not in ("cost", "threshold"):
+            raise ValueError(f"kvbridge.decision must be 'cost' or 'threshold', got "
+                             f"{self.decision!r}")
+        if not 0.0 <= self.read_margin < 1.0:
+            raise ValueError("kvbridge.read_margin must be in [0, 1)")
         if self.pin_margin_s >= self.pin_ttl_s:
             raise ValueError("kvbridge.pin_margin_s must be smaller than pin_ttl_s")
 

@@ -49,6 +49,9 @@ PIN_GUARD = "pin_guard"
 SYNC_READS = "sync_reads"
 #: Synchronous reads split by layer (`_layerwise`). Off: whole-request synchronous reads.
 LAYERED_READS = "layered_reads"
+#: Read or recompute by measured cost (`_cost`): which requests finished normally, whose
+#: compute time the cost model learns from. Off: the fixed threshold decides.
+COST = "cost"
 #: Read notifications for kvbridge-retained blocks kept from NIXL's bookkeeping. Off: NIXL
 #: logs them as reads of blocks it does not know.
 NOTIFICATION_FILTER = "notification_filter"
@@ -109,7 +112,7 @@ NAMES: tuple[Name, ...] = (
     # A request's inputs beyond its token ids.
     *_names(REQUEST, (INPUT_SCOPE,), "mm_features", "prompt_embeds", "lora_request",
             "cache_salt"),
-    *_names(REQUEST, (RETENTION,), "status"),
+    *_names(REQUEST, (RETENTION, COST), "status"),
     # The worker side of NIXL: what the pin guard wraps and reports through.
     *_names(WORKER, (PIN_GUARD,), "_read_blocks_for_req", "get_transfer_results",
             "_handle_failed_transfer", "_is_hma_required"),
@@ -376,9 +379,9 @@ def free_block_counter(pool: Any) -> Callable[[], int]:
 # ---- requests --------------------------------------------------------------------------------
 
 
-def finish_status(request: Any) -> str:
-    """Retention: the name of the request's status (e.g. FINISHED_STOPPED)."""
-    return str(request.status.name)
+def finished_normally(request: Any) -> bool:
+    """Retention, cost: the request stopped or reached its length (not aborted, not failed)."""
+    return str(request.status.name) in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 
 def input_scope(request: Any) -> tuple[bool, Any, str] | None:

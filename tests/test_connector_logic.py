@@ -1762,3 +1762,115 @@ def test_prefill_sync_read_failure_recomputes(prefill: PrefillKit, client: Regis
     assert outcome["kvbridge_recomputed_tokens"] == len(prompt)
     assert sample(prefill.metrics, "kvbridge_connector_reused_tokens_total") == 0
     assert prefill.decision("transfer_failed") == 1
+
+
+# ---- prefill: read or recompute by measured cost ---------------------------------------------
+
+
+def _computes(kit: PrefillKit, clock: FakeClock, request_id: str, tokens: int,
+              seconds: float, *, normal: bool = True) -> None:
+    """A request outside any conversation computes its `tokens`-token prompt in `seconds`."""
+    request = FakeRequest(request_id, list(range(tokens)), params={}, num_computed_tokens=0)
+    kit.reuse.on_new_request(request)
+    assert kit.reuse.resolve(request, 0) is False
+    kit.reuse.allocated(request_id)
+    clock.advance(seconds)
+    assert kit.reuse.finished(request_id, prompt_tokens=tokens, normal=normal) is None
+
+
+def _reads(kit: PrefillKit, clock: FakeClock, request_id: str, conversation: str,
+           seconds: float) -> None:
+    """A conversation turn reads LEASE_TOKENS back (asynchronously) in `seconds`."""
+    request = kit.request(request_id, LEASE_TOKENS + EXTRA, conversation)
+    assert kit.resolve(request) is True
+    kit.reuse.allocated(request_id)
+    clock.advance(seconds)
+    kit.reuse.read_done(request_id, ok=True)
+    kit.reuse.allocated(request_id)  # allocated again once the read landed
+    clock.advance(0.002 + len(EXTRA) * 0.001)  # computes the rest as the others do
+    kit.reuse.finished(request_id, prompt_tokens=len(LEASE_TOKENS + EXTRA), normal=True)
+
+
+def test_prefill_learns_that_reads_are_slower_and_skips_the_lookup(
+        registry: ThreadedRegistry, holder: pb.Holder, client: RegistryClient):
+    """Compute is measured from finished requests, reads from landed ones (not the first one
+    from an engine: it opened NIXL's connection); once reading is estimated slower than
+    recomputing a whole prompt, a conversation's turn recomputes without even a lookup."""
+    clock = FakeClock()
+    kit = make_prefill(registry.target, clock=clock, client=RecordingClient(
+        registry.target, timeout=1.0, retries=1))
+    try:
+        for i, tokens in enumerate((20, 40, 80, 160)):  # 1 ms a token, 2 ms a step
+            _computes(kit, clock, f"w-{i}", tokens, 0.002 + tokens * 0.001)
+        _computes(kit, clock, "aborted", 160, 5.0, normal=False)  # not a sample
+        for i in range(3):
+            grant(client, f"c{i}", LEASE_TOKENS)
+        _reads(kit, clock, "first", "c0", 2.0)  # with the handshake: not learned
+        assert kit.reuse.cost.estimates().get("read_fixed") is None
+        _reads(kit, clock, "second", "c1", 0.5)  # 0.5 s to read 38 tokens
+        assert kit.reuse.cost.ready()
+        assert kit.reuse.cost.read_s(38) == pytest.approx(0.5, rel=0.01)
+        assert kit.reuse.cost.recompute_s(38, 48) == pytest.approx(0.038, rel=0.1)
+        gauge = sample(kit.metrics, "kvbridge_connector_cost_estimate_seconds",
+                       estimate="read_fixed")
+        assert 0 < gauge <= 0.5
+        recording = kit.client
+        assert isinstance(recording, RecordingClient)
+        lookups = len(recording.pins)
+        request = kit.request("p-3", LEASE_TOKENS + EXTRA, "c2")
+        assert kit.reuse.resolve(request, 0) is False
+        assert len(recording.pins) == lookups  # no AcquireRead
+        assert kit.decision("recompute_cheaper") == 1
+        outcome = kit.reuse.finished("p-3")
+        assert outcome is not None and outcome["kvbridge_decision"] == "recompute_cheaper"
+        assert outcome["kvbridge_recomputed_tokens"] == len(LEASE_TOKENS + EXTRA)
+    finally:
+        kit.reuse.close()
+        kit.client.close()
+
+
+def test_prefill_threshold_decision_reads_however_slow(registry: ThreadedRegistry,
+                                                       holder: pb.Holder,
+                                                       client: RegistryClient):
+    clock = FakeClock()
+    kit = make_prefill(registry.target, clock=clock, decision="threshold")
+    try:
+        for i, tokens in enumerate((20, 40, 80, 160)):
+            _computes(kit, clock, f"w-{i}", tokens, 0.002 + tokens * 0.001)
+        for i in range(3):
+            grant(client, f"c{i}", LEASE_TOKENS)
+            _reads(kit, clock, f"r-{i}", f"c{i}", 0.5)
+        assert kit.decision("hit") == 3 and kit.decision("recompute_cheaper") == 0
+    finally:
+        kit.reuse.close()
+        kit.client.close()
+
+
+def test_prefill_sync_read_time_reported_after_finishing_is_learned(
+        registry: ThreadedRegistry, holder: pb.Holder, client: RegistryClient):
+    """A synchronous read's time comes from the worker after the step, which may have finished
+    the request: both the read and the compute (the step less the read) are learned then."""
+    clock = FakeClock()
+    kit = make_prefill(registry.target, clock=clock)
+    try:
+        for i, tokens in enumerate((20, 40, 80)):
+            _computes(kit, clock, f"w-{i}", tokens, 0.002 + tokens * 0.001)
+        grant(client, "c0", LEASE_TOKENS)
+        _reads(kit, clock, "first", "c0", 1.0)  # the handshake, asynchronously
+        grant(client, "c1", LEASE_TOKENS)
+        request = kit.request("p-1", LEASE_TOKENS + EXTRA, "c1")
+        assert kit.resolve(request) is True
+        kit.reuse.reading_sync("p-1")
+        kit.reuse.allocated("p-1")
+        kit.reuse.read_posted("p-1")
+        clock.advance(0.032)  # the step: a 20 ms read, then 10 tokens computed in 12 ms
+        kit.reuse.finished("p-1", prompt_tokens=len(LEASE_TOKENS + EXTRA), normal=True)
+        assert not kit.reuse.cost.ready()  # the read's time is not known yet
+        kit.reuse.read_measured("p-1", 0.020)
+        assert kit.reuse.cost.ready()
+        assert kit.reuse.cost.read_s(38) == pytest.approx(0.020, rel=0.01)
+        # Compute samples on one line (2 ms + 1 ms a token): the last is the step's.
+        assert kit.reuse.cost.recompute_s(100, 100) == pytest.approx(0.1, rel=0.1)
+    finally:
+        kit.reuse.close()
+        kit.client.close()

@@ -1,0 +1,198 @@
+"""Read or recompute: what each costs on this engine, learned from its own recent requests.
+
+Whether reading decode's KV back beats recomputing it depends on the model, the hardware and
+the prompt: a small model, or a short history on a fast accelerator, recomputes faster than a
+read's round trip; a long history on a large model reads many times faster. A fixed threshold
+of reusable tokens is wrong somewhere on every deployment, so the prefill connector measures.
+
+Two linear models, fitted by exponentially weighted least squares (recent requests count most,
+so the estimates follow the machine when its speed changes):
+
+- compute: a request's compute time (allocated to finished, less the time its read took) is
+  ``a + b*m + c*m*L`` for ``m`` tokens computed of an ``L``-token prompt (attention over the
+  context makes each token dearer as the prompt grows). Recomputing ``n`` more tokens of the same
+  prompt costs ``n * (b + c*L)``: the fixed part ``a`` (the step, sampling) is paid either way,
+  as at least the prompt's last token is computed here.
+- read: the time a read adds to its request is ``r0 + r1*n``: a fixed part (the round trip, the
+  scheduling around the read) and the bytes over the transfer rate (bytes are proportional to
+  tokens on one engine: the KV of a token is the same size everywhere in the prompt).
+
+A read is taken when it is expected to be faster by a margin. Until both models have samples the
+fixed threshold decides (reads of at least ``threshold`` tokens), as it does for those who ask
+for it (``decision="threshold"``): reading is how the read model learns. While the estimates say
+recompute, one read now and then (a probe) measures the read again, so that a transfer that got
+faster is noticed; recomputing keeps the compute model current on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+# Feature scales: tokens in thousands, token-context products in millions, so that the
+# normal equations stay well conditioned.
+_TOKENS = 1024.0
+_AREA = 1024.0 * 1024.0
+# Relative damping of the normal equations: a direction the samples do not tell apart (all
+# prompts of one length, say) is split between the parameters instead of blowing up.
+_DAMPING = 1e-3
+# Per sample: the weight of older samples (about ten recent requests carry the estimate).
+DECAY = 0.9
+MIN_COMPUTE_SAMPLES = 3
+MIN_READ_SAMPLES = 1
+
+READ = "hit"
+PROBE = "probe"
+BELOW_THRESHOLD = "below_threshold"
+RECOMPUTE_CHEAPER = "recompute_cheaper"
+
+
+class _Fit:
+    """y = theta . x, by exponentially weighted least squares with a little damping."""
+
+    def __init__(self, size: int, decay: float) -> None:
+        self.size = size
+        self.decay = decay
+        self.gram = [[0.0] * size for _ in range(size)]
+        self.moment = [0.0] * size
+        self.samples = 0
+        self._theta: list[float] | None = None
+
+    def add(self, x: list[float], y: float) -> None:
+        d = self.decay
+        for i in range(self.size):
+            self.moment[i] = d * self.moment[i] + x[i] * y
+            row = self.gram[i]
+            for j in range(self.size):
+                row[j] = d * row[j] + x[i] * x[j]
+        self.samples += 1
+        self._theta = None
+
+    def theta(self) -> list[float]:
+        if self._theta is None:
+            a = [row[:] + [self.moment[i]] for i, row in enumerate(self.gram)]
+            for i in range(self.size):
+                a[i][i] += _DAMPING * a[i][i] + 1e-12
+            self._theta = _solve(a)
+        return self._theta
+
+
+def _solve(a: list[list[float]]) -> list[float]:
+    """Gauss-Jordan on an augmented, symmetric positive definite system (n <= 3)."""
+    n = len(a)
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        p = a[col][col]
+        for r in range(n):
+            if r != col and a[r][col]:
+                f = a[r][col] / p
+                for c in range(col, n + 1):
+                    a[r][c] -= f * a[col][c]
+    return [a[i][n] / a[i][i] for i in range(n)]
+
+
+@dataclass(frozen=True)
+class Decision:
+    read: bool
+    reason: str  # READ, PROBE, BELOW_THRESHOLD or RECOMPUTE_CHEAPER
+    read_s: float | None = None  # the estimates it was made on (None: not learned yet)
+    recompute_s: float | None = None
+
+
+class CostModel:
+    """Decides read or recompute for a request's reusable tokens (scheduler thread only)."""
+
+    def __init__(self, *, threshold: int, by_cost: bool, margin: float, probe_interval_s: float,
+                 now: Callable[[], float], probe_after: int = 10) -> None:
+        self.threshold = threshold
+        self.by_cost = by_cost
+        self.margin = margin
+        self.probe_interval_s = probe_interval_s
+        self.probe_after = probe_after
+        self._now = now
+        self._compute = _Fit(3, DECAY)
+        self._read = _Fit(2, DECAY)
+        self._lookup_s: float | None = None
+        self._last_read = now()
+        self._declined_since_read = 0
+
+    # ---- what was measured -------------------------------------------------------------------
+
+    def computed(self, tokens: int, context: int, seconds: float) -> None:
+        """A request computed `tokens` tokens of a `context`-token prompt in `seconds`."""
+        if tokens > 0 and seconds > 0:
+            self._compute.add([1.0, tokens / _TOKENS, tokens * context / _AREA], seconds)
+
+    def read(self, tokens: int, seconds: float) -> None:
+        """A read of `tokens` tokens added `seconds` to its request."""
+        if tokens > 0 and seconds >= 0:
+            self._read.add([1.0, tokens / _TOKENS], seconds)
+            self._last_read = self._now()
+            self._declined_since_read = 0
+
+    def looked_up(self, seconds: float) -> None:
+        """A registry lookup took `seconds` (paid only by requests that look up)."""
+        if self._lookup_s is None:
+            self._lookup_s = seconds
+        else:
+            self._lookup_s = DECAY * self._lookup_s + (1 - DECAY) * seconds
+
+    # ---- estimates ---------------------------------------------------------------------------
+
+    def ready(self) -> bool:
+        return (self.by_cost and self._compute.samples >= MIN_COMPUTE_SAMPLES
+                and self._read.samples >= MIN_READ_SAMPLES)
+
+    def recompute_s(self, tokens: int, context: int) -> float:
+        """Expected time to compute `tokens` more tokens of a `context`-token prompt."""
+        _, b, c = self._compute.theta()
+        return max(tokens * (b / _TOKENS + c * context / _AREA), 0.0)
+
+    def read_s(self, tokens: int) -> float:
+        """Expected time a read of `tokens` tokens adds."""
+        r0, r1 = self._read.theta()
+        return max(r0 + r1 * tokens / _TOKENS, 0.0)
+
+    def estimates(self, context: int = 1024) -> dict[str, float]:
+        """The current estimates, for gauges: fixed parts and per-token rates (seconds)."""
+        out: dict[str, float] = {}
+        if self._compute.samples:
+            a, _, _ = self._compute.theta()
+            out["recompute_fixed"] = a
+            out["recompute_per_token"] = self.recompute_s(1, context)
+        if self._read.samples:
+            r0, r1 = self._read.theta()
+            out["read_fixed"] = r0
+            out["read_per_token"] = r1 / _TOKENS
+        if self._lookup_s is not None:
+            out["lookup"] = self._lookup_s
+        return out
+
+    # ---- deciding ----------------------------------------------------------------------------
+
+    def floor(self) -> int:
+        """Prompts shorter than this are never looked up: the threshold, while the threshold
+        decides; by cost, a prompt too short to pay for a read is found so by `decide`."""
+        return 1 if self.ready() else self.threshold
+
+    def decide(self, tokens: int, context: int, *, before_lookup: bool = False) -> Decision:
+        """Read `tokens` reusable tokens of a `context`-token prompt, or recompute them.
+        `before_lookup`: the most the request could read, asked before the registry lookup
+        (whose cost then counts against the read)."""
+        if not self.ready():
+            if tokens >= max(self.threshold, 1):
+                return Decision(True, READ)
+            return Decision(False, BELOW_THRESHOLD)
+        recompute = self.recompute_s(tokens, context)
+        read = self.read_s(tokens) + ((self._lookup_s or 0.0) if before_lookup else 0.0)
+        if read <= (1.0 - self.margin) * recompute:
+            return Decision(True, READ, read, recompute)
+        if self._probe_due():
+            return Decision(True, PROBE, read, recompute)
+        self._declined_since_read += 1
+        return Decision(False, RECOMPUTE_CHEAPER, read, recompute)
+
+    def _probe_due(self) -> bool:
+        return (self.probe_interval_s > 0 and self._declined_since_read >= self.probe_after
+                and self._now() - self._last_read >= self.probe_interval_s)

@@ -1,0 +1,211 @@
+"""The prefill connector's read-or-recompute cost model (`kvbridge.connector._cost`), on a
+fake clock: what it learns from observed requests and how it decides."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvbridge.clock import FakeClock
+from kvbridge.connector._cost import (
+    BELOW_THRESHOLD,
+    MIN_COMPUTE_SAMPLES,
+    PROBE,
+    READ,
+    RECOMPUTE_CHEAPER,
+    CostModel,
+)
+
+THRESHOLD = 64
+
+
+class Engine:
+    """A simulated engine: compute a + b*m + c*m*L seconds, reads r0 + r1*n, with noise."""
+
+    def __init__(self, a: float = 0.004, b: float = 20e-6, c: float = 2e-9,
+                 r0: float = 0.012, r1: float = 2e-6, noise: float = 0.03,
+                 seed: int = 1) -> None:
+        self.a, self.b, self.c, self.r0, self.r1 = a, b, c, r0, r1
+        self.noise = noise
+        self.rng = random.Random(seed)
+
+    def _jitter(self, x: float) -> float:
+        return x * (1 + self.rng.uniform(-self.noise, self.noise))
+
+    def compute_s(self, m: int, context: int) -> float:
+        return self._jitter(self.a + self.b * m + self.c * m * context)
+
+    def read_s(self, n: int) -> float:
+        return self._jitter(self.r0 + self.r1 * n)
+
+    def marginal_s(self, n: int, context: int) -> float:
+        return n * (self.b + self.c * context)
+
+    def crossover(self, context_of: float = 1.0) -> int:
+        """The reusable tokens (of a prompt that long) from which reading is faster."""
+        n = 1
+        while self.marginal_s(n, int(n * context_of)) <= self.r0 + self.r1 * n:
+            n += 1
+        return n
+
+
+def model(clock: FakeClock, *, by_cost: bool = True, margin: float = 0.1,
+          probe_interval_s: float = 60.0) -> CostModel:
+    return CostModel(threshold=THRESHOLD, by_cost=by_cost, margin=margin,
+                     probe_interval_s=probe_interval_s, now=clock.monotonic)
+
+
+def turns(cost: CostModel, engine: Engine, rng: random.Random, count: int,
+          clock: FakeClock) -> None:
+    """A multi-turn workload as the engine sees it: first turns compute their whole prompt,
+    later turns read their history (when the model decides so) and compute the new tokens."""
+    for _ in range(count):
+        context = rng.choice([256, 512, 1024, 2048, 4096])
+        new = rng.randint(100, 200)
+        history = context - new
+        decision = cost.decide(history, context)
+        if decision.read:
+            cost.read(history, engine.read_s(history))
+            cost.computed(new, context, engine.compute_s(new, context))
+        else:
+            cost.computed(context, context, engine.compute_s(context, context))
+        clock.advance(1.0)
+
+
+def test_learns_both_rates_from_observed_requests():
+    clock = FakeClock()
+    cost = model(clock)
+    engine = Engine()
+    rng = random.Random(7)
+    for _ in range(40):
+        m, context = rng.randint(16, 4096), rng.choice([512, 2048, 8192])
+        cost.computed(min(m, context), context, engine.compute_s(min(m, context), context))
+        n = rng.randint(16, 8192)
+        cost.read(n, engine.read_s(n))
+    for n, context in [(200, 512), (1000, 2048), (4000, 8192)]:
+        assert cost.recompute_s(n, context) == pytest.approx(engine.marginal_s(n, context),
+                                                             rel=0.15)
+        assert cost.read_s(n) == pytest.approx(engine.r0 + engine.r1 * n, rel=0.1)
+    est = cost.estimates(2048)
+    assert est["read_fixed"] == pytest.approx(engine.r0, rel=0.15)
+    assert est["read_per_token"] == pytest.approx(engine.r1, rel=0.15)
+    assert est["recompute_fixed"] == pytest.approx(engine.a, abs=0.002)
+    assert est["recompute_per_token"] == pytest.approx(engine.b + engine.c * 2048, rel=0.15)
+
+
+def test_switches_at_the_crossover():
+    clock = FakeClock()
+    cost = model(clock, margin=0.0)
+    engine = Engine(noise=0.0)
+    rng = random.Random(3)
+    turns(cost, engine, rng, 60, clock)
+    assert cost.ready()
+    cross = engine.crossover()  # a prompt as long as its reusable tokens
+    assert 100 < cross < 2000
+    below = cost.decide(int(cross * 0.8), int(cross * 0.8))
+    above = cost.decide(int(cross * 1.25), int(cross * 1.25))
+    assert (below.read, below.reason) == (False, RECOMPUTE_CHEAPER)
+    assert (above.read, above.reason) == (True, READ)
+    assert below.read_s is not None and below.recompute_s is not None
+    assert below.read_s > below.recompute_s
+    # Before the lookup, the lookup's own time counts against the read.
+    cost.looked_up(1.0)
+    assert not cost.decide(int(cross * 1.25), int(cross * 1.25), before_lookup=True).read
+    assert cost.decide(int(cross * 1.25), int(cross * 1.25)).read
+
+
+def test_margin_keeps_a_read_that_is_barely_faster_off():
+    clock = FakeClock()
+    engine = Engine(noise=0.0)
+    strict, loose = model(clock, margin=0.3), model(clock, margin=0.0)
+    for cost in (strict, loose):
+        turns(cost, engine, random.Random(5), 60, clock)
+    n = int(engine.crossover() * 1.15)  # reading is ~10% faster here
+    assert loose.decide(n, n).read
+    assert not strict.decide(n, n).read
+
+
+def test_recovers_when_compute_slows_down():
+    clock = FakeClock()
+    cost = model(clock)
+    fast = Engine(b=2e-6, c=0.0, noise=0.0)  # compute so fast that reads never pay
+    rng = random.Random(11)
+    turns(cost, fast, rng, 40, clock)
+    assert not cost.decide(2000, 2048).read
+    slow = Engine(b=40e-6, c=0.0, noise=0.0)  # the machine got 20x slower at computing
+    turns(cost, slow, rng, 30, clock)  # recomputing measures it: no probe needed
+    assert cost.decide(2000, 2048).read
+
+
+def test_recovers_when_reads_get_faster_by_probing():
+    clock = FakeClock()
+    cost = model(clock, probe_interval_s=60.0)
+    slow_reads = Engine(r0=0.2, r1=2e-6, noise=0.0)
+    rng = random.Random(13)
+    turns(cost, slow_reads, rng, 20, clock)
+    assert not cost.decide(2000, 2048).read
+    fast_reads = Engine(r0=0.002, r1=2e-6, noise=0.0)  # e.g. a faster network in place
+    probes = 0
+    for _ in range(400):
+        decision = cost.decide(2000, 2048)
+        if decision.read:
+            probes += decision.reason == PROBE
+            cost.read(2000, fast_reads.read_s(2000))
+        else:
+            cost.computed(2048, 2048, fast_reads.compute_s(2048, 2048))
+        clock.advance(1.0)
+        if cost.decide(2000, 2048).reason == READ:
+            break
+    assert cost.decide(2000, 2048).reason == READ
+    # Reads were measured again only now and then: one probe a minute at most.
+    assert 1 <= probes <= 8
+
+
+def test_no_probe_while_reads_are_sampled_recently():
+    clock = FakeClock()
+    cost = model(clock, probe_interval_s=60.0)
+    turns(cost, Engine(r0=0.2, noise=0.0), random.Random(17), 20, clock)
+    reasons = {cost.decide(2000, 2048).reason for _ in range(5)}
+    assert reasons == {RECOMPUTE_CHEAPER}  # fewer declines than a probe waits for
+    off = model(clock, probe_interval_s=0.0)
+    turns(off, Engine(r0=0.2, noise=0.0), random.Random(17), 20, clock)
+    for _ in range(50):
+        clock.advance(10.0)
+        assert off.decide(2000, 2048).reason == RECOMPUTE_CHEAPER  # probes off
+
+
+def test_never_reads_below_the_threshold_while_estimates_are_missing():
+    clock = FakeClock()
+    cost = model(clock)
+    assert not cost.ready() and cost.floor() == THRESHOLD
+    assert cost.decide(THRESHOLD - 1, 1000).reason == BELOW_THRESHOLD
+    assert not cost.decide(THRESHOLD - 1, 1000).read
+    assert cost.decide(THRESHOLD, 1000).read  # the fallback: today's threshold
+    # Compute samples alone are not enough: a read has not been measured yet.
+    for _ in range(MIN_COMPUTE_SAMPLES + 5):
+        cost.computed(1000, 1000, 0.5)
+    assert not cost.ready()
+    assert not cost.decide(THRESHOLD - 1, 1000).read
+    cost.read(1000, 0.001)
+    assert cost.ready() and cost.floor() == 1
+
+
+def test_threshold_mode_ignores_measurements():
+    clock = FakeClock()
+    cost = model(clock, by_cost=False)
+    turns(cost, Engine(r0=5.0, noise=0.0), random.Random(19), 30, clock)
+    assert not cost.ready()
+    assert cost.decide(THRESHOLD, 4096).read  # reads are 5 s, but the threshold decides
+    assert cost.decide(THRESHOLD - 1, 4096).reason == BELOW_THRESHOLD
+
+
+def test_bad_samples_are_ignored():
+    clock = FakeClock()
+    cost = model(clock)
+    cost.computed(0, 100, 1.0)
+    cost.computed(100, 100, 0.0)
+    cost.read(0, 1.0)
+    cost.read(100, -1.0)
+    assert cost.estimates() == {}
+    assert not cost.ready()
