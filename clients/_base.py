@@ -351,15 +351,20 @@ class AsyncClient(_Replicas):
 
     def __init__(self, target: str | Sequence[str], *, timeout: float = DEFAULT_TIMEOUT,
                  retries: int = 3, channel: grpc.aio.Channel | None = None,
-                 token: str | None = None, tls: TlsFiles | None = None) -> None:
+                 token: str | None = None, tls: TlsFiles | None = None,
+                 interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None) -> None:
+        """`interceptors`: the channels' (`kvbridge.tracing.client_interceptors`); none by
+        default."""
         self.targets = split_targets(target)
         self.target = ",".join(self.targets)
         self.timeout = timeout
         self.retries = retries
         creds = self._security(token, tls)
         self._channels = [channel] if channel is not None else [
-            grpc.aio.secure_channel(t, creds, options=CHANNEL_OPTIONS) if creds is not None
-            else grpc.aio.insecure_channel(t, options=CHANNEL_OPTIONS) for t in self.targets]
+            grpc.aio.secure_channel(t, creds, options=CHANNEL_OPTIONS,
+                                    interceptors=interceptors) if creds is not None
+            else grpc.aio.insecure_channel(t, options=CHANNEL_OPTIONS, interceptors=interceptors)
+            for t in self.targets]
         self._stubs = [self.stub_class(c) for c in self._channels]
         self._active = 0
 

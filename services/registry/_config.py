@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from kvbridge import tracing
 from kvbridge.auth import SecuritySettings
 from kvbridge.config import check_logging, setting
 
@@ -113,6 +114,7 @@ class RegistryConfig(SecuritySettings):
         "full collections over many leases off the request path")
     gc_full_interval_s: float = setting(
         600.0, "with gc_freeze_interval_s: run a full collection of everything this often")
+    otlp_traces_endpoint: str = tracing.endpoint_setting()
     log_level: str = setting("info", "debug, info, warning or error")
     log_format: str = setting("auto", "json, console, or auto (JSON unless on a terminal)")
 
@@ -151,6 +153,7 @@ class RegistryConfig(SecuritySettings):
         if not self.redis_namespace or any(c in self.redis_namespace for c in "{} \t\n"):
             raise ValueError("redis_namespace must be non-empty, without braces or spaces")
         check_logging(self.log_level, self.log_format)
+        tracing.check_endpoint(self.otlp_traces_endpoint)
         self.check_security()
         if min(self.tenant_max_leases, self.tenant_max_blocks, self.tenant_max_pins) < -1:
             raise ValueError("tenant_max_leases, tenant_max_blocks and tenant_max_pins must be "

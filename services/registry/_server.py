@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from kvbridge import aio, auth, grpc_env, logs
+from kvbridge import aio, auth, grpc_env, logs, tracing
 from kvbridge._grpc_handlers import (
     SERVER_KEEPALIVE_OPTIONS,
     add_health_and_reflection,
@@ -196,7 +196,8 @@ def _bind(config: RegistryConfig, store: LeaseStore) -> RegistryServer:
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
         *SERVER_KEEPALIVE_OPTIONS,
-    ])
+    ], interceptors=tracing.server_interceptors(  # None unless tracing is on
+        tracing.start(config.otlp_traces_endpoint, "kvbridge-registry")))
     # Requests are parsed by the handlers: bytes that are not the request message get
     # INVALID_ARGUMENT with a reason, not gRPC's UNKNOWN.
     servicer = RegistryServicer(store, metrics)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+from kvbridge import tracing
 from kvbridge.auth import TOKEN_ENV, SecuritySettings
 from kvbridge.config import check_logging, setting
 from kvbridge.services.router._urls import EngineUrlPolicy
@@ -49,6 +50,7 @@ class RouterConfig(SecuritySettings):
     token: str = setting(
         "", "bearer token (role router) the router sends to the registry; prefer the "
         "environment variable to the flag", env=TOKEN_ENV)
+    otlp_traces_endpoint: str = tracing.endpoint_setting()
     log_level: str = setting("info", "debug, info, warning or error")
     log_format: str = setting("auto", "json, console, or auto (JSON unless on a terminal)")
 
@@ -67,6 +69,7 @@ class RouterConfig(SecuritySettings):
         if not 0.0 < self.decode_max_kv_usage <= 1.0:
             raise ValueError("decode_max_kv_usage must be in (0, 1]")
         check_logging(self.log_level, self.log_format)
+        tracing.check_endpoint(self.otlp_traces_endpoint)
         self.url_policy()
         self.check_security()
 

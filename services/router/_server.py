@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -12,7 +13,7 @@ from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from kvbridge import aio, auth, grpc_env, logs
+from kvbridge import aio, auth, grpc_env, logs, tracing
 from kvbridge._grpc_handlers import (
     SERVER_KEEPALIVE_OPTIONS,
     add_health_and_reflection,
@@ -26,6 +27,9 @@ from kvbridge.services.router._access import RULES
 from kvbridge.services.router._config import RouterConfig
 from kvbridge.services.router._policy import InstanceTable
 from kvbridge.services.router._servicer import RouterMetrics, RouterServicer
+
+if TYPE_CHECKING:
+    from kvbridge._otel import Tracing
 
 log = structlog.get_logger("kvbridge.router")
 
@@ -44,6 +48,7 @@ class RouterServer:
     registry: AsyncRegistryClient | None
     servicer: RouterServicer
     metrics_port: int | None = None
+    tracing: Tracing | None = None  # None: off
     _expiry: asyncio.Task[None] | None = None
     _http: object | None = field(default=None, repr=False)
 
@@ -65,6 +70,8 @@ class RouterServer:
         log.info("router_started", listen=self.address, registry=self.config.registry or None,
                  metrics_port=self.metrics_port,
                  **grpc_env.describe(log),
+                 traces=tracing.endpoint(self.config.otlp_traces_endpoint)
+                 if self.tracing is not None else "off",
                  engine_urls=self.servicer.urls.describe(),
                  **auth.describe(self.config.token_table(), self.config.tls_files()))
         host, _ = split_hostport(self.config.listen)
@@ -88,6 +95,8 @@ class RouterServer:
         if self._http is not None:
             self._http.shutdown()  # type: ignore[attr-defined]
             self._http.server_close()  # type: ignore[attr-defined]
+        if self.tracing is not None:
+            self.tracing.shutdown()  # exports what is left
         log.info("router_stopped")
 
 
@@ -95,10 +104,13 @@ async def create_server(config: RouterConfig, *, clock: Clock | None = None) -> 
     """Build a router bound to `config.listen` (not started). Port 0 picks a free port."""
     table = InstanceTable(config, clock or SystemClock())
     metrics = RouterMetrics(table)
+    traces = tracing.start(config.otlp_traces_endpoint, "kvbridge-router")  # None: off
     registry = (AsyncRegistryClient(config.registry, timeout=config.read_timeout_s, retries=1,
-                                    token=config.token or None, tls=config.client_tls())
+                                    token=config.token or None, tls=config.client_tls(),
+                                    interceptors=tracing.client_interceptors(traces))
                 if config.registry else None)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *SERVER_KEEPALIVE_OPTIONS])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *SERVER_KEEPALIVE_OPTIONS],
+                             interceptors=tracing.server_interceptors(traces))
     servicer = RouterServicer(table, metrics, registry, config.url_policy())
     add_servicer(server, servicer, pb, "RouterService",
                  authenticator=auth.Authenticator(config.token_table()), rules=RULES)
@@ -116,7 +128,7 @@ async def create_server(config: RouterConfig, *, clock: Clock | None = None) -> 
     if bound == 0:
         raise OSError(f"cannot bind the router to {config.listen}")
     return RouterServer(config, table, metrics, server, bound, health_servicer, registry,
-                        servicer)
+                        servicer, tracing=traces)
 
 
 async def serve(config: RouterConfig, *, ready: asyncio.Event | None = None) -> None:
