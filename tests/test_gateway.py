@@ -23,6 +23,7 @@ from kvbridge.clients import AsyncRegistryClient
 from kvbridge.clock import FakeClock, boot_id, monotonic
 from kvbridge.registry.v1 import registry_pb2 as reg_pb
 from kvbridge.services.gateway import GatewayConfig, GatewayServer, start_gateway
+from kvbridge.services.gateway._app import MODEL_LABELS, Metrics
 from kvbridge.services.registry import RegistryServer
 from kvbridge.services.router import RouterConfig, RouterServer, create_server
 from kvbridge.services.router._policy import InstanceSpec, Role
@@ -370,7 +371,7 @@ async def test_unreachable_engine_is_retried_on_another(registry_server: Registr
         assert raw.headers["x-kvbridge-decode-instance"] == "d1"
         async with aiohttp.ClientSession() as session, session.get(f"{s.url}/metrics") as resp:
             text = await resp.text()
-        assert 'kvbridge_gateway_retries_total{role="decode"} 1.0' in text
+        assert f'kvbridge_gateway_retries_total{{model="{MODEL}",role="decode"}} 1.0' in text
     finally:
         await close(s)
 
@@ -418,7 +419,8 @@ async def test_prefill_that_fails_mid_turn_is_retried_on_the_other(
         # The failed attempt's pin is back; the served one's is the (fake) engine's to release.
         assert await _pins(registry_server, 1) == 1
         assert pins[0] not in registry_server.table._pins
-        assert await _metric(s, 'kvbridge_gateway_retries_total{role="prefill"} 1.0')
+        assert await _metric(
+            s, f'kvbridge_gateway_retries_total{{model="{MODEL}",role="prefill"}} 1.0')
     finally:
         await close(s)
 
@@ -438,7 +440,8 @@ async def test_prefill_failing_on_every_instance_returns_its_error(
         request_id = {k.lower(): v for k, v in headers.items()}["x-request-id"]
         assert request_id.startswith("req-") and request_id in body["error"]["message"]
         assert not faults and not s.engines["d0"].received
-        assert await _metric(s, 'kvbridge_gateway_retries_total{role="prefill"} 1.0')
+        assert await _metric(
+            s, f'kvbridge_gateway_retries_total{{model="{MODEL}",role="prefill"}} 1.0')
         # Both gone mid-request: a 502 that says so.
         faults += ["disconnect", "disconnect"]
         status, _, body = await post(s, "/v1/completions",
@@ -459,7 +462,8 @@ async def test_prefill_4xx_is_the_clients_answer_not_retried(
                                      {"model": MODEL, "prompt": "hi", "max_tokens": 1})
         assert status == 400 and body["error"]["message"] == "fake 400", body
         assert len(s.engines["p0"].received) + len(s.engines["p1"].received) == 1
-        assert not await _metric(s, 'kvbridge_gateway_retries_total{role="prefill"}')
+        assert not await _metric(
+            s, f'kvbridge_gateway_retries_total{{model="{MODEL}",role="prefill"}}')
     finally:
         await close(s)
 
@@ -567,7 +571,48 @@ async def test_models_health_and_metrics(stack: Stack) -> None:
             assert resp.status == 503 and (await resp.json())["status"] == "no_engines"
         async with session.get(f"{stack.url}/metrics") as resp:
             text = await resp.text()
-    assert 'kvbridge_gateway_requests_total{endpoint="models",status="200"} 1.0' in text
+    assert 'kvbridge_gateway_requests_total{endpoint="models",model="",status="200"} 1.0' in text
+
+
+async def test_metrics_carry_the_model_only_for_served_models(stack: Stack) -> None:
+    """Every gateway metric has a `model` label: the served model's name, "other" for names no
+    engine serves (a client cannot add series by inventing names), "" for no model."""
+    await client(stack).completions.create(model=MODEL, prompt="hi", max_tokens=2,
+                                           extra_body={"conversation_id": "conv-m"})
+    for invented in ("made-up-1", "made-up-2"):
+        with pytest.raises(openai.NotFoundError):
+            await client(stack).completions.create(model=invented, prompt="hi")
+    status, _, _ = await post(stack, "/v1/completions", {"prompt": "no model"})
+    assert status == 400
+    text = await _metrics_text(stack)
+    lines = [line for line in text.splitlines() if line.startswith("kvbridge_gateway_")]
+    for needle in (
+            f'kvbridge_gateway_requests_total{{endpoint="completions",model="{MODEL}",'
+            f'status="200"}} 1.0',
+            'kvbridge_gateway_requests_total{endpoint="completions",model="other",'
+            'status="404"} 2.0',
+            'kvbridge_gateway_requests_total{endpoint="completions",model="",status="400"} 1.0',
+            f'kvbridge_gateway_ttft_seconds_count{{model="{MODEL}"}} 1.0',
+            f'kvbridge_gateway_prefill_seconds_count{{model="{MODEL}"}} 1.0',
+            f'kvbridge_gateway_recomputed_tokens_total{{model="{MODEL}"}} 7.0',
+            f'kvbridge_gateway_conversation_sources_total{{model="{MODEL}",source="body"}} 1.0'):
+        assert needle in lines, needle
+    assert not any("made-up" in line for line in lines)
+
+
+def test_model_labels_are_bounded() -> None:
+    metrics = Metrics()
+    for n in range(MODEL_LABELS + 5):
+        metrics.serves(f"model-{n}")
+    assert len(metrics.served) == MODEL_LABELS
+    assert metrics.model("model-0") == "model-0"
+    assert metrics.model(f"model-{MODEL_LABELS}") == "other"
+    assert metrics.model("") == ""
+
+
+async def _metrics_text(s: Stack) -> str:
+    async with aiohttp.ClientSession() as session, session.get(f"{s.url}/metrics") as resp:
+        return await resp.text()
 
 
 async def test_health_without_router(unused_tcp_port: int) -> None:
@@ -685,7 +730,8 @@ async def test_turn_without_id_continues_the_lease_its_history_has(
             model=MODEL, messages=third, max_tokens=2)
         assert raw.headers["x-kvbridge-conversation-source"] in ("recent", "continued")
         assert raw.headers["x-kvbridge-conversation-id"] == conversation
-        assert await _metric(s, 'kvbridge_gateway_conversation_sources_total{source="new"} 1.0')
+        assert await _metric(s, 'kvbridge_gateway_conversation_sources_total{'
+                                f'model="{MODEL}",source="new"}} 1.0')
     finally:
         await other.stop()
         await close(s)

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import aiohttp
 import structlog
@@ -49,7 +49,13 @@ from kvbridge.router.v1 import router_pb2 as router_pb
 from kvbridge.services.gateway._config import GatewayConfig
 from kvbridge.services.gateway._http import EngineResolver
 
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
+    from kvbridge._otel import Tracing
+
 log = structlog.get_logger("kvbridge.gateway")
+_T = TypeVar("_T")
 
 _ID = re.compile(r"[\x21-\x7e]{1,256}")
 CONVERSATION_HEADER = "X-Conversation-Id"
@@ -85,6 +91,10 @@ async def _read_reply(resp: aiohttp.ClientResponse) -> bytes:
     return bytes(data)
 _REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("kvbridge_request_id",
                                                                   default="")
+# Most distinct model names the gateway's metrics carry as `model` labels; past it, "other".
+MODEL_LABELS = 100
+# The model a request named, for its `requests` count (`Gateway._endpoint`).
+_MODEL: contextvars.ContextVar[str] = contextvars.ContextVar("kvbridge_model", default="")
 _OUTCOME_FIELDS = ("kvbridge_decision", "kvbridge_reused_tokens", "kvbridge_recomputed_tokens",
                    "kvbridge_lookup_ms", "kvbridge_transfer_ms", "kvbridge_mismatch_block",
                    "kvbridge_read_source", "kvbridge_load", "kvbridge_local_tokens")
@@ -206,29 +216,50 @@ def estimate_prompt_tokens(body: dict[str, Any], chat: bool) -> int:
 
 @dataclass
 class Metrics:
+    """The gateway's Prometheus metrics. Each has a `model` label: the turn's model when an
+    engine serves it (`served`), `other` for any other name, empty for a request that names
+    no model (not a turn, or refused before its body was read): a client cannot add series by
+    inventing model names."""
+
     registry: CollectorRegistry = field(default_factory=lambda: CollectorRegistry())
 
     def __post_init__(self) -> None:
         r = self.registry
-        self.requests = Counter("kvbridge_gateway_requests", "Requests, by endpoint and status",
-                                ["endpoint", "status"], registry=r)
+        self.requests = Counter("kvbridge_gateway_requests",
+                                "Requests, by endpoint, status and model",
+                                ["endpoint", "status", "model"], registry=r)
         self.ttft = Histogram("kvbridge_gateway_ttft_seconds", "Time to first token",
+                              ["model"],
                               buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120),
                               registry=r)
         self.prefill = Histogram("kvbridge_gateway_prefill_seconds", "Prefill request time",
+                                 ["model"],
                                  buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 60),
                                  registry=r)
         self.reused = Counter("kvbridge_gateway_reused_tokens",
-                              "Prompt tokens prefill read back from decode", registry=r)
+                              "Prompt tokens prefill read back from decode", ["model"],
+                              registry=r)
         self.recomputed = Counter("kvbridge_gateway_recomputed_tokens",
-                                  "Prompt tokens prefill computed", registry=r)
+                                  "Prompt tokens prefill computed", ["model"], registry=r)
         self.found = Counter("kvbridge_gateway_conversation_sources",
                              "Turns by how their conversation was named or found (body, "
                              "header, session; by content: continued, branched, recent, new; "
-                             "unrecognised, none)", ["source"], registry=r)
+                             "unrecognised, none)", ["source", "model"], registry=r)
         self.retries = Counter("kvbridge_gateway_retries",
                                "Turns sent again to another instance after a failed engine",
-                               ["role"], registry=r)
+                               ["role", "model"], registry=r)
+        # Models an engine was found to serve (a turn routed, or GET /v1/models), at most
+        # `MODEL_LABELS` of them: the `model` label's values besides "other" and "".
+        self.served: set[str] = set()
+
+    def serves(self, model: str) -> None:
+        """An engine serves `model`: its turns are counted under its name from now on."""
+        if model not in self.served and len(self.served) < MODEL_LABELS:
+            self.served.add(model)
+
+    def model(self, name: str) -> str:
+        """The `model` label of a request that named model `name` ("" for none)."""
+        return name if not name or name in self.served else "other"
 
 
 @dataclass
@@ -258,6 +289,26 @@ class _Turn:
     keys: list[bytes] | None = None  # the request's history keys (lookup by content)
     keys_matched: int = 0
     claimed: bool = False  # continuing `conversation` (see Gateway._claim)
+
+    def span_attributes(self) -> dict[str, str | int | bool]:
+        """What the turn's span says of it (tracing on)."""
+        out: dict[str, str | int | bool] = {
+            "kvbridge.request_id": self.request_id, "kvbridge.tenant": self.tenant,
+            "kvbridge.model": self.model,
+            # whether the request named its conversation (source: how it was named or found)
+            "kvbridge.conversation.present": self.source in ("body", "header", "session"),
+            "kvbridge.conversation.source": self.source, "kvbridge.attempts": self.attempts}
+        for name, value in (("kvbridge.prefill.instance", self.prefill),
+                            ("kvbridge.decode.instance", self.decode),
+                            ("kvbridge.decode.reason", self.decode_reason)):
+            if value:
+                out[name] = value
+        for name in ("kvbridge_decision", "kvbridge_reused_tokens", "kvbridge_recomputed_tokens",
+                     "kvbridge_read_source", "kvbridge_local_tokens"):
+            said = self.outcome.get(name)
+            if isinstance(said, str | int) and not isinstance(said, bool):
+                out[name.replace("kvbridge_", "kvbridge.", 1)] = said
+        return out
 
     def headers(self) -> dict[str, str]:
         out = {REQUEST_ID_HEADER: self.request_id,
@@ -345,11 +396,13 @@ def _json_object(text: str) -> dict[str, Any] | None:
 
 class Gateway:
     def __init__(self, config: GatewayConfig, router: AsyncRouterClient,
-                 registry: AsyncRegistryClient | None, tenants: Tenants) -> None:
+                 registry: AsyncRegistryClient | None, tenants: Tenants,
+                 tracing: Tracing | None = None) -> None:
         self.config = config
         self.router = router
         self.registry = registry
         self.tenants = tenants
+        self.tracing = tracing  # None: off (`kvbridge.tracing`)
         self.metrics = Metrics()
         self.session: aiohttp.ClientSession | None = None
         self._background: set[asyncio.Task[Any]] = set()
@@ -400,6 +453,7 @@ class Gateway:
         async def wrapped(request: web.Request) -> web.StreamResponse:
             request_id = "req-" + uuid.uuid4().hex[:20]
             _REQUEST_ID.set(request_id)  # each request runs in its own task (context)
+            _MODEL.set("")
             try:
                 response = await handler(request)
             except HttpError as err:
@@ -419,7 +473,8 @@ class Gateway:
                 response = HttpError(err.status, err.reason or "bad request").response()
             if not response.prepared:
                 response.headers[REQUEST_ID_HEADER] = request_id
-            self.metrics.requests.labels(name, str(response.status)).inc()
+            self.metrics.requests.labels(name, str(response.status),
+                                         self.metrics.model(_MODEL.get())).inc()
             return response
 
         return wrapped
@@ -473,12 +528,32 @@ class Gateway:
         return await self._turn(request, "/v1/chat/completions", chat=True)
 
     async def _turn(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        if self.tracing is None:
+            return await self._serve_turn(request, path, chat, None)
+        # The turn's span: the router's and the registry's spans, and the engines', join its
+        # trace (or the client's, when the request carries a traceparent header).
+        with self.tracing.server_span(f"POST {path}", request.headers, {
+                "http.request.method": "POST", "url.path": path}) as span:
+            try:
+                response = await self._serve_turn(request, path, chat, span)
+            except HttpError as err:
+                self.tracing.http_status(span, err.status)
+                raise
+            except BaseException as exc:
+                self.tracing.failed(span, type(exc).__name__)
+                raise
+            self.tracing.http_status(span, response.status)
+            return response
+
+    async def _serve_turn(self, request: web.Request, path: str, chat: bool,
+                          span: Span | None) -> web.StreamResponse:
         tenant = self.tenants.tenant_of(request.headers.get("Authorization"))
         body = await self._json_body(request)
         conversation, source = self._conversation(request, body)
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise HttpError(400, "model is required", code="missing_model")
+        _MODEL.set(model)
         if "kv_transfer_params" in body:
             raise HttpError(400, "kv_transfer_params is set by the gateway, not by clients")
         check_turn_body(body, chat)
@@ -515,7 +590,7 @@ class Gateway:
                         log.warning("engine_failed", role=down.role, instance=down.instance_id,
                                     error=str(down), request_id=turn.request_id)
                         raise down.client_error(turn.request_id) from None
-                    self.metrics.retries.labels(down.role).inc()
+                    self.metrics.retries.labels(down.role, self.metrics.model(turn.model)).inc()
                     log.warning("engine_failed_retrying", role=down.role,
                                 instance=down.instance_id, error=str(down), tenant=tenant,
                                 conversation=conversation or None, request_id=turn.request_id)
@@ -523,6 +598,8 @@ class Gateway:
         finally:
             self._release_claim(turn)
             self._log_turn(turn, path)
+            if span is not None:
+                span.set_attributes(turn.span_attributes())
 
     async def _attempt(self, request: web.Request, path: str, chat: bool, body: dict[str, Any],
                        turn: _Turn, excluded: list[str]) -> web.StreamResponse:
@@ -553,6 +630,7 @@ class Gateway:
             raise HttpError(503, f"router unavailable: {err.message}", "service_unavailable",
                             "router_unavailable") from None
         routed, received = time.perf_counter(), monotonic()
+        self.metrics.serves(turn.model)  # the router found an engine serving it
         turn.route_ms += (routed - routing) * 1000
         turn.prefill, turn.decode = route.prefill.instance_id, route.decode.instance_id
         turn.decode_reason = (router_pb.DecodeReason.Name(route.decode_reason)
@@ -574,9 +652,11 @@ class Gateway:
         prefill_body.update(max_tokens=1, stream=False, kv_transfer_params={
             "do_remote_decode": True, "do_remote_prefill": False, **prefill_key})
         start = time.perf_counter()
+        url = route.prefill.http_url + path
         try:
-            prefill = await self._post_json(route.prefill.http_url + path, prefill_body,
-                                            "prefill", turn)
+            prefill = await self._to_engine(
+                "prefill", turn.prefill, url,
+                lambda headers: self._post_json(url, prefill_body, "prefill", turn, headers))
         except _EngineDown:
             # The engine never took the request, died with it, or failed it: give its pinned
             # read back now rather than hold decode's blocks until the pin runs out (a prefill
@@ -586,7 +666,8 @@ class Gateway:
                 self._in_background(self._release_pin(pin_id))
             raise
         turn.prefill_ms = (time.perf_counter() - start) * 1000
-        self.metrics.prefill.observe(turn.prefill_ms / 1000)
+        self.metrics.prefill.labels(self.metrics.model(turn.model)).observe(
+            turn.prefill_ms / 1000)
         if isinstance(prefill, web.Response):  # its error, as the client may see it
             prefill.headers.update(turn.headers())
             return prefill
@@ -613,11 +694,20 @@ class Gateway:
             key = {CONVERSATION_KEY: {**key[CONVERSATION_KEY], "history_keys": base64.b64encode(
                 history.grant_keys(turn.keys)).decode("ascii")}}
         decode_body = dict(body, kv_transfer_params={**params, **key})
+        url = route.decode.http_url + path
+        return await self._to_engine(
+            "decode", turn.decode, url,
+            lambda headers: self._decode(request, url, body, decode_body, turn, headers))
+
+    async def _decode(self, request: web.Request, url: str, body: dict[str, Any],
+                      decode_body: dict[str, Any], turn: _Turn, headers: dict[str, str] | None
+                      ) -> web.StreamResponse:
+        """Send the decode request and pass its answer on (streamed as it comes)."""
         assert self.session is not None
         sent = time.perf_counter()
         try:
             # Never to another address than the one routed to: an engine's redirect is an error.
-            upstream = await self.session.post(route.decode.http_url + path, json=decode_body,
+            upstream = await self.session.post(url, json=decode_body, headers=headers,
                                                allow_redirects=False)
         except (TimeoutError, aiohttp.ClientConnectionError) as err:
             raise _EngineDown("decode", turn.decode, str(err) or type(err).__name__) from None
@@ -671,7 +761,32 @@ class Gateway:
             await response.write_eof()
             return response
 
-    async def _post_json(self, url: str, body: dict[str, Any], role: str, turn: _Turn
+    async def _to_engine(self, role: str, instance: str, url: str,
+                         send: Callable[[dict[str, str] | None], Awaitable[_T]]) -> _T:
+        """`send(headers)`: a request to an engine. With tracing on, in a client span of its
+        own whose context `headers` carries (`traceparent`: vLLM's spans join the turn's
+        trace); off, `headers` is None."""
+        if self.tracing is None:
+            return await send(None)
+        span, headers = self.tracing.client_span(role, {
+            "http.request.method": "POST", "url.full": url, "kvbridge.role": role,
+            "kvbridge.instance": instance})
+        try:
+            result = await send(headers)
+            if isinstance(result, web.StreamResponse):
+                self.tracing.http_status(span, result.status)
+            return result
+        except _EngineDown as down:
+            self.tracing.failed(span, str(down))
+            raise
+        except BaseException as exc:
+            self.tracing.failed(span, type(exc).__name__)
+            raise
+        finally:
+            span.end()
+
+    async def _post_json(self, url: str, body: dict[str, Any], role: str, turn: _Turn,
+                         headers: dict[str, str] | None = None
                          ) -> dict[str, Any] | web.Response:
         """POST a prefill request: its JSON object, or for a 4xx the client's answer
         (`engine_error`). A request the engine cannot take or finish (connection refused or
@@ -680,7 +795,8 @@ class Gateway:
         assert self.session is not None
         instance = turn.prefill
         try:
-            async with self.session.post(url, json=body, allow_redirects=False) as resp:
+            async with self.session.post(url, json=body, headers=headers,
+                                         allow_redirects=False) as resp:
                 text = (await _read_reply(resp)).decode("utf-8", "replace")
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
                 _TooLarge) as err:
@@ -706,11 +822,12 @@ class Gateway:
         total_ms = (time.perf_counter() - turn.started) * 1000
         reused = int(turn.outcome.get("kvbridge_reused_tokens", 0))
         recomputed = int(turn.outcome.get("kvbridge_recomputed_tokens", 0))
-        self.metrics.found.labels(turn.source).inc()
+        model = self.metrics.model(turn.model)
+        self.metrics.found.labels(turn.source, model).inc()
         if turn.ttft_ms:
-            self.metrics.ttft.observe(turn.ttft_ms / 1000)
-            self.metrics.reused.inc(reused)
-            self.metrics.recomputed.inc(recomputed)
+            self.metrics.ttft.labels(model).observe(turn.ttft_ms / 1000)
+            self.metrics.reused.labels(model).inc(reused)
+            self.metrics.recomputed.labels(model).inc(recomputed)
         log.info("turn", path=path, request_id=turn.request_id, tenant=turn.tenant,
                  conversation=turn.conversation or None, conversation_source=turn.source,
                  history_matched=(f"{turn.keys_matched}/{len(turn.keys)}"
@@ -950,6 +1067,8 @@ class Gateway:
             raise HttpError(503, f"router unavailable: {err.message}", "service_unavailable",
                             "router_unavailable") from None
         names = sorted({i.model for i in instances})
+        for name in names:
+            self.metrics.serves(name)
         return web.json_response({"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "kvbridge"}
             for name in names]})

@@ -6,6 +6,7 @@ import dataclasses
 import os
 from typing import ClassVar
 
+from kvbridge import tracing
 from kvbridge.auth import INSECURE_ENV, TOKEN_ENV, TlsFiles
 from kvbridge.config import check_logging, setting
 
@@ -78,6 +79,7 @@ class GatewayConfig:
     tls_cert: str = setting("", "PEM client certificate for routers and registries that "
                             "require one (mutual TLS)", env="KVBRIDGE_TLS_CERT")
     tls_key: str = setting("", "PEM private key of --tls-cert", env="KVBRIDGE_TLS_KEY")
+    otlp_traces_endpoint: str = tracing.endpoint_setting()
     log_level: str = setting("info", "debug, info, warning or error")
     log_format: str = setting("auto", "json, console, or auto (JSON unless on a terminal)")
 
@@ -97,6 +99,7 @@ class GatewayConfig:
         if not self.router:
             raise ValueError("router is required")
         check_logging(self.log_level, self.log_format)
+        tracing.check_endpoint(self.otlp_traces_endpoint)
         if self.client_tls() is not None:
             TlsFiles(self.tls_cert, self.tls_key, self.tls_ca).validate(server=False)
         if bool(self.http_tls_cert) != bool(self.http_tls_key):

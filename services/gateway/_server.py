@@ -9,7 +9,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import Gauge
 
-from kvbridge import aio, auth, grpc_env, logs
+from kvbridge import aio, auth, grpc_env, logs, tracing
 from kvbridge.auth import is_loopback_host
 from kvbridge.clients._registry import AsyncRegistryClient
 from kvbridge.clients._router import AsyncRouterClient
@@ -39,6 +39,8 @@ class GatewayServer:
     async def stop(self) -> None:
         self.listener.close()
         await self.runner.cleanup()
+        if self.gateway.tracing is not None:
+            self.gateway.tracing.shutdown()  # exports what is left
         log.info("gateway_stopped")
 
 
@@ -46,11 +48,14 @@ async def start_gateway(config: GatewayConfig) -> GatewayServer:
     """Build and start a gateway on `config.listen` (port 0 picks a free port)."""
     tenants = Tenants(config.api_keys_file)
     token, tls = config.token or None, config.client_tls()
+    traces = tracing.start(config.otlp_traces_endpoint, "kvbridge-gateway")  # None: off
+    interceptors = tracing.client_interceptors(traces)
     router = AsyncRouterClient(config.router, timeout=config.route_timeout_s, token=token,
-                               tls=tls)
-    registry = (AsyncRegistryClient(config.registry, timeout=2.0, token=token, tls=tls)
+                               tls=tls, interceptors=interceptors)
+    registry = (AsyncRegistryClient(config.registry, timeout=2.0, token=token, tls=tls,
+                                    interceptors=interceptors)
                 if config.registry else None)
-    gateway = Gateway(config, router, registry, tenants)
+    gateway = Gateway(config, router, registry, tenants, traces)
     guard = ConnectionGuard(config.max_connections, config.header_timeout_s)
     app = gateway.app()
     app.middlewares.append(guard.middleware)
@@ -76,6 +81,7 @@ async def start_gateway(config: GatewayConfig) -> GatewayServer:
              max_connections=config.max_connections,
              header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s,
              **grpc_env.describe(log),
+             traces=tracing.endpoint(config.otlp_traces_endpoint) if traces else "off",
              auth="open (any bearer token names its own tenant)" if tenants.open_mode
              else f"{len(tenants.keys or {})} API key(s)")
     if not https and not is_loopback_host(host) and not tenants.open_mode:

@@ -40,6 +40,7 @@ from kvbridge.tiny_model import TinyModelSpec, make_tiny
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 MODEL = "kvbridge-tiny"
+PREFILL_RETRIES = f'kvbridge_gateway_retries_total{{model="{MODEL}",role="prefill"}}'
 MAX_TOKENS = 16
 API_KEY = "sk-kill"
 RECEIVED = "Received request"  # vLLM's API server, with --enable-log-requests
@@ -185,7 +186,7 @@ def test_prefill_killed_mid_turn_is_retried_on_the_other(stack: Stack) -> None:
     history += answer + _ids(rng, 60)
 
     received = {name: _received(engine) for name, engine in stack.prefills.items()}
-    retries = stack.gateway_metric('kvbridge_gateway_retries_total{role="prefill"}')
+    retries = stack.gateway_metric(PREFILL_RETRIES)
     for engine in stack.prefills.values():
         _engine_core(engine, signal.SIGSTOP)
     reply: Future[tuple[list[int], dict[str, str]]] = Future()
@@ -220,7 +221,7 @@ def test_prefill_killed_mid_turn_is_retried_on_the_other(stack: Stack) -> None:
           f"{headers.get('x-kvbridge-decision')}, reused "
           f"{headers.get('x-kvbridge-reused-tokens')} tokens")
     assert headers["x-kvbridge-prefill-instance"] == survivor_name
-    assert stack.gateway_metric('kvbridge_gateway_retries_total{role="prefill"}') == retries + 1
+    assert stack.gateway_metric(PREFILL_RETRIES) == retries + 1
     # The retry read the conversation's KV from decode (pinned again at its route) ...
     assert headers["x-kvbridge-decision"] == "hit", headers
     assert int(headers["x-kvbridge-reused-tokens"]) > 0
