@@ -10,6 +10,7 @@ opens a client span and sends the context along for a call made inside a trace.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
@@ -27,6 +28,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 import kvbridge
 
 _CONTEXT_KEYS = ("traceparent", "tracestate")
+_CLOSE_TIMEOUT_S = 5.0  # most a stopping service waits for its last spans to be exported
 
 
 def _exporter(url: str, protocol: str) -> SpanExporter:
@@ -66,9 +68,12 @@ class Tracing:
         self.tracer = self.provider.get_tracer("kvbridge", kvbridge.__version__)
         self.propagator = TraceContextTextMapPropagator()
 
-    def shutdown(self) -> None:
-        """Export what is left and stop (a stopping service)."""
-        self.provider.shutdown()
+    async def close(self, timeout: float = _CLOSE_TIMEOUT_S) -> None:
+        """Export what is left and stop (a stopping service), in a thread so that the event
+        loop goes on serving meanwhile, waiting for it `timeout` seconds at most (a collector
+        that is down must not hold a shutdown)."""
+        done = asyncio.ensure_future(asyncio.to_thread(self.provider.shutdown))
+        await asyncio.wait([done], timeout=timeout)
 
     # ---- HTTP (the gateway) -----------------------------------------------------------------
 

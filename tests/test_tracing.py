@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -324,3 +326,18 @@ def test_tracing_without_the_packages_is_a_clear_startup_error(
     assert result.exit_code == 2 and "kvbridge[tracing]" in result.output
     help_text = CliRunner().invoke(main, [command, "serve", "--help"]).output
     assert "--otlp-traces-endpoint" in help_text and tracing.ENDPOINT_ENV in help_text
+
+
+async def test_a_stopping_service_waits_for_its_exporter_a_bounded_time() -> None:
+    """A collector that is down must not hold a shutdown: the last export gets `timeout`."""
+    released = threading.Event()
+
+    class Stuck(SpanProcessor):
+        def shutdown(self) -> None:
+            released.wait(10)
+
+    traces = _otel.Tracing("kvbridge-test", Stuck())
+    started = time.monotonic()
+    await traces.close(timeout=0.2)
+    assert time.monotonic() - started < 2
+    released.set()

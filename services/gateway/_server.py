@@ -40,7 +40,7 @@ class GatewayServer:
         self.listener.close()
         await self.runner.cleanup()
         if self.gateway.tracing is not None:
-            self.gateway.tracing.shutdown()  # exports what is left
+            await self.gateway.tracing.close()  # exports what is left
         log.info("gateway_stopped")
 
 

@@ -96,7 +96,7 @@ class RouterServer:
             self._http.shutdown()  # type: ignore[attr-defined]
             self._http.server_close()  # type: ignore[attr-defined]
         if self.tracing is not None:
-            self.tracing.shutdown()  # exports what is left
+            await self.tracing.close()  # exports what is left
         log.info("router_stopped")
 
 
