@@ -36,6 +36,9 @@ def serve_command(**options: Any) -> None:
     --header-timeout-s, bodies within --body-timeout-s, at most --max-connections open.
     Engine failures reach clients as generic errors naming the X-Request-Id (details in the
     log).
+    Traces (off by default): --otlp-traces-endpoint URL exports a span per turn over OTLP,
+    joined by the router's and registry's, and sends its traceparent header to the engines
+    (needs pip install 'kvbridge[tracing]'; docs/tracing.md).
 
     gRPC core: unless GRPC_EXPERIMENTS is set, runs with -event_engine_listener,
     -event_engine_client (gRPC's classic TCP endpoints: less CPU per call); set

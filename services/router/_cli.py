@@ -46,6 +46,9 @@ def serve_command(**options: Any) -> None:
     named in its help (KVBRIDGE_ROUTER_*, or for shared ones KVBRIDGE_INSECURE,
     KVBRIDGE_AUTH_TOKENS_FILE, KVBRIDGE_TLS_*, KVBRIDGE_TOKEN).
 
+    Traces (off by default): --otlp-traces-endpoint URL exports a span for each call that
+    arrives in a trace (traceparent metadata) and carries it on to the registry.
+
     gRPC core: unless GRPC_EXPERIMENTS is set, runs with -event_engine_listener,
     -event_engine_client (gRPC's classic TCP endpoints: less CPU per call); set
     GRPC_EXPERIMENTS yourself, even empty, to choose otherwise.
