@@ -42,6 +42,7 @@ class Up:
     model: str
     registry: str
     router: str
+    ready: dict[str, Any]  # what `kvbridge up --ready-json` wrote: every URL, by service
 
     def client(self, key: str = "sk-alice") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.gateway}/v1", api_key=key, max_retries=0,
@@ -63,7 +64,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
          "--no-prefill-prefix-caching", "--work-dir", str(work),
          "--registry-listen", f"127.0.0.1:{free_port()}", "--router-listen",
          f"127.0.0.1:{free_port()}", "--gateway-listen", f"127.0.0.1:{free_port()}",
-         "--idle-ttl-s", str(IDLE_TTL)],
+         "--idle-ttl-s", str(IDLE_TTL), "--ready-json", str(work / "ready.json")],
         stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         assert process.stdout is not None
@@ -85,7 +86,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
         router = re.search(r"router\s+(\S+)", text)
         assert gateway and decode and model and registry and router, text
         yield Up(process, gateway.group(1), decode.group(1), model.group(1), registry.group(1),
-                 router.group(1))
+                 router.group(1), json.loads((work / "ready.json").read_text()))
     finally:
         stop(process, signal.SIGINT, 90)
         log.close()
@@ -213,6 +214,37 @@ def test_doctor_finds_a_healthy_stack(up: Up) -> None:
     # Warnings here can only be timing heuristics (a slow read on this shared CPU).
     assert all(f["check"] == "nixl" for f in findings if f["level"] == "warn"), findings
     assert result.returncode == (1 if any(f["level"] != "ok" for f in findings) else 0)
+
+
+def test_dashboard_and_alert_metrics_are_served(up: Up) -> None:
+    """Every metric the Grafana dashboard and the alert rules query (deploy/) is on a real
+    /metrics: the gateway's, each engine's vLLM one and each engine's connector one here, the
+    registry's and router's from processes of their own (`kvbridge up` serves neither's)."""
+    from observed_metrics import (
+        PROMETHEUS_OWN,
+        control_plane,
+        queried_metrics,
+        scrape,
+        series_names,
+    )
+
+    served: dict[str, set[str]] = {"gateway": series_names(scrape(f"{up.gateway}/metrics"))}
+    assert set(up.ready["engines"]) == {"prefill-0", "decode-0"}
+    for name, url in up.ready["engines"].items():
+        served[f"{name} vllm"] = series_names(scrape(f"{url}/metrics"))
+    for name, url in up.ready["connector_metrics"].items():
+        served[f"{name} connector"] = series_names(scrape(url))
+    with control_plane() as urls:
+        for service in ("registry", "router"):
+            served[service] = series_names(scrape(urls[service]))
+    everything = set().union(*served.values())
+    queried = queried_metrics()
+    missing = {name: where for name, where in queried.items()
+               if name not in everything | PROMETHEUS_OWN}
+    assert not missing, f"queried but served by nothing: {missing}"
+    # Each engine's vLLM metrics and connector metrics are read (the per-model join needs both).
+    for source, names in served.items():
+        assert names & set(queried), f"nothing queried comes from {source}"
 
 
 # ==== conversations that name no id: found by content ===========================================
