@@ -18,7 +18,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "alerts.yml"
-PROMETHEUS_RULE = ROOT / "deploy" / "kubernetes" / "components" / "monitoring" / "prometheusrule.yaml"
+PROMETHEUS_RULE = (ROOT / "deploy" / "kubernetes" / "components" / "monitoring"
+                   / "prometheusrule.yaml")
 
 HEADER = """\
 # GENERATED from deploy/prometheus/alerts.yml by scripts/gen_prometheusrule.py: edit that file
