@@ -294,3 +294,31 @@ def test_model_shape_default_is_about_fifty_million_parameters() -> None:
     shape = ModelShape()
     assert 35e6 < shape.params() < 60e6
     assert json.dumps(shape.__dict__)
+
+
+def test_cost_targets_compare_with_the_better_of_off_and_upstream() -> None:
+    # At 64 tokens OFF is the better (40 ms): KVBRIDGE at 41.5 is within +2 ms. At 4,096
+    # UPSTREAM is (500 ms): +2% of it is 10 ms, and KVBRIDGE is 12 ms above.
+    records = []
+    for length, off, up, kvb, decision in ((64, 40.0, 60.0, 41.5, "recompute_cheaper"),
+                                           (4096, 5000.0, 500.0, 512.0, "hit")):
+        for leg, ttft in (("off", off), ("upstream", up), ("kvbridge", kvb)):
+            records += [record(leg, 1, 2 * ttft, length),
+                        Record(**{**record(leg, 2, ttft, length).__dict__,
+                                  "decision": decision if leg == "kvbridge" else None})]
+    summary = summarize(records)
+    short, long_ = summary["kvbridge"]["64"], summary["kvbridge"]["4096"]
+    assert (short["vs_best_ttft_ms"], short["vs_best_allowed_ms"], short["vs_best_met"]) == (
+        40.0, 2.0, 1.0)
+    assert (long_["vs_best_ttft_ms"], long_["vs_best_allowed_ms"], long_["vs_best_met"]) == (
+        500.0, 10.0, 0.0)
+    assert short["decision_recompute_cheaper"] == 1 and long_["decision_hit"] == 1
+    assert "vs_best_met" not in summary["off"]["64"]
+    text = summary_markdown(summary, ModelShape(), Workload((64, 4096)))
+    assert "| 64 | 40.0 | 41.5 | +1.5 | 2.0 | recompute_cheaper 1 | met |" in text
+    assert "| 4096 | 500.0 | 512.0 | +12.0 | 10.0 | hit 1 | **not met** |" in text
+    assert "Read-or-recompute target at every length: **not met** at 4096." in text
+    # Neither OFF nor UPSTREAM ran: nothing to compare with.
+    alone = summarize([r for r in records if r.leg == "kvbridge"])
+    assert "vs_best_met" not in alone["kvbridge"]["64"]
+    assert "Read-or-recompute" not in summary_markdown(alone, ModelShape(), Workload((64,)))
