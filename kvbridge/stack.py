@@ -83,6 +83,7 @@ class UpOptions:
     decodes: int = 1
     kv_cache_mb: int = 0  # each engine's; 0: vLLM's (VLLM_CPU_KVCACHE_SPACE)
     prefill_prefix_caching: bool = True  # vLLM's default
+    decision: str = "cost"  # prefill's read-or-recompute rule (connector setting `decision`)
 
 
 @dataclass
@@ -178,7 +179,8 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
         instance = f"{role}-{index}"
         metrics_port = _free_port()
         settings: dict[str, Any] = {"read_deadline_s": opts.read_deadline_s, "router": router,
-                                    "metrics_port": metrics_port, "rpc_timeout_s": 5.0}
+                                    "metrics_port": metrics_port, "rpc_timeout_s": 5.0,
+                                    "decision": opts.decision}
         if role == "decode":
             settings = {"idle_ttl_s": opts.idle_ttl_s, "metrics_port": metrics_port,
                         "rpc_timeout_s": 5.0, "holder_ttl_s": opts.holder_ttl_s}
@@ -294,6 +296,11 @@ def _print_ready(urls: Urls) -> None:
               help="with --cpu-engines: prefill's own prefix cache (vLLM's default). Off, "
                    "every turn's history is read back from decode, as on a busy fleet whose "
                    "prefills' caches no longer hold the conversation")
+@click.option("--decision", type=click.Choice(["cost", "threshold"]), default="cost",
+              show_default=True,
+              help="with --cpu-engines: how prefill chooses between reading decode's KV and "
+                   "recomputing it: by its measured cost (read only when faster), or whenever "
+                   "at least 64 tokens are reusable (the connector's `decision` setting)")
 @click.option("--model", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="model folder for --cpu-engines (default: WORK_DIR/tiny-model, made if "
                    "missing)")
@@ -331,7 +338,7 @@ def _print_ready(urls: Urls) -> None:
               help="least severe log line printed (on stderr) by the registry, router, gateway "
                    "and the stack itself; engines log to files under --work-dir")
 def up_command(cpu_engines: bool, prefills: int, decodes: int, kv_cache_mb: int,
-               prefill_prefix_caching: bool, model: Path | None,
+               prefill_prefix_caching: bool, decision: str, model: Path | None,
                work_dir: Path, registry_listen: str, router_listen: str, gateway_listen: str,
                idle_ttl_s: float, holder_ttl_s: float,
                api_keys_file: str, demo_turns: int, as_json: bool, max_model_len: int,
@@ -344,8 +351,8 @@ def up_command(cpu_engines: bool, prefills: int, decodes: int, kv_cache_mb: int,
     caller an admin; any API key accepted unless --api-keys-file) and says so when it starts.
     For a secured deployment run the services on their own (`kvbridge auth --help`)."""
     if (prefills != 1 or decodes != 1 or kv_cache_mb or not prefill_prefix_caching
-            ) and not cpu_engines:
-        raise click.UsageError("--prefills, --decodes, --kv-cache-mb and "
+            or decision != "cost") and not cpu_engines:
+        raise click.UsageError("--prefills, --decodes, --kv-cache-mb, --decision and "
                                "--no-prefill-prefix-caching need --cpu-engines")
     if demo_turns and not cpu_engines:
         raise click.UsageError("--demo needs --cpu-engines (or run `kvbridge demo` against "
@@ -357,7 +364,8 @@ def up_command(cpu_engines: bool, prefills: int, decodes: int, kv_cache_mb: int,
                      api_keys_file=api_keys_file,
                      max_model_len=max_model_len, ready_json=ready_json,
                      prefills=prefills, decodes=decodes,
-                     kv_cache_mb=kv_cache_mb, prefill_prefix_caching=prefill_prefix_caching)
+                     kv_cache_mb=kv_cache_mb, prefill_prefix_caching=prefill_prefix_caching,
+                     decision=decision)
 
     async def main() -> None:
         stop = asyncio.Event()

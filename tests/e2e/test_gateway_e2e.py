@@ -61,7 +61,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     log = (work / "up.log").open("w")
     process = subprocess.Popen(
         [sys.executable, "-m", "kvbridge.cli", "up", "--cpu-engines",
-         "--no-prefill-prefix-caching", "--work-dir", str(work),
+         "--no-prefill-prefix-caching", "--decision", "threshold", "--work-dir", str(work),
          "--registry-listen", f"127.0.0.1:{free_port()}", "--router-listen",
          f"127.0.0.1:{free_port()}", "--gateway-listen", f"127.0.0.1:{free_port()}",
          "--idle-ttl-s", str(IDLE_TTL), "--ready-json", str(work / "ready.json")],

