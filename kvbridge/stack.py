@@ -93,6 +93,9 @@ class Urls:
     router: str
     engines: dict[str, str] = field(default_factory=dict)
     connector_metrics: dict[str, str] = field(default_factory=dict)
+    # The registry's and the router's Prometheus metrics (on this machine only, a port each).
+    registry_metrics: str = ""
+    router_metrics: str = ""
     model: str = ""
     api_keys: bool = False  # the gateway takes only the keys of --api-keys-file
 
@@ -112,13 +115,16 @@ async def run_stack(opts: UpOptions, stop: asyncio.Event,
         # in its start line and its ready banner.
         log.warning("insecure_local_mode", auth="off", tls="off",
                     note="every gRPC caller is an admin; for a trusted local machine only")
+        # Metrics on loopback ports of their own: a local Prometheus (or a test) can scrape
+        # the whole stack, whatever address the services listen on.
         registry = await create_registry(RegistryConfig(listen=opts.registry_listen,
-                                                        metrics_listen="", insecure=True))
+                                                        metrics_listen="127.0.0.1:0",
+                                                        insecure=True))
         await registry.start()
         cleanups.append(lambda: registry.stop(1.0))
         router = await create_router(RouterConfig(listen=opts.router_listen,
-                                                  registry=registry.address, metrics_listen="",
-                                                  insecure=True))
+                                                  registry=registry.address,
+                                                  metrics_listen="127.0.0.1:0", insecure=True))
         await router.start()
         cleanups.append(lambda: router.stop(1.0))
         # CPU engines share this machine's cores with everything here: generous deadlines.
@@ -127,6 +133,8 @@ async def run_stack(opts: UpOptions, stop: asyncio.Event,
             api_keys_file=opts.api_keys_file, route_timeout_s=5.0, insecure=True))
         cleanups.append(gateway.stop)
         urls = Urls(gateway.url, registry.address, router.address,
+                    registry_metrics=f"http://127.0.0.1:{registry.metrics_port}/metrics",
+                    router_metrics=f"http://127.0.0.1:{router.metrics_port}/metrics",
                     api_keys=bool(opts.api_keys_file))
         if opts.cpu_engines:
             await _start_cpu_engines(opts, registry.address, router.address, urls, cleanups,
@@ -266,8 +274,8 @@ def _print_ready(urls: Urls) -> None:
     lines = ["kvbridge is up (insecure local mode: no tokens, no TLS, "
              f"{'open API keys' if not urls.api_keys else 'API keys from a file'})",
              f"  gateway   {urls.gateway}/v1   (OpenAI-compatible)",
-             f"  registry  {urls.registry}",
-             f"  router    {urls.router}"]
+             f"  registry  {urls.registry}   (metrics {urls.registry_metrics})",
+             f"  router    {urls.router}   (metrics {urls.router_metrics})"]
     for role, url in urls.engines.items():
         lines.append(f"  {role:<9} {url}   (connector metrics {urls.connector_metrics[role]})")
     if urls.model:

@@ -38,3 +38,31 @@ def test_engine_counts_out_of_range_are_usage_errors(argv: list[str]) -> None:
     result = CliRunner().invoke(main, ["up", "--cpu-engines", *argv])
     assert result.exit_code == 2
     assert "is not in the range" in result.output
+
+
+def test_the_stack_serves_the_registrys_and_the_routers_metrics(tmp_path) -> None:
+    """`kvbridge up` without engines: registry and router metrics on loopback ports of their
+    own, named in the ready JSON and scraped here over HTTP."""
+    import asyncio
+    import json
+    import urllib.request
+
+    from kvbridge.stack import UpOptions, Urls, run_stack
+
+    seen: dict[str, str] = {}
+
+    async def on_ready(urls: Urls) -> None:
+        for name in ("registry_metrics", "router_metrics"):
+            url = getattr(urls, name)
+            seen[name] = await asyncio.to_thread(
+                lambda u=url: urllib.request.urlopen(u, timeout=10).read().decode())
+
+    ready = tmp_path / "ready.json"
+    opts = UpOptions(registry_listen="127.0.0.1:0", router_listen="127.0.0.1:0",
+                     gateway_listen="127.0.0.1:0", work_dir=tmp_path, ready_json=ready)
+    asyncio.run(run_stack(opts, asyncio.Event(), on_ready))
+    written = json.loads(ready.read_text())
+    assert written["registry_metrics"].startswith("http://127.0.0.1:")
+    assert written["router_metrics"].startswith("http://127.0.0.1:")
+    assert "kvbridge_registry_leases" in seen["registry_metrics"]
+    assert "kvbridge_router_" in seen["router_metrics"]
