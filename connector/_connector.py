@@ -117,7 +117,7 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         self._async_scheduling = _vllm.async_scheduling(vllm_config.scheduler_config)
         self.pin_guard: PinGuard | None = None
         self._snapshots: Snapshots | None = None  # scheduler: kvbridge's figures to vLLM's
-        self._learn_costs = False  # prefill: the cost model learns (`_vllm.COST` usable)
+        self._step_shapes = False  # prefill: steps are measured for the cost model (`COST`)
         self._boot_id = boot_id()
         if role == KVConnectorRole.WORKER:
             worker = _vllm.nixl_worker(self)
@@ -193,11 +193,11 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                 RouterClient(self.settings.router, timeout=self.settings.rpc_timeout_s,
                              retries=1, **security) if self.settings.router else client)
             assert reads is not None
-            self._learn_costs = _vllm.usable(_vllm.COST)
+            self._step_shapes = _vllm.usable(_vllm.COST)
             self.prefill = PrefillReuse(
                 self.settings, reads, reader_id=_vllm.engine_id(self), block_size=block_size,
                 fingerprint=fingerprint, threshold=_vllm.recompute_threshold(scheduler),
-                metrics=self.metrics, learn_costs=self._learn_costs)
+                metrics=self.metrics)
             self.prefill.warm()
         log.info("kvbridge_connector_started", role=transfer.kv_role,
                  engine_id=_vllm.engine_id(self),
@@ -288,8 +288,6 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             self.decode.allocated(request.request_id)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         req_id = request.request_id
-        if self.prefill is not None:
-            self.prefill.allocated(req_id)
         if req_id in self._sync_planned:
             self._place_sync_read(request, blocks, num_external_tokens)
         elif (num_external_tokens == 0 and self.prefill is not None
@@ -357,6 +355,9 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             self.decode.drain()
             self.decode.check_watermark()
         meta = super().build_connector_meta(scheduler_output)
+        if self.prefill is not None and self._step_shapes:
+            self.prefill.step_scheduled(*_vllm.step_shape(scheduler_output),
+                                        overlapped=self._async_scheduling)
         if self.prefill is not None:
             ends: dict[str, float] = {}
             for req_id in _vllm.reads_to_recv(meta):  # the worker posts these reads now
@@ -410,6 +411,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             failed = connector_output.failed_recving or set()
             results = connector_output.kv_connector_worker_meta
             pin_why = results.async_why if isinstance(results, SyncReadResults) else {}
+            waited_ms = sum(results.ms.values()) if isinstance(results, SyncReadResults) else 0
+            self.prefill.step_done(waited_ms / 1000)
             for req_id in connector_output.finished_recving or ():
                 engine = self.prefill.read_done(req_id, req_id not in failed,
                                                 why=pin_why.get(req_id))
@@ -488,9 +491,7 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         self._sync_planned.discard(request.request_id)
         self._local_tokens.pop(request.request_id, None)
         if self.prefill is not None:
-            outcome = self.prefill.finished(
-                request.request_id, prompt_tokens=len(request.prompt_token_ids or []),
-                normal=self._learn_costs and _vllm.finished_normally(request))
+            outcome = self.prefill.finished(request.request_id)
             if outcome and params is not None:
                 params = {**params, **outcome}
         if self.decode is not None and not delay:

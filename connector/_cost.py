@@ -8,11 +8,13 @@ of reusable tokens is wrong somewhere on every deployment, so the prefill connec
 Two linear models, fitted by exponentially weighted least squares (recent requests count most,
 so the estimates follow the machine when its speed changes):
 
-- compute: a request's compute time (allocated to finished, less the time its read took) is
-  ``a + b*m + c*m*L`` for ``m`` tokens computed of an ``L``-token prompt (attention over the
-  context makes each token dearer as the prompt grows). Recomputing ``n`` more tokens of the same
-  prompt costs ``n * (b + c*L)``: the fixed part ``a`` (the step, sampling) is paid either way,
-  as at least the prompt's last token is computed here.
+- compute: an engine step's time (scheduled to its output, less its synchronous reads' waits)
+  is ``a + b*T + c*A`` for ``T`` tokens computed in the step and ``A`` the sum over its requests
+  of their tokens times their context (attention over the context makes each token dearer as a
+  prompt grows). Steps, not requests: requests share steps, and a request's own time would be
+  its batch's. Recomputing ``n`` more tokens of an ``L``-token prompt adds ``n * (b + c*L)`` to
+  the step that computes it: the fixed part ``a`` is paid either way, as at least the prompt's
+  last token is computed here.
 - read: the time a read adds to its request is ``r0 + r1*n``: a fixed part (the round trip, the
   scheduling around the read) and the bytes over the transfer rate (bytes are proportional to
   tokens on one engine: the KV of a token is the same size everywhere in the prompt).
@@ -119,10 +121,11 @@ class CostModel:
 
     # ---- what was measured -------------------------------------------------------------------
 
-    def computed(self, tokens: int, context: int, seconds: float) -> None:
-        """A request computed `tokens` tokens of a `context`-token prompt in `seconds`."""
+    def computed(self, tokens: int, area: int, seconds: float) -> None:
+        """A step computed `tokens` tokens in `seconds`; `area`: the sum over its requests of
+        their tokens times their context (a single request: tokens * its prompt's length)."""
         if tokens > 0 and seconds > 0:
-            self._compute.add([1.0, tokens / _TOKENS, tokens * context / _AREA], seconds)
+            self._compute.add([1.0, tokens / _TOKENS, area / _AREA], seconds)
 
     def read(self, tokens: int, seconds: float) -> None:
         """A read of `tokens` tokens added `seconds` to its request."""

@@ -8,6 +8,7 @@ to its end, or a read expected to be slower than recomputing (`_cost`) all mean 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -97,14 +98,12 @@ class _Active:
     sync: bool = False  # read within the step that computes the request
     posted: bool = False  # the read went out (a synchronous one, in this step)
     sent: bool = False  # handed to the worker to post (either kind): a READ may be in flight
-    read_s: float | None = None  # how long a synchronous read took (the worker's figure)
 
 
 class PrefillReuse:
     def __init__(self, settings: ConnectorSettings, client: ReadClient, *, reader_id: str,
                  block_size: int, fingerprint: str, threshold: int,
-                 metrics: ConnectorMetrics, clock: Clock | None = None,
-                 learn_costs: bool = True) -> None:
+                 metrics: ConnectorMetrics, clock: Clock | None = None) -> None:
         self.settings = settings
         # Pin ends are compared with times on this clock (and, on one host, with the gateway's
         # and the workers' `monotonic()`): tests inject a FakeClock, engines use the deadline
@@ -115,24 +114,21 @@ class PrefillReuse:
         self.block_size = block_size
         self.fingerprint = fingerprint
         self.metrics = metrics
-        # `learn_costs` False: this vLLM lacks what the compute model learns from
-        # (`_vllm.COST`), and the threshold decides.
-        self.cost = CostModel(threshold=threshold,
-                              by_cost=settings.decision == "cost" and learn_costs,
+        # Until compute is measured (`stepped`: this vLLM lacking a name it is read from, never),
+        # the threshold decides.
+        self.cost = CostModel(threshold=threshold, by_cost=settings.decision == "cost",
                               margin=settings.read_margin,
                               probe_interval_s=settings.probe_interval_s, now=self._now)
-        # For the compute model, per request: when it was last allocated (it computes from
-        # then on), and the prompt tokens this engine's prefix cache offered it.
-        self._allocated: dict[str, float] = {}
-        self._local: dict[str, int] = {}
         # Decode engines read from: a first read opens NIXL's connection (a one-off cost the
         # read model must not learn).
         self._engines_read: set[str] = set()
         # Finished requests whose synchronous read's time is still to come from the worker
-        # (it reports after the request finished): (the read, computed tokens, prompt length,
-        # seconds from allocated to finished).
-        self._awaiting_read: dict[str, tuple[_Active, int, int, float]] = {}
-        self._context = 1024  # the latest prompt length, for the per-token gauge
+        # (it reports after the step, which may have finished the request).
+        self._awaiting_read: dict[str, _Active] = {}
+        self._context = 1024  # a recent step's mean context, for the per-token gauge
+        # Steps in flight, for the compute model: (scheduled at, tokens, area).
+        self._steps: deque[tuple[float, int, int]] = deque(maxlen=2)
+        self._step_end = float("-inf")
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="kvbridge-read")
         self._pending: dict[str, _Pending] = {}
         self._active: dict[str, _Active] = {}
@@ -232,7 +228,6 @@ class PrefillReuse:
     def resolve(self, request: Any, num_computed_tokens: int) -> bool | None:
         """Decide for a request: None while its AcquireRead is pending (ask again), True when
         its kv_transfer_params now name verified remote blocks to read, False to recompute."""
-        self._local[request.request_id] = num_computed_tokens
         pending = self._pending.get(request.request_id)
         if pending is None:
             return self._asked_again(request)
@@ -448,34 +443,37 @@ class PrefillReuse:
         engine = active.params.get("remote_engine_id")
         return engine if isinstance(engine, str) else None
 
-    def allocated(self, request_id: str) -> None:
-        """The scheduler allocated the request's blocks: it computes from now on (a request
-        that reads asynchronously is allocated again once its read landed)."""
-        self._allocated[request_id] = self._now()
+    def step_scheduled(self, tokens: int, area: int, *, overlapped: bool = False) -> None:
+        """The scheduler made a step of `tokens` tokens (`area`: the sum over its requests of
+        their tokens times their context). `overlapped`: vLLM schedules a step before the
+        previous one's output is in (async scheduling), so two may be in flight."""
+        if not overlapped:
+            self._steps.clear()  # one that produced no connector output: not a sample
+        self._steps.append((self._now(), tokens, area))
+
+    def step_done(self, read_wait_s: float = 0.0) -> None:
+        """The oldest step in flight is done; its synchronous reads waited `read_wait_s`. It
+        ran from when it was scheduled, or from when the step before it was done, if later."""
+        if not self._steps:
+            return
+        at, tokens, area = self._steps.popleft()
+        now = self._now()
+        start, self._step_end = max(at, self._step_end), now
+        if tokens:
+            self.cost.computed(tokens, area, now - start - read_wait_s)
+            self._show_estimates(area // tokens)
 
     def read_measured(self, request_id: str, seconds: float) -> None:
         """A synchronous read landed after `seconds` (the worker's figure, reported after the
         step: before the request finished, or after when the step finished it)."""
-        active = self._active.get(request_id)
+        active = self._active.get(request_id) or self._awaiting_read.pop(request_id, None)
         if active is not None:
-            active.read_s = seconds
             self._learn_read(active, seconds)
-            return
-        waiting = self._awaiting_read.pop(request_id, None)
-        if waiting is not None:
-            read, computed, context, elapsed = waiting
-            self._learn_read(read, seconds)
-            self._learn_compute(computed, context, elapsed - seconds)
 
-    def finished(self, request_id: str, *, prompt_tokens: int = 0,
-                 normal: bool = False) -> dict[str, Any] | None:
+    def finished(self, request_id: str) -> dict[str, Any] | None:
         """The request ended (possibly aborted): let go of whatever it still holds. Returns
         what was decided for it (kvbridge_decision, kvbridge_reused_tokens, ...), for the
-        response's kv_transfer_params; None for a request outside any conversation.
-        `normal`: it finished as asked (stopped or at its length), so its compute time is a
-        sample of this engine's speed."""
-        started = self._allocated.pop(request_id, None)
-        local = self._local.pop(request_id, 0)
+        response's kv_transfer_params; None for a request outside any conversation."""
         pending = self._pending.pop(request_id, None)
         if pending is not None:
             pending.future.add_done_callback(self._release_late)
@@ -490,28 +488,15 @@ class PrefillReuse:
             if active.sync:
                 # A synchronous read that failed would have held the request back (the
                 # scheduler recomputes its blocks first), so finishing means it landed; the
-                # worker's own report of it comes after this.
+                # worker's own report of it (and of its time) comes after this.
                 self.metrics.reused_tokens.inc(active.tokens)
+                if len(self._awaiting_read) >= 64:
+                    del self._awaiting_read[next(iter(self._awaiting_read))]
+                self._awaiting_read[request_id] = active
         outcome = self._outcomes.pop(request_id, None)
         if outcome is not None and outcome.get("kvbridge_local_tokens"):
             self.metrics.local_tokens.inc(outcome["kvbridge_local_tokens"])
-        if normal and started is not None:
-            reused = 0 if outcome is None else outcome["kvbridge_reused_tokens"]
-            computed = prompt_tokens - local - reused
-            elapsed = now - started
-            if active is not None and active.sync and active.read_s is None:
-                # The read's own time is reported after this: the samples wait for it.
-                if len(self._awaiting_read) >= 64:
-                    del self._awaiting_read[next(iter(self._awaiting_read))]
-                self._awaiting_read[request_id] = (active, computed, prompt_tokens, elapsed)
-            else:
-                read_s = active.read_s if active is not None and active.sync else None
-                self._learn_compute(computed, prompt_tokens, elapsed - (read_s or 0.0))
         return outcome
-
-    def _learn_compute(self, tokens: int, context: int, seconds: float) -> None:
-        self.cost.computed(tokens, context, seconds)
-        self._show_estimates(context)
 
     def _learn_read(self, active: _Active, seconds: float) -> None:
         engine = active.params.get("remote_engine_id")

@@ -49,8 +49,8 @@ PIN_GUARD = "pin_guard"
 SYNC_READS = "sync_reads"
 #: Synchronous reads split by layer (`_layerwise`). Off: whole-request synchronous reads.
 LAYERED_READS = "layered_reads"
-#: Read or recompute by measured cost (`_cost`): which requests finished normally, whose
-#: compute time the cost model learns from. Off: the fixed threshold decides.
+#: Read or recompute by measured cost (`_cost`): what each engine step computes, whose time
+#: the compute model learns from. Off: the fixed threshold decides.
 COST = "cost"
 #: Read notifications for kvbridge-retained blocks kept from NIXL's bookkeeping. Off: NIXL
 #: logs them as reads of blocks it does not know.
@@ -70,6 +70,9 @@ KV_CACHE_MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
 KV_CACHE_BLOCKS = "vllm.v1.core.kv_cache_manager.KVCacheBlocks"
 BLOCK_POOL = "vllm.v1.core.block_pool.BlockPool"
 REQUEST = "vllm.v1.request.Request"
+SCHED_OUTPUT = "vllm.v1.core.sched.output.SchedulerOutput"
+NEW_REQ_DATA = "vllm.v1.core.sched.output.NewRequestData"
+CACHED_REQ_DATA = "vllm.v1.core.sched.output.CachedRequestData"
 CACHE_CONFIG = "vllm.config.cache.CacheConfig"
 SCHEDULER_CONFIG = "vllm.config.scheduler.SchedulerConfig"
 VLLM_CONFIG = "vllm.config.vllm.VllmConfig"
@@ -112,7 +115,12 @@ NAMES: tuple[Name, ...] = (
     # A request's inputs beyond its token ids.
     *_names(REQUEST, (INPUT_SCOPE,), "mm_features", "prompt_embeds", "lora_request",
             "cache_salt"),
-    *_names(REQUEST, (RETENTION, COST), "status"),
+    *_names(REQUEST, (RETENTION,), "status"),
+    # What a step computes: the tokens of each request and the context they attend over.
+    *_names(SCHED_OUTPUT, (COST,), "num_scheduled_tokens", "scheduled_new_reqs",
+            "scheduled_cached_reqs"),
+    *_names(NEW_REQ_DATA, (COST,), "req_id", "num_computed_tokens"),
+    *_names(CACHED_REQ_DATA, (COST,), "req_ids", "num_computed_tokens"),
     # The worker side of NIXL: what the pin guard wraps and reports through.
     *_names(WORKER, (PIN_GUARD,), "_read_blocks_for_req", "get_transfer_results",
             "_handle_failed_transfer", "_is_hma_required"),
@@ -379,8 +387,22 @@ def free_block_counter(pool: Any) -> Callable[[], int]:
 # ---- requests --------------------------------------------------------------------------------
 
 
+def step_shape(scheduler_output: Any) -> tuple[int, int]:
+    """Cost: the tokens a step computes, and their sum over its requests of tokens times the
+    context each attends over (its computed tokens plus the step's)."""
+    scheduled = scheduler_output.num_scheduled_tokens
+    computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+    tokens = area = 0
+    for req_id, n in scheduled.items():
+        tokens += n
+        area += n * (computed.get(req_id, 0) + n)
+    return tokens, area
+
+
 def finished_normally(request: Any) -> bool:
-    """Retention, cost: the request stopped or reached its length (not aborted, not failed)."""
+    """Retention: the request stopped or reached its length (not aborted, not failed)."""
     return str(request.status.name) in ("FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED")
 
 

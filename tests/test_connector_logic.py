@@ -1767,15 +1767,12 @@ def test_prefill_sync_read_failure_recomputes(prefill: PrefillKit, client: Regis
 # ---- prefill: read or recompute by measured cost ---------------------------------------------
 
 
-def _computes(kit: PrefillKit, clock: FakeClock, request_id: str, tokens: int,
-              seconds: float, *, normal: bool = True) -> None:
-    """A request outside any conversation computes its `tokens`-token prompt in `seconds`."""
-    request = FakeRequest(request_id, list(range(tokens)), params={}, num_computed_tokens=0)
-    kit.reuse.on_new_request(request)
-    assert kit.reuse.resolve(request, 0) is False
-    kit.reuse.allocated(request_id)
+def _step(kit: PrefillKit, clock: FakeClock, tokens: int, seconds: float,
+          read_wait_s: float = 0.0) -> None:
+    """An engine step computes `tokens` tokens of a `tokens`-token prompt in `seconds`."""
+    kit.reuse.step_scheduled(tokens, tokens * tokens)
     clock.advance(seconds)
-    assert kit.reuse.finished(request_id, prompt_tokens=tokens, normal=normal) is None
+    kit.reuse.step_done(read_wait_s)
 
 
 def _reads(kit: PrefillKit, clock: FakeClock, request_id: str, conversation: str,
@@ -1783,26 +1780,23 @@ def _reads(kit: PrefillKit, clock: FakeClock, request_id: str, conversation: str
     """A conversation turn reads LEASE_TOKENS back (asynchronously) in `seconds`."""
     request = kit.request(request_id, LEASE_TOKENS + EXTRA, conversation)
     assert kit.resolve(request) is True
-    kit.reuse.allocated(request_id)
     clock.advance(seconds)
     kit.reuse.read_done(request_id, ok=True)
-    kit.reuse.allocated(request_id)  # allocated again once the read landed
-    clock.advance(0.002 + len(EXTRA) * 0.001)  # computes the rest as the others do
-    kit.reuse.finished(request_id, prompt_tokens=len(LEASE_TOKENS + EXTRA), normal=True)
+    kit.reuse.finished(request_id)
 
 
 def test_prefill_learns_that_reads_are_slower_and_skips_the_lookup(
         registry: ThreadedRegistry, holder: pb.Holder, client: RegistryClient):
-    """Compute is measured from finished requests, reads from landed ones (not the first one
-    from an engine: it opened NIXL's connection); once reading is estimated slower than
-    recomputing a whole prompt, a conversation's turn recomputes without even a lookup."""
+    """Compute is measured from engine steps, reads from landed ones (not the first one from
+    an engine: it opened NIXL's connection); once reading is estimated slower than recomputing
+    a whole prompt, a conversation's turn recomputes without even a lookup."""
     clock = FakeClock()
     kit = make_prefill(registry.target, clock=clock, client=RecordingClient(
         registry.target, timeout=1.0, retries=1))
     try:
-        for i, tokens in enumerate((20, 40, 80, 160)):  # 1 ms a token, 2 ms a step
-            _computes(kit, clock, f"w-{i}", tokens, 0.002 + tokens * 0.001)
-        _computes(kit, clock, "aborted", 160, 5.0, normal=False)  # not a sample
+        for tokens in (10, 20, 40, 80, 160):  # 1 ms a token, 2 ms a step
+            _step(kit, clock, tokens, 0.002 + tokens * 0.001)
+        kit.reuse.step_done()  # an output without a step scheduled: nothing to learn
         for i in range(3):
             grant(client, f"c{i}", LEASE_TOKENS)
         _reads(kit, clock, "first", "c0", 2.0)  # with the handshake: not learned
@@ -1810,10 +1804,12 @@ def test_prefill_learns_that_reads_are_slower_and_skips_the_lookup(
         _reads(kit, clock, "second", "c1", 0.5)  # 0.5 s to read 38 tokens
         assert kit.reuse.cost.ready()
         assert kit.reuse.cost.read_s(38) == pytest.approx(0.5, rel=0.01)
-        assert kit.reuse.cost.recompute_s(38, 48) == pytest.approx(0.038, rel=0.1)
+        assert kit.reuse.cost.recompute_s(38, 38) == pytest.approx(0.038, rel=0.1)
         gauge = sample(kit.metrics, "kvbridge_connector_cost_estimate_seconds",
                        estimate="read_fixed")
         assert 0 < gauge <= 0.5
+        assert 0 < sample(kit.metrics, "kvbridge_connector_cost_estimate_seconds",
+                          estimate="recompute_fixed") < 0.01
         recording = kit.client
         assert isinstance(recording, RecordingClient)
         lookups = len(recording.pins)
@@ -1835,8 +1831,8 @@ def test_prefill_threshold_decision_reads_however_slow(registry: ThreadedRegistr
     clock = FakeClock()
     kit = make_prefill(registry.target, clock=clock, decision="threshold")
     try:
-        for i, tokens in enumerate((20, 40, 80, 160)):
-            _computes(kit, clock, f"w-{i}", tokens, 0.002 + tokens * 0.001)
+        for tokens in (10, 20, 40, 80):
+            _step(kit, clock, tokens, 0.002 + tokens * 0.001)
         for i in range(3):
             grant(client, f"c{i}", LEASE_TOKENS)
             _reads(kit, clock, f"r-{i}", f"c{i}", 0.5)
@@ -1849,28 +1845,55 @@ def test_prefill_threshold_decision_reads_however_slow(registry: ThreadedRegistr
 def test_prefill_sync_read_time_reported_after_finishing_is_learned(
         registry: ThreadedRegistry, holder: pb.Holder, client: RegistryClient):
     """A synchronous read's time comes from the worker after the step, which may have finished
-    the request: both the read and the compute (the step less the read) are learned then."""
+    the request: the read is learned then, and the step's compute is its time less the read's
+    wait."""
     clock = FakeClock()
     kit = make_prefill(registry.target, clock=clock)
     try:
-        for i, tokens in enumerate((20, 40, 80)):
-            _computes(kit, clock, f"w-{i}", tokens, 0.002 + tokens * 0.001)
+        for tokens in (10, 20, 40, 80):
+            _step(kit, clock, tokens, 0.002 + tokens * 0.001)
         grant(client, "c0", LEASE_TOKENS)
         _reads(kit, clock, "first", "c0", 1.0)  # the handshake, asynchronously
         grant(client, "c1", LEASE_TOKENS)
         request = kit.request("p-1", LEASE_TOKENS + EXTRA, "c1")
         assert kit.resolve(request) is True
         kit.reuse.reading_sync("p-1")
-        kit.reuse.allocated("p-1")
+        kit.reuse.step_scheduled(len(EXTRA), len(EXTRA) * len(LEASE_TOKENS + EXTRA))
         kit.reuse.read_posted("p-1")
         clock.advance(0.032)  # the step: a 20 ms read, then 10 tokens computed in 12 ms
-        kit.reuse.finished("p-1", prompt_tokens=len(LEASE_TOKENS + EXTRA), normal=True)
+        kit.reuse.finished("p-1")
         assert not kit.reuse.cost.ready()  # the read's time is not known yet
         kit.reuse.read_measured("p-1", 0.020)
+        kit.reuse.step_done(0.020)
         assert kit.reuse.cost.ready()
         assert kit.reuse.cost.read_s(38) == pytest.approx(0.020, rel=0.01)
-        # Compute samples on one line (2 ms + 1 ms a token): the last is the step's.
+        # Compute samples on one line (2 ms + 1 ms a token), the read's step included.
         assert kit.reuse.cost.recompute_s(100, 100) == pytest.approx(0.1, rel=0.1)
     finally:
         kit.reuse.close()
         kit.client.close()
+
+
+def test_prefill_steps_in_flight_under_async_scheduling():
+    """Two steps in flight (vLLM schedules the next before the last one's output is in): each
+    counts from when the one before it was done. Without overlap, a step that produced no
+    output is dropped rather than paired with the next output."""
+    clock = FakeClock()
+    reuse = make_prefill("127.0.0.1:1", clock=clock).reuse
+    try:
+        reuse.step_scheduled(100, 100 * 100, overlapped=True)
+        clock.advance(0.001)
+        reuse.step_scheduled(100, 100 * 100, overlapped=True)  # while the first runs
+        clock.advance(0.101)
+        reuse.step_done()  # the first: 0.102 s from its scheduling
+        clock.advance(0.1)
+        reuse.step_done()  # the second: 0.1 s from the first's end, not 0.201
+        clock.advance(5.0)
+        reuse.step_scheduled(100, 100 * 100)  # produced no output: dropped by the next
+        reuse.step_scheduled(100, 100 * 100)
+        clock.advance(0.1)
+        reuse.step_done()
+        assert reuse.cost.estimates()["recompute_fixed"] + reuse.cost.recompute_s(
+            100, 100) == pytest.approx(0.1, rel=0.05)
+    finally:
+        reuse.close()

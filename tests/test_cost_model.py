@@ -67,9 +67,9 @@ def turns(cost: CostModel, engine: Engine, rng: random.Random, count: int,
         decision = cost.decide(history, context)
         if decision.read:
             cost.read(history, engine.read_s(history))
-            cost.computed(new, context, engine.compute_s(new, context))
+            cost.computed(new, new * context, engine.compute_s(new, context))
         else:
-            cost.computed(context, context, engine.compute_s(context, context))
+            cost.computed(context, context * context, engine.compute_s(context, context))
         clock.advance(1.0)
 
 
@@ -80,7 +80,8 @@ def test_learns_both_rates_from_observed_requests():
     rng = random.Random(7)
     for _ in range(40):
         m, context = rng.randint(16, 4096), rng.choice([512, 2048, 8192])
-        cost.computed(min(m, context), context, engine.compute_s(min(m, context), context))
+        m = min(m, context)
+        cost.computed(m, m * context, engine.compute_s(m, context))
         n = rng.randint(16, 8192)
         cost.read(n, engine.read_s(n))
     for n, context in [(200, 512), (1000, 2048), (4000, 8192)]:
@@ -92,6 +93,25 @@ def test_learns_both_rates_from_observed_requests():
     assert est["read_per_token"] == pytest.approx(engine.r1, rel=0.15)
     assert est["recompute_fixed"] == pytest.approx(engine.a, abs=0.002)
     assert est["recompute_per_token"] == pytest.approx(engine.b + engine.c * 2048, rel=0.15)
+
+
+def test_learns_from_steps_that_batch_several_requests():
+    """Steps, not requests: a step's time is its batch's, so the model learns per-token costs
+    from the step's total tokens and context area."""
+    clock = FakeClock()
+    cost = model(clock)
+    engine = Engine(noise=0.02)
+    rng = random.Random(23)
+    for _ in range(60):
+        batch = [(rng.randint(16, 1500), rng.choice([512, 2048, 4096]))
+                 for _ in range(rng.randint(1, 4))]
+        batch = [(min(m, context), context) for m, context in batch]
+        seconds = engine.a + sum(engine.b * m + engine.c * m * context for m, context in batch)
+        cost.computed(sum(m for m, _ in batch), sum(m * context for m, context in batch),
+                      engine._jitter(seconds))
+    for n, context in [(300, 512), (1500, 4096)]:
+        assert cost.recompute_s(n, context) == pytest.approx(engine.marginal_s(n, context),
+                                                             rel=0.15)
 
 
 def test_switches_at_the_crossover():
@@ -153,7 +173,7 @@ def test_recovers_when_reads_get_faster_by_probing():
             probes += decision.reason == PROBE
             cost.read(2000, fast_reads.read_s(2000))
         else:
-            cost.computed(2048, 2048, fast_reads.compute_s(2048, 2048))
+            cost.computed(2048, 2048 * 2048, fast_reads.compute_s(2048, 2048))
         clock.advance(1.0)
         if cost.decide(2000, 2048).reason == READ:
             break
@@ -184,7 +204,7 @@ def test_never_reads_below_the_threshold_while_estimates_are_missing():
     assert cost.decide(THRESHOLD, 1000).read  # the fallback: today's threshold
     # Compute samples alone are not enough: a read has not been measured yet.
     for _ in range(MIN_COMPUTE_SAMPLES + 5):
-        cost.computed(1000, 1000, 0.5)
+        cost.computed(1000, 1000 * 1000, 0.5)
     assert not cost.ready()
     assert not cost.decide(THRESHOLD - 1, 1000).read
     cost.read(1000, 0.001)
@@ -203,8 +223,8 @@ def test_threshold_mode_ignores_measurements():
 def test_bad_samples_are_ignored():
     clock = FakeClock()
     cost = model(clock)
-    cost.computed(0, 100, 1.0)
-    cost.computed(100, 100, 0.0)
+    cost.computed(0, 0, 1.0)
+    cost.computed(100, 100 * 100, 0.0)
     cost.read(0, 1.0)
     cost.read(100, -1.0)
     assert cost.estimates() == {}
