@@ -161,6 +161,7 @@ class DecodeRetention:
         with self._lock:
             self._by_key[retained.key] = retained
         self.metrics.retained_blocks.inc(len(blocks))
+        self.metrics.retained_turns.inc()
         tenant, conversation = key
         with self._lock:
             self._granting += 1
@@ -187,6 +188,7 @@ class DecodeRetention:
             _vllm.release_blocks(self._pool, reversed(retained.block_ids))
             freed += len(retained.block_ids)
             self.metrics.retained_blocks.dec(len(retained.block_ids))
+            self.metrics.retained_turns.dec()
             self.metrics.blocks_freed.labels(why).inc(len(retained.block_ids))
             log.info("retained_blocks_freed", lease_id=retained.lease_id or None,
                      blocks=len(retained.block_ids), why=why,

@@ -54,6 +54,10 @@ class ConnectorMetrics:
             ["why"], registry=r)
         self.retained_blocks = Gauge(
             "kvbridge_connector_retained_blocks", "Decode KV blocks held for leases", registry=r)
+        self.retained_turns = Gauge(
+            "kvbridge_connector_retained_turns",
+            "Decode: finished turns whose blocks are held (each under a lease, or its grant "
+            "under way): this engine's live leases", registry=r)
         self.kv_blocks = Gauge(
             "kvbridge_connector_kv_blocks", "KV blocks in this engine's pool", registry=r)
         self.free_blocks = Gauge(

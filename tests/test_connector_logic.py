@@ -389,6 +389,7 @@ def test_decode_newer_turn_supersedes_and_heartbeat_frees(decode: DecodeKit,
     assert client.get_lease(lease1.lease_id).state == pb.LEASE_STATE_SUPERSEDED
     assert decode.pool.refs(range(5, 11)) == [2] * 6  # shared by both turns
     assert decode.pool.refs([11]) == [1] and decode.pool.refs(range(20, 25)) == [1] * 5
+    assert sample(decode.metrics, "kvbridge_connector_retained_turns") == 2
 
     assert decode.retention.drain() == 0  # reclaimable, but not reported yet
     decode.retention.session.heartbeat_once()
@@ -398,6 +399,7 @@ def test_decode_newer_turn_supersedes_and_heartbeat_frees(decode: DecodeKit,
     assert decode.pool.refs(turn2) == [1] * len(turn2)
     assert decode.freed("reclaimed") == len(turn1)
     assert decode.retained() == len(turn2)
+    assert sample(decode.metrics, "kvbridge_connector_retained_turns") == 1
     assert decode.retention.drain() == 0  # freed once only
 
     # The next heartbeat acknowledges the free: the registry forgets the old lease.
