@@ -306,10 +306,18 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         first..first+count-1 (first: the local hit's blocks, count: the external tokens'),
         from the remote blocks at the same places."""
         req_id = request.request_id
-        local = self._local_tokens.pop(req_id, 0)
+        local = self._local_tokens.pop(req_id, None)
         scheduler = _vllm.nixl_scheduler(self)
         if _vllm.pending_recv_blocks(scheduler, req_id) is None:
             self._sync_planned.discard(req_id)
+            return
+        if local is None:
+            # Where the local hit ends is not known (planned, then placed twice?): a read placed
+            # at a guess could land over the hit's blocks. Not read: the pin guard fails it and
+            # the scheduler recomputes.
+            log.error("sync_read_local_hit_unknown", request_id=req_id)
+            if self.prefill is not None:
+                self.prefill.spoil(req_id)
             return
         if num_external_tokens == 0:
             # The scheduler kept a local hit ending inside a block (as far as the read would

@@ -428,3 +428,20 @@ def test_the_request_blocks_are_read_from_vllms_own_kv_cache_blocks() -> None:
 
     blocks = KVCacheBlocks(([KVCacheBlock(block_id=b) for b in (7, 3, 9)],))
     assert _vllm.request_block_ids(blocks) == [[7, 3, 9]]
+
+
+def test_a_sync_read_whose_local_hit_is_unknown_is_not_read() -> None:
+    """Planned for a synchronous read, but where its local hit ends is no longer known when
+    the blocks are allocated: the read is spoiled (the pin guard fails it; the scheduler
+    recomputes), never placed at a guess that could land over the hit's blocks."""
+    connector = scheduler_connector()
+    request = read_request("r1", 150, REMOTE)
+    count, load_async = connector.get_num_new_matched_tokens(request, 16)
+    assert (count, load_async) == (134, False)
+    del connector._local_tokens["r1"]
+    connector.update_state_after_alloc(request, Blocks(MINE, 4), count)
+    assert connector.prefill.calls[-1] == ("spoil", "r1")
+    assert not any(call[0] == "placed" for call in connector.prefill.calls)
+    # NIXL's queued read is left as NIXL made it (the unhashed blocks), not placed after a hit.
+    assert queued(connector, "r1")[1] == [MINE[4:]]
+    assert request.kv_transfer_params["remote_block_ids"] == [REMOTE]
