@@ -341,9 +341,13 @@ class PrefillReuse:
         for name in REMOTE_FIELDS:
             request.kv_transfer_params.pop(name, None)
         self._release(active.pin_id)
-        self.metrics.recomputed_tokens.inc(active.tokens)
+        # "local_cache": the scheduler kept a local hit reaching as far as the read would, so
+        # this engine's own cache holds those tokens: not recomputed.
+        local = why == "local_cache"
+        if not local:
+            self.metrics.recomputed_tokens.inc(active.tokens)
         self.metrics.decisions.labels(why).inc()
-        self._undo_reuse(request.request_id, why, active.tokens)
+        self._undo_reuse(request.request_id, why, active.tokens, local=local)
         if why != "declined_by_engine":
             log.info("prefill_hit_withdrawn", request_id=request.request_id, why=why,
                      conversation=active.conversation, tokens=active.tokens)
@@ -539,12 +543,13 @@ class PrefillReuse:
                  reused_tokens=reused, recomputed_tokens=max(recomputed, 0),
                  local_tokens=local, prompt_tokens=len(request.prompt_token_ids or []), **fields)
 
-    def _undo_reuse(self, request_id: str, decision: str, tokens: int) -> None:
+    def _undo_reuse(self, request_id: str, decision: str, tokens: int, *,
+                    local: bool = False) -> None:
         outcome = self._outcomes.get(request_id)
         if outcome is not None:
             outcome["kvbridge_decision"] = decision
             outcome["kvbridge_reused_tokens"] = 0
-            outcome["kvbridge_recomputed_tokens"] += tokens
+            outcome["kvbridge_local_tokens" if local else "kvbridge_recomputed_tokens"] += tokens
 
     def _drop_routed_pin(self, params: Any) -> None:
         """Release the pin of a read the gateway made while routing a turn this engine will

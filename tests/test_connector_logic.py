@@ -1202,6 +1202,26 @@ def test_prefill_decline_undoes_the_hit(prefill: PrefillKit, client: RegistryCli
     assert no_remote_fields(request.kv_transfer_params)
     wait_unpinned(client, lease.lease_id)
     assert prefill.decision("declined_by_engine") == 1
+    outcome = prefill.reuse.finished("p-1")
+    assert outcome is not None
+    assert (outcome["kvbridge_reused_tokens"], outcome["kvbridge_recomputed_tokens"]) == (
+        0, len(LEASE_TOKENS + EXTRA))
+
+
+def test_prefill_hit_declined_for_the_local_cache_counts_those_tokens_as_local(
+        prefill: PrefillKit, client: RegistryClient):
+    """The scheduler kept a local hit reaching as far as the read would: the hit's tokens
+    come from this engine's own prefix cache, not recomputed."""
+    grant(client, "c1", LEASE_TOKENS)
+    request = prefill.request("p-1", LEASE_TOKENS + EXTRA)
+    assert prefill.resolve(request, computed=16) is True
+    prefill.reuse.decline(request, "local_cache")
+    outcome = prefill.reuse.finished("p-1")
+    assert outcome is not None and outcome["kvbridge_decision"] == "local_cache"
+    assert (outcome["kvbridge_local_tokens"], outcome["kvbridge_reused_tokens"],
+            outcome["kvbridge_recomputed_tokens"]) == (38, 0, len(EXTRA))
+    assert sample(prefill.metrics, "kvbridge_connector_recomputed_tokens_total") == len(EXTRA)
+    assert sample(prefill.metrics, "kvbridge_connector_local_tokens_total") == 38
 
 
 def test_prefill_finished_after_hit_releases_pin(prefill: PrefillKit, client: RegistryClient):
