@@ -40,8 +40,9 @@ Keys (P = `{namespace}:`, a Redis Cluster hash tag, so all keys of a fleet live 
                      sending to the others)
   P ticker           hash: o (the ticker token of the replica whose turn it is to run the
                      scheduled ticks), x (until when that turn holds, on the fleet's clock)
-  P started, P hold_until  when this state began (empty), and until when nothing is reported
-                     reclaimable (pins granted before a loss of Redis data may still be read)
+  P rid, P hold_until  the run id of the Redis that serves this state, and until when nothing
+                     is reported reclaimable (pins granted before a loss of Redis data, a
+                     restart or a failover, may still be read; store.lua `hold_until`)
 """
 
 from __future__ import annotations

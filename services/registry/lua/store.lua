@@ -17,8 +17,29 @@ local NOW            -- the fleet's time for this call (the clock below, plus th
 local BASE, RAW, STEPPED, GEN, FIX  -- the clock check (see `begin`)
 -- Until when nothing is reported reclaimable (math.huge: not looked up, see `begin`).
 local HOLD_UNTIL
+local GRACE   -- the recovery grace, from the call context
+local RUN_ID  -- this Redis process's run id (INFO server), looked up once
 
 local function F(x) return string.format('%.6f', x) end
+
+-- Until when nothing is reported reclaimable. State that another Redis process wrote, or none
+-- did, may lack pins that readers hold: a new namespace or a Redis that lost its data (a
+-- restarted registry's), a restart from an older file, a failover to an asynchronous replica
+-- (it has the primary's state but maybe not its last writes, and no replica can tell which).
+-- So the state keeps the run id of the Redis that serves it (`rid`), and the first call that
+-- finds another (every replica's calls check, in the function that decides) holds reclaims for
+-- the grace: every pin granted before, lost or not, ends first.
+local function hold_until()
+  RUN_ID = RUN_ID or string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
+    or error('kvbridge: Redis tells no run_id (INFO server)')
+  local v = redis.call('MGET', P .. 'rid', P .. 'hold_until')
+  local until_ = tonumber(v[2] or '0')
+  if v[1] ~= RUN_ID then
+    until_ = math.max(until_, NOW + GRACE)
+    redis.call('MSET', P .. 'rid', RUN_ID, P .. 'hold_until', F(until_))
+  end
+  return until_
+end
 
 -- Start a call: read the call context (the last CONTEXT_ARGS arguments: the stream's MAXLEN,
 -- the recovery grace, the caller's clock check) and set the call's time. Returns how many
@@ -38,16 +59,14 @@ local function F(x) return string.format('%.6f', x) end
 -- which bumps `gen`). `off` and `tstep` are for tests only: `off` moves every replica's time
 -- forward (as if time passed), `tstep` steps Redis's clock.
 --
--- State that starts empty (a new namespace, or a Redis that lost its data) may be a restarted
--- one: readers may hold pins from before. Nothing is reported reclaimable for the grace. A
--- read (`hot`, the hot path) neither starts state nor reports reclaimable leases: it skips
--- this, and anything it might ask is held back.
+-- A read (`hot`, the hot path) does not look up the recovery grace (`hold_until`) unless it
+-- has a lease to report reclaimable.
 local function begin(keys, args, hot)
   local n = #args - CONTEXT_ARGS
   EV = keys[1]
   P = string.sub(EV, 1, -7)
   MAXLEN = args[n + 1]
-  local grace = tonumber(args[n + 2])
+  GRACE = tonumber(args[n + 2])
   local sent, lo, hi, gen = args[n + 3], args[n + 4], args[n + 5], args[n + 6]
   local clk = redis.call('HMGET', P .. 'clock', 'fix', 'off', 'tstep', 'gen')
   GEN = clk[4] or '0'
@@ -64,13 +83,7 @@ local function begin(keys, args, hot)
   end
   NOW = BASE + tonumber(clk[2] or '0')
   HOLD_UNTIL = math.huge
-  if not hot then
-    if redis.call('EXISTS', P .. 'started') == 0 then
-      redis.call('SET', P .. 'started', F(NOW))
-      redis.call('SET', P .. 'hold_until', F(NOW + grace))
-    end
-    HOLD_UNTIL = tonumber(redis.call('GET', P .. 'hold_until') or '0')
-  end
+  if not hot then HOLD_UNTIL = hold_until() end
   return n
 end
 
@@ -92,9 +105,7 @@ end
 -- nothing reclaimable: pins from before may be live), owed: the first tick after it sends one
 -- for every dead lease no pin holds then (so, until that tick, this one is owed too).
 local function emit_reclaimable(lid, f)
-  if HOLD_UNTIL == math.huge then  -- a read, which did not look it up
-    HOLD_UNTIL = tonumber(redis.call('GET', P .. 'hold_until') or '0')
-  end
+  if HOLD_UNTIL == math.huge then HOLD_UNTIL = hold_until() end  -- a read
   if NOW < HOLD_UNTIL or redis.call('EXISTS', P .. 'owed') == 1 then
     redis.call('SET', P .. 'owed', '1')
   else
