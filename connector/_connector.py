@@ -105,6 +105,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         # Per request planned for a synchronous read: the tokens of its prompt this engine's
         # own prefix cache holds (block-aligned), after which the read lands.
         self._local_tokens: dict[str, int] = {}
+        # The same, per request reading asynchronously (for its reported figures only).
+        self._async_local: dict[str, int] = {}
         # With prefix caching, a request not loading asynchronously has its blocks hashed (so
         # findable by other requests) as they are allocated, before the read fills them. A
         # read that fails is recomputed, but only as fast as the token budget allows, and the
@@ -278,6 +280,10 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                 self._sync_planned.discard(req_id)
                 self._local_tokens.pop(req_id, None)
                 self.prefill.reading_sync(req_id, False)
+            if count and load_async and self.prefill.reading(req_id):
+                # Asked again later, the scheduler may settle on another local hit than at the
+                # decision: the allocation's figures stand (`placed`).
+                self._async_local[req_id] = num_computed_tokens
             return count, load_async
         count, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         return count, load_async
@@ -288,8 +294,11 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             self.decode.allocated(request.request_id)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         req_id = request.request_id
+        async_local = self._async_local.pop(req_id, None)
         if req_id in self._sync_planned:
             self._place_sync_read(request, blocks, num_external_tokens)
+        elif async_local is not None and num_external_tokens and self.prefill is not None:
+            self.prefill.placed(req_id, local=async_local, reused=num_external_tokens)
         elif (num_external_tokens == 0 and self.prefill is not None
               and self.prefill.reading(req_id) and self._sync_usable()):
             # The scheduler kept a local hit that ends inside a block and reaches as far as
@@ -498,6 +507,7 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             self._snapshots.moved()
         self._sync_planned.discard(request.request_id)
         self._local_tokens.pop(request.request_id, None)
+        self._async_local.pop(request.request_id, None)
         if self.prefill is not None:
             outcome = self.prefill.finished(request.request_id)
             if outcome and params is not None:

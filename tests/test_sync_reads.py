@@ -248,6 +248,7 @@ def scheduler_connector(*, prefix_caching: bool = True, async_scheduling: bool =
     connector._read_from = {"decode-0"} if read_from is None else read_from
     connector._sync_planned = set()
     connector._local_tokens = {}
+    connector._async_local = {}
     connector.decode = None
     connector.prefill = Prefill()
     return connector
@@ -382,6 +383,8 @@ def test_an_asynchronous_read_keeps_nixls_placement() -> None:
     assert connector.get_num_new_matched_tokens(request, 64) == (86, True)
     connector.update_state_after_alloc(request, Blocks(MINE[:10], 4), 86)
     assert queued(connector, "r1")[1] == [[5, 6, 7, 8, 9, 10]]
+    # What the allocation settled on is what the request reports (local hit, read).
+    assert connector.prefill.calls[-1] == ("placed", "r1", 64, 86)
     assert request.kv_transfer_params["remote_block_ids"] == [REMOTE]
 
 
