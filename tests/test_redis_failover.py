@@ -193,6 +193,12 @@ async def _round(fleet: Fleet, kv: Any, rng: random.Random, defeat: bool) -> tup
         await fleet.fail_over(defeated)
         new = fleet.client(fleet.primary)
         assert not await new.exists(prefix + "p:" + read.pin.pin_id)  # the pin is lost
+        if rng.random() < 0.3:  # time passes, and a read is the first call on the new primary
+            await a.advance_clock(SHORT + 0.5)  # (a lease that expires has, a holder is lost)
+            first = rng.choice("AB")
+            await _retry(lambda: stores[first].acquire_read(
+                "t1", "c1", kv.prompt_hashes(kv.tokens(8)), pin_ttl=1.0))
+            steps.append(f"read first on {first}")
         if rng.random() < 0.5:
             await add("C", fleet.primary.url)  # started after the failover, pointed at it
             steps.append("C started")
