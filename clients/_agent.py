@@ -5,7 +5,9 @@ requests, KV cache usage). An engine that does not answer is reported with its l
 its heartbeat TTL runs out: the agent then stops heartbeating, so the router drops it, and
 registers it again once it answers. When the agent runs beside the engine process (`alive`),
 a slow answer from a live process (a CPU engine busy-polling its own cores) is not taken for
-a dead engine: heartbeats go on with the last load while the process runs.
+a dead engine: heartbeats go on with the last load while the process runs. A refusal (the
+token, the engine id, the URL) is final: the agent stops and raises it, rather than retrying
+what will be refused again.
 """
 
 from __future__ import annotations
@@ -20,7 +22,16 @@ import aiohttp
 import structlog
 
 from kvbridge.clients._router import AsyncRouterClient
-from kvbridge.errors import InstanceNotFound, KvbridgeError
+from kvbridge.errors import (
+    InstanceNotFound,
+    InvalidArgument,
+    KvbridgeError,
+    PermissionDenied,
+    Unauthenticated,
+)
+
+# What the router answers to an instance it will never take as it is.
+REFUSALS = (PermissionDenied, Unauthenticated, InvalidArgument)
 
 log = structlog.get_logger("kvbridge.agent")
 
@@ -59,9 +70,9 @@ class InstanceAgent:
     alive: Callable[[], bool] | None = None  # the engine process is running
     metrics_timeout_s: float = 5.0
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Register and heartbeat until `stop` is set; deregister on the way out."""
-        registered = False
+    async def run(self, stop: asyncio.Event, *, registered: bool = False) -> None:
+        """Register (unless `registered` already) and heartbeat until `stop` is set;
+        deregister on the way out. Raises a refusal (REFUSALS) at once."""
         load = EngineLoad()
         last_seen = 0.0
         loop = asyncio.get_running_loop()
@@ -85,13 +96,17 @@ class InstanceAgent:
                         continue
                 try:
                     if not registered:
-                        await self._register()
+                        await self.register()
                         registered = True
                     await self.router.heartbeat(
                         self.instance_id, load.running, load.waiting, load.kv_usage)
                 except InstanceNotFound:
                     registered = False
                     continue
+                except REFUSALS as err:
+                    log.error("router_refused_instance", instance=self.instance_id,
+                              reason=err.reason, error=err.message)
+                    raise
                 except KvbridgeError as err:
                     log.warning("router_heartbeat_failed", instance=self.instance_id,
                                 error=str(err))
@@ -102,7 +117,7 @@ class InstanceAgent:
             except KvbridgeError as err:
                 log.warning("deregister_failed", instance=self.instance_id, error=str(err))
 
-    async def _register(self) -> None:
+    async def register(self) -> None:
         await self.router.register_instance(self.instance_id, self.role, self.http_url,
                                             self.engine_id, self.model, self.nixl_host,
                                             self.nixl_port, self.ttl)

@@ -33,7 +33,7 @@ import structlog
 from kvbridge import aio, logs
 from kvbridge.auth import TOKEN_ENV
 from kvbridge.clients._cli import address_callback, client_security, security_options
-from kvbridge.errors import InvalidArgument, KvbridgeError, PermissionDenied, Unauthenticated
+from kvbridge.errors import KvbridgeError
 
 log = structlog.get_logger("kvbridge.engine")
 
@@ -240,7 +240,7 @@ def engine_attach(role: str, url: str, engine_id: str, model: str, router: str,
 async def _attach(role: str, url: str, engine_id: str, model: str, router: str,
                   instance_id: str, nixl_host: str, nixl_port: int, ttl: float,
                   security: dict[str, Any]) -> int:
-    from kvbridge.clients._agent import InstanceAgent
+    from kvbridge.clients._agent import REFUSALS, InstanceAgent
     from kvbridge.clients._router import AsyncRouterClient
 
     loop = asyncio.get_running_loop()
@@ -258,19 +258,23 @@ async def _attach(role: str, url: str, engine_id: str, model: str, router: str,
         agent = InstanceAgent(client, instance_id, role, url, engine_id, model, nixl_host,
                               nixl_port, ttl)
         try:
-            # A refusal is final (the token, the engine id or the URL): say so and stop,
-            # rather than retry it for ever. Anything else the agent retries.
-            await client.register_instance(instance_id, role, url, engine_id, model,
-                                           nixl_host, nixl_port, ttl)
-        except (PermissionDenied, Unauthenticated, InvalidArgument) as err:
+            # A refusal is final (the token, the engine id or the URL), now or later: say so
+            # and stop, rather than retry it for ever. Anything else the agent retries.
+            registered = False
+            try:
+                await agent.register()
+                registered = True
+            except REFUSALS:
+                raise
+            except KvbridgeError as err:
+                log.warning("router_register_failed", instance=instance_id, error=str(err))
+            await agent.run(stop, registered=registered)
+        except REFUSALS as err:
             log.error("engine_attach_refused", instance=instance_id, reason=err.reason,
                       error=err.message)
             click.echo(f"error: {err.reason}: the router at {router} refused {instance_id}: "
                        f"{err.message}", err=True)
             return 1
-        except KvbridgeError as err:
-            log.warning("router_register_failed", instance=instance_id, error=str(err))
-        await agent.run(stop)
     finally:
         await client.close()
     log.info("engine_detached", instance=instance_id, engine_id=engine_id)

@@ -172,6 +172,40 @@ def test_engine_attach_stops_when_the_router_refuses(router: str, fake_engine: s
     assert _instances(router) == {}
 
 
+@pytest.mark.slow
+def test_engine_attach_registers_once_and_stops_when_refused_later(fake_engine: str) -> None:
+    """Registered at start (once: the agent takes that registration over), then the router
+    comes back with a token table that no longer has the engine's token: the sidecar says so
+    and exits 1, rather than retrying a refusal for ever."""
+    env = {"KVBRIDGE_AUTH_TOKENS": TABLE, "KVBRIDGE_ROUTER_LOG_FORMAT": "json"}
+    first, started = run_until_logged(
+        ["router", "serve", "--listen", "127.0.0.1:0", "--metrics-listen", "", "--registry",
+         "", "--engine-url-allow", "127.0.0.0/8"], env, "router_started")
+    address = str(started["listen"])
+    attach, _ = run_until_logged(_attach_args(address, fake_engine),
+                                 {"KVBRIDGE_TOKEN": TOKENS["decode"]}, "instance_attached")
+    second = None
+    try:
+        assert attach.stderr is not None
+        # No second registration: the next lines are heartbeats, not another attach.
+        assert _stop(first) == 0
+        revoked = ";".join(line for line in TABLE.split(";") if TOKENS["decode"] not in line)
+        second, _ = run_until_logged(
+            ["router", "serve", "--listen", address, "--metrics-listen", "", "--registry", "",
+             "--engine-url-allow", "127.0.0.0/8"],
+            {**env, "KVBRIDGE_AUTH_TOKENS": revoked}, "router_started")
+        assert attach.wait(timeout=30) == 1
+        rest = attach.stderr.read()
+        assert "router_refused_instance" in rest and "UNAUTHENTICATED" in rest
+        assert rest.count("instance_attached") == 0
+    finally:
+        if attach.poll() is None:
+            attach.kill()
+            attach.wait()
+        if second is not None:
+            assert _stop(second) == 0
+
+
 def test_engine_attach_waits_for_the_engine_and_stops_on_sigterm(router: str) -> None:
     # Nothing listens on the engine's port yet: it waits (registers nothing) until SIGTERM.
     proc, started = run_until_logged(_attach_args(router, "http://127.0.0.1:9"),
