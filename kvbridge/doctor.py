@@ -178,7 +178,8 @@ def diagnose_probe(first: Turn, second: Turn | None, lease_seen: bool) -> list[F
             out.append(Finding(WARN, "nixl", f"reading KV ({per_token_read:.3f} ms/token) was "
                                f"slower than computing it ({per_token_compute:.3f} ms/token)",
                                "NIXL may be on TCP: check UCX_TLS / the NIXL backend between "
-                               "engines; raise kv_recompute_threshold meanwhile"))
+                               "engines (prefill, deciding by measured cost, recomputes "
+                               "meanwhile once it has measured both)"))
         return out
     fixes = {
         "miss_hash_mismatch": None,
@@ -201,6 +202,11 @@ def diagnose_probe(first: Turn, second: Turn | None, lease_seen: bool) -> list[F
                             "check NIXL between the engines: decode's side channel host and "
                             "port reachable from prefill, UCX transports (UCX_TLS), matching "
                             "kv_buffer_device"),
+        "recompute_cheaper": (WARN, "prefill measured recomputing as faster than reading "
+                              "here, so it did not read",
+                              "expected on a small model or a short history; to see the "
+                              "read path work regardless, run prefill with the connector "
+                              "setting decision=threshold"),
         "declined_by_engine": (WARN, "prefill's engine declined the read",
                                "kv_recompute_threshold may be above the reusable tokens"),
         "pin_margin": (WARN, "the read's pin was about to end",

@@ -41,6 +41,7 @@ def hit(**kw: Any) -> Turn:
     (FIRST, hit(decision="deadline", reused=0), True, WARN, "read_deadline_s"),
     (FIRST, hit(decision="transfer_failed", reused=0), True, FAIL, "NIXL read"),
     (FIRST, hit(decision="miss_holder_gone", reused=0), True, FAIL, "gone"),
+    (FIRST, hit(decision="recompute_cheaper", reused=0), True, WARN, "decision=threshold"),
     (FIRST, hit(status=502, error="bad gateway"), True, FAIL, "turn 2 failed"),
 ])
 def test_probe_diagnosis(first: Turn, second: Turn | None, lease: bool, level: str,
