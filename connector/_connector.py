@@ -428,7 +428,9 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             failed = connector_output.failed_recving or set()
             results = connector_output.kv_connector_worker_meta
             pin_why = results.async_why if isinstance(results, SyncReadResults) else {}
-            waited_ms = sum(results.ms.values()) if isinstance(results, SyncReadResults) else 0
+            # The step's reads share one wait (each reports the step's figure): its longest.
+            waited_ms = (max(results.ms.values(), default=0.0)
+                         if isinstance(results, SyncReadResults) else 0.0)
             self.prefill.step_done(waited_ms / 1000)
             for req_id in connector_output.finished_recving or ():
                 engine = self.prefill.read_done(req_id, req_id not in failed,

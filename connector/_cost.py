@@ -42,6 +42,12 @@ _DAMPING = 1e-3
 DECAY = 0.9
 MIN_COMPUTE_SAMPLES = 3
 MIN_READ_SAMPLES = 1
+# A read this far off its estimate (either way) means the transfer changed (another path, a
+# loaded network): what was learned before weighs this much from then on. Reads are sampled
+# seldom while the estimates say recompute (a probe a minute), so waiting for the decay alone
+# would take many probes.
+_SURPRISE = 2.0
+_FORGET = 0.1
 
 READ = "hit"
 PROBE = "probe"
@@ -68,6 +74,13 @@ class _Fit:
             for j in range(self.size):
                 row[j] = d * row[j] + x[i] * x[j]
         self.samples += 1
+        self._theta = None
+
+    def forget(self, factor: float) -> None:
+        """Weigh everything learned so far by `factor` (a change of regime)."""
+        for i in range(self.size):
+            self.moment[i] *= factor
+            self.gram[i] = [v * factor for v in self.gram[i]]
         self._theta = None
 
     def theta(self) -> list[float]:
@@ -130,6 +143,10 @@ class CostModel:
     def read(self, tokens: int, seconds: float) -> None:
         """A read of `tokens` tokens added `seconds` to its request."""
         if tokens > 0 and seconds >= 0:
+            if self._read.samples >= MIN_READ_SAMPLES:
+                expected = self.read_s(tokens)
+                if not expected / _SURPRISE <= seconds <= expected * _SURPRISE:
+                    self._read.forget(_FORGET)
             self._read.add([1.0, tokens / _TOKENS], seconds)
             self._last_read = self._now()
             self._declined_since_read = 0
@@ -192,6 +209,11 @@ class CostModel:
         if read <= (1.0 - self.margin) * recompute:
             return Decision(True, READ, read, recompute)
         if self._probe_due():
+            if not before_lookup:
+                # This request probes: the next one waits its interval again, whether or not
+                # this read gets measured (it may miss, fail, or go to a new engine).
+                self._last_read = self._now()
+                self._declined_since_read = 0
             return Decision(True, PROBE, read, recompute)
         self._declined_since_read += 1
         return Decision(False, RECOMPUTE_CHEAPER, read, recompute)

@@ -114,8 +114,8 @@ class PrefillReuse:
         self.block_size = block_size
         self.fingerprint = fingerprint
         self.metrics = metrics
-        # Until compute is measured (`stepped`: this vLLM lacking a name it is read from, never),
-        # the threshold decides.
+        # Until compute is measured (`step_scheduled` / `step_done`; never on a vLLM lacking a
+        # name the step's shape is read from), the threshold decides.
         self.cost = CostModel(threshold=threshold, by_cost=settings.decision == "cost",
                               margin=settings.read_margin,
                               probe_interval_s=settings.probe_interval_s, now=self._now)
@@ -125,6 +125,9 @@ class PrefillReuse:
         # Finished requests whose synchronous read's time is still to come from the worker
         # (it reports after the step, which may have finished the request).
         self._awaiting_read: dict[str, _Active] = {}
+        # Requests decided on arrival (no lookup), until the scheduler first asks about them:
+        # why, and what to log with it.
+        self._early: dict[str, tuple[str, dict[str, Any]]] = {}
         self._context = 1024  # a recent step's mean context, for the per-token gauge
         # Steps in flight, for the compute model: (scheduled at, tokens, area).
         self._steps: deque[tuple[float, int, int]] = deque(maxlen=2)
@@ -163,20 +166,23 @@ class PrefillReuse:
             self._drop_routed_pin(params)
             return
         tokens = request.prompt_token_ids or []
-        if len(tokens) < max(self.cost.floor(), self.block_size):
-            self._drop_routed_pin(params)
-            self._decide(request, "short_prompt", 0, len(tokens))
-            return
+        early: tuple[str, dict[str, Any]] | None = None
         scope = kv_scope(request, self.fingerprint)
-        if scope is None:  # inputs the block hashes cannot cover: recompute
+        if len(tokens) < max(self.cost.floor(), self.block_size):
+            early = ("short_prompt", {})
+        elif scope is None:  # inputs the block hashes cannot cover: recompute
+            early = ("unsupported_inputs", {})
+        else:
+            # Even reading all of the prompt but its last token would not pay: no lookup.
+            best = self.cost.decide(len(tokens) - 1, len(tokens), before_lookup=True)
+            if not best.read:
+                early = (best.reason, _estimates(best))
+        if early is not None or scope is None:
+            # Decided now; counted once the scheduler says what its prefix cache holds.
             self._drop_routed_pin(params)
-            self._decide(request, "unsupported_inputs", 0, len(tokens))
-            return
-        # Even reading all of the prompt but its last token would not pay: no lookup at all.
-        best = self.cost.decide(len(tokens) - 1, len(tokens), before_lookup=True)
-        if not best.read:
-            self._drop_routed_pin(params)
-            self._decide(request, best.reason, 0, len(tokens), **_estimates(best))
+            if len(self._early) >= 4096:
+                del self._early[next(iter(self._early))]
+            self._early[request.request_id] = early or ("unsupported_inputs", {})
             return
         hashes = blockhash.block_hashes(tokens, self.block_size, *scope)
         tenant, conversation = key
@@ -228,6 +234,13 @@ class PrefillReuse:
     def resolve(self, request: Any, num_computed_tokens: int) -> bool | None:
         """Decide for a request: None while its AcquireRead is pending (ask again), True when
         its kv_transfer_params now name verified remote blocks to read, False to recompute."""
+        early = self._early.pop(request.request_id, None)
+        if early is not None:
+            reason, fields = early
+            tokens = request.prompt_token_ids or []
+            self._decide(request, reason, 0, len(tokens) - num_computed_tokens,
+                         local=num_computed_tokens, **fields)
+            return False
         pending = self._pending.get(request.request_id)
         if pending is None:
             return self._asked_again(request)
@@ -235,6 +248,8 @@ class PrefillReuse:
         if not pending.future.done():
             if self._now() < pending.deadline:
                 return None
+            if pending.source == "lookup":  # what waiting for it cost, at least
+                self.cost.looked_up(pending.deadline - pending.started)
             del self._pending[request.request_id]
             pending.future.add_done_callback(self._release_late)
             self._decide(request, "deadline", 0, len(tokens) - num_computed_tokens,
@@ -453,7 +468,8 @@ class PrefillReuse:
         previous one's output is in (async scheduling), so two may be in flight."""
         if not overlapped:
             self._steps.clear()  # one that produced no connector output: not a sample
-        self._steps.append((self._now(), tokens, area))
+        if tokens:  # an empty step may produce no output to pair it with
+            self._steps.append((self._now(), tokens, area))
 
     def step_done(self, read_wait_s: float = 0.0) -> None:
         """The oldest step in flight is done; its synchronous reads waited `read_wait_s`. It
@@ -478,6 +494,7 @@ class PrefillReuse:
         """The request ended (possibly aborted): let go of whatever it still holds. Returns
         what was decided for it (kvbridge_decision, kvbridge_reused_tokens, ...), for the
         response's kv_transfer_params; None for a request outside any conversation."""
+        self._early.pop(request_id, None)
         pending = self._pending.pop(request_id, None)
         if pending is not None:
             pending.future.add_done_callback(self._release_late)

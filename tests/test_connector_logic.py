@@ -1139,8 +1139,9 @@ def test_prefill_releases_a_routed_pin_it_will_not_read_for(prefill: PrefillKit,
               "kvbridge": {**conv_key("c1"), "read": {"pin_id": pinned.read.pin.pin_id}}}
     short = FakeRequest("p-short", list(range(7)), params=params, num_computed_tokens=0)
     prefill.reuse.on_new_request(short)
+    wait_unpinned(client, lease_id)  # on arrival, before the scheduler asks
+    assert prefill.reuse.resolve(short, 0) is False
     assert prefill.decision("short_prompt") == 1
-    wait_unpinned(client, lease_id)
 
 
 def test_prefill_read_done_ok_releases_and_counts(prefill: PrefillKit, client: RegistryClient):
@@ -1293,6 +1294,21 @@ def test_prefill_registry_side_minimum_is_a_miss(prefill: PrefillKit, client: Re
     assert prefill.resolve(request) is False
     assert prefill.decision("miss_below_minimum") == 1
     assert pins(client, lease.lease_id) == 0
+
+
+def test_prefill_decision_on_arrival_counts_the_local_cache_as_local(prefill: PrefillKit):
+    """A request decided on arrival (too short here) is counted when the scheduler first asks,
+    with what its prefix cache holds: local, not recomputed; an aborted one is forgotten."""
+    short = prefill.request("p-short", list(range(7)))
+    assert prefill.decision("short_prompt") == 0  # not counted before the scheduler asks
+    assert prefill.reuse.resolve(short, 4) is False
+    outcome = prefill.reuse.finished("p-short")
+    assert outcome is not None
+    assert (outcome["kvbridge_local_tokens"], outcome["kvbridge_recomputed_tokens"]) == (4, 3)
+    assert sample(prefill.metrics, "kvbridge_connector_recomputed_tokens_total") == 3
+    prefill.request("p-gone", list(range(7)))
+    assert prefill.reuse.finished("p-gone") is None
+    assert not prefill.reuse._early
 
 
 def test_prefill_short_prompt_and_foreign_requests_skip_the_registry(prefill: PrefillKit):
