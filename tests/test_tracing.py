@@ -341,3 +341,23 @@ async def test_a_stopping_service_waits_for_its_exporter_a_bounded_time() -> Non
     await traces.close(timeout=0.2)
     assert time.monotonic() - started < 2
     released.set()
+
+
+async def test_a_stopping_registry_exports_its_last_spans(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """As the gateway and the router do: the registry's stop shuts its span processor down
+    (which exports what is left), rather than leaving it to the process's exit."""
+    shut: list[str] = []
+
+    class Recording(SimpleSpanProcessor):
+        def shutdown(self) -> None:
+            shut.append("registry")
+            super().shutdown()
+
+    monkeypatch.delenv(tracing.OTEL_ENDPOINT_ENV, raising=False)
+    monkeypatch.setattr(_otel, "span_processor",
+                        lambda url, protocol: Recording(InMemorySpanExporter()))
+    registry = await start_registry(FakeClock(), otlp_traces_endpoint=ENDPOINT)
+    assert shut == []
+    await registry.stop(0)
+    assert shut == ["registry"]

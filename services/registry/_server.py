@@ -8,6 +8,7 @@ import contextlib
 import gc
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 import structlog
@@ -31,6 +32,9 @@ from kvbridge.services.registry._core import LeaseTable
 from kvbridge.services.registry._metrics import RegistryMetrics
 from kvbridge.services.registry._servicer import RegistryServicer
 from kvbridge.services.registry._store import LeaseStore, MemoryStore
+
+if TYPE_CHECKING:
+    from kvbridge._otel import Tracing
 
 log = structlog.get_logger("kvbridge.registry")
 
@@ -63,6 +67,7 @@ class RegistryServer:
     _stopping: bool = False
     _not_serving: bool = False
     _http: object | None = field(default=None, repr=False)
+    traces: Tracing | None = None  # None: off
 
     @property
     def table(self) -> LeaseTable:
@@ -152,6 +157,8 @@ class RegistryServer:
         if self._http is not None:
             self._http.shutdown()  # type: ignore[attr-defined]
             self._http.server_close()  # type: ignore[attr-defined]
+        if self.traces is not None:
+            await self.traces.close()  # exports what is left
         counts = self.store.counts()
         await self.store.close()
         log.info("registry_stopped", backend=self.config.backend, counts=counts)
@@ -197,7 +204,7 @@ def _bind(config: RegistryConfig, store: LeaseStore) -> RegistryServer:
         ("grpc.so_reuseport", 0),
         *SERVER_KEEPALIVE_OPTIONS,
     ], interceptors=tracing.server_interceptors(  # None unless tracing is on
-        tracing.start(config.otlp_traces_endpoint, "kvbridge-registry")))
+        traces := tracing.start(config.otlp_traces_endpoint, "kvbridge-registry")))
     # Requests are parsed by the handlers: bytes that are not the request message get
     # INVALID_ARGUMENT with a reason, not gRPC's UNKNOWN.
     servicer = RegistryServicer(store, metrics)
@@ -218,7 +225,7 @@ def _bind(config: RegistryConfig, store: LeaseStore) -> RegistryServer:
     if bound == 0:
         raise OSError(f"cannot bind the registry to {config.listen}")
     return RegistryServer(config, store, metrics, server, bound, health_servicer, servicer,
-                          authenticator)
+                          authenticator, traces=traces)
 
 
 async def _tame_gc(freeze_every: float, full_every: float) -> None:
