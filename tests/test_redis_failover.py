@@ -21,6 +21,7 @@ import os
 import random
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -59,8 +60,9 @@ async def _retry(call: Callable[[], Awaitable[_T]]) -> _T:
 class Fleet:
     """A primary and a replica, the replication link through `link`, clients through `vip`."""
 
-    def __init__(self) -> None:
-        self.primary = RedisProcess(*SERVER)
+    def __init__(self, home: Path) -> None:
+        self.home = home  # each server's own directory: a replica writes what it syncs there
+        self.primary = RedisProcess(*SERVER, "--dir", self._dir("a"))
         self.replica: RedisProcess | None = None
         self.link = FaultProxy("127.0.0.1", self.primary.port)
         self.vip = FaultProxy("127.0.0.1", self.primary.port)
@@ -69,8 +71,13 @@ class Fleet:
     async def start(self) -> None:
         await self.link.start()
         await self.vip.start()
-        self.replica = RedisProcess(*SERVER, "--replicaof", "127.0.0.1", str(self.link.port))
+        self.replica = RedisProcess(*SERVER, "--dir", self._dir("b"), "--replicaof",
+                                    "127.0.0.1", str(self.link.port))
         await self.synced()
+
+    def _dir(self, name: str) -> str:
+        (self.home / name).mkdir()
+        return str(self.home / name)
 
     def client(self, server: RedisProcess) -> aioredis.Redis:
         if server.port not in self.admin:
@@ -117,8 +124,8 @@ class Fleet:
 
 
 @pytest.fixture
-async def fleet() -> Any:
-    f = Fleet()
+async def fleet(tmp_path: Path) -> Any:
+    f = Fleet(tmp_path)
     try:
         await f.start()
         yield f
@@ -284,7 +291,7 @@ async def test_a_failover_that_loses_a_pin_never_frees_the_lease_under_it(
     assert all(n > 0 for n in caught), caught
 
 
-async def test_a_restarted_redis_holds_reclaims_for_the_grace(tmp_path: Any, kv: Any) -> None:
+async def test_a_restarted_redis_holds_reclaims_for_the_grace(tmp_path: Path, kv: Any) -> None:
     """Redis restarted from its append-only file: it may be an older one (fsync'd once a
     second, or restored from a backup), which no replica can tell; so reclaims wait for the
     grace, as after a failover. A dead lease is reported again once it is over."""
