@@ -18,16 +18,20 @@ the engine is idle (decode's retained blocks) show at the next step; the separat
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import structlog
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvbridge.connector._metrics import ConnectorMetrics
+
+log = structlog.get_logger("kvbridge.connector")
 
 NIXL = "nixl"
 KVBRIDGE = "kvbridge"
@@ -175,6 +179,13 @@ class BridgeProm:
         self._labelnames = labelnames
         self._labelvalues = dict(per_engine_labelvalues)
         self._collector = collector()
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            # Several API server processes: vLLM serves /metrics from a multiprocess registry
+            # of its own, which this process's collector does not reach.
+            log.warning("connector_metrics_not_on_vllm_metrics",
+                        why="vLLM runs several API server processes (PROMETHEUS_MULTIPROC_DIR)",
+                        fix="set the connector's metrics_port to serve its metrics on a port "
+                            "of their own")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         if self._nixl is not None and NIXL in transfer_stats_data:

@@ -88,3 +88,14 @@ def test_api_server_serves_each_engines_snapshot_under_vllms_labels():
     assert nixl.seen and nixl.seen[0][1] == 1  # NIXL's part goes to NIXL's own metrics
     assert 'engine="0"' not in text.split("kvbridge_connector_decisions_total", 1)[1].split(
         "\n# ", 1)[0]  # engine 0 sent nothing yet
+
+
+def test_several_api_server_processes_are_warned_about(monkeypatch, capsys):
+    """vLLM with several API server processes serves a multiprocess registry that this
+    collector does not reach: said at start, with the way out (metrics_port)."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/tmp/kvbridge-test-multiproc")
+    BridgeProm(None, ["model_name", "engine"], {0: ["m", "0"]})
+    assert "connector_metrics_not_on_vllm_metrics" in capsys.readouterr().out
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR")
+    BridgeProm(None, ["model_name", "engine"], {0: ["m", "0"]})
+    assert "connector_metrics_not_on_vllm_metrics" not in capsys.readouterr().out
