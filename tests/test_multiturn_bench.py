@@ -290,6 +290,34 @@ def test_bad_arguments_are_refused_before_anything_starts(tmp_path: Path, args: 
     assert not (tmp_path / "o").exists()
 
 
+def test_the_benchmark_gives_sigterm_back_when_it_ends(tmp_path: Path) -> None:
+    """SIGTERM unwinds the benchmark (its stacks stop) only while it runs: the caller's
+    handler is back afterwards, however it ended."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    seen: list[object] = []
+    original = summary_markdown
+
+    def spy(*args: object, **kwargs: object) -> str:
+        seen.append(signal.getsignal(signal.SIGTERM))
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    import kvbridge.benchmarks.multiturn as mt
+    records = tmp_path / "records.jsonl"
+    records.write_text(json.dumps(record("off", 2, 100.0).__dict__) + "\n")
+    mp = pytest.MonkeyPatch()
+    mp.setattr(mt, "summary_markdown", spy)
+    try:
+        result = CliRunner().invoke(multiturn_bench, ["--out", str(tmp_path / "o"),
+                                                      "--from-records", str(records)])
+    finally:
+        mp.undo()
+    assert result.exit_code == 0, result.output
+    assert seen and seen[0] is not before  # the benchmark's own while it ran
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_model_shape_default_is_about_fifty_million_parameters() -> None:
     shape = ModelShape()
     assert 35e6 < shape.params() < 60e6
