@@ -317,3 +317,22 @@ async def test_a_restarted_redis_holds_reclaims_for_the_grace(tmp_path: Path, kv
     finally:
         await store.close()
         server.stop()
+
+
+async def test_a_redis_user_without_info_is_refused_at_start() -> None:
+    """The functions read the run id with INFO: an ACL user without it fails the start with
+    a clear error, and nothing is left running."""
+    server = RedisProcess("--save", "", "--appendonly", "no")
+    admin = aioredis.Redis.from_url(server.url)
+    try:
+        await admin.acl_setuser("kv", enabled=True, passwords=["+pw"], keys=["*"],
+                                channels=["*"], commands=["+@all", "-info"])
+        config = RegistryConfig(backend="redis", redis_namespace="acl",
+                                redis_url=f"redis://kv:pw@127.0.0.1:{server.port}/0")
+        store = RedisStore(config, SystemClock())
+        with pytest.raises(OSError, match=r"refused the registry's functions: .*can't run"):
+            await store.start()
+        assert store._redis is None and store._reader is None
+    finally:
+        await admin.aclose()
+        server.stop()

@@ -151,7 +151,12 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
         await self._check_eviction_policy()
         await self._check_layout()
         self._use_pin_secret(await self._shared_pin_secret())
-        await self.tick()  # primes counts
+        try:
+            await self.tick()  # primes counts
+        except ResponseError as exc:  # an ACL user without a command the functions run (INFO)
+            await self.close()
+            raise OSError(f"Redis at {redacted(url)} refused the registry's functions: {exc}"
+                          ) from exc
         if self._outdated:  # a newer replica raised the minimum since the check above
             await self.close()
             raise OSError(self._outdated)
