@@ -124,20 +124,27 @@ def test_observability_profile_loads_the_files_under_deploy() -> None:
         if "--port" in command:
             ports.add(int(command[command.index("--port") + 1]))
         ports |= {int(s.split("=")[1]) for s in command if s.startswith("metrics_port=")}
-        if any(s.startswith("metrics_port=") for s in command):
-            assert "metrics_host=0.0.0.0" in command, name  # reachable from Prometheus
+        if name in ("prefill", "decode", "prefill-cpu", "decode-cpu"):
+            # The connector's metrics are scraped once, from vLLM's /metrics on --port: a
+            # separate metrics port would be a second copy of every series.
+            assert not any(s.startswith(("metrics_port=", "metrics_host=")) for s in command), (
+                name)
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert set(jobs) == {"kvbridge-registry", "kvbridge-router", "kvbridge-gateway",
-                         "kvbridge-engines", "kvbridge-connector"}
+                         "kvbridge-engines"}
     engines = {"prefill", "decode", "prefill-cpu", "decode-cpu"}
     for job in jobs.values():
         [sd] = job["dns_sd_configs"]
         for host in sd["names"]:
             assert sd["port"] in served[host], (job["job_name"], host, sd["port"])
         if set(sd["names"]) == engines:
+            assert sd["port"] == 8000  # vLLM's /metrics: vllm:* and kvbridge_connector_*
             assert {r["target_label"] for r in job["relabel_configs"]} == {"component", "pod"}
     assert {n for job in jobs.values() for n in job["dns_sd_configs"][0]["names"]} == {
         "registry", "registry-2", "router", "gateway", *engines}
+    # Each engine is scraped by one job (two would count the connector's series twice).
+    assert [name for name, job in jobs.items()
+            if set(job["dns_sd_configs"][0]["names"]) & engines] == ["kvbridge-engines"]
     # Grafana: the provisioned datasource is this Prometheus; the dashboard provider reads the
     # folder the dashboard is mounted at.
     grafana = _mounts("grafana")

@@ -487,9 +487,10 @@ def test_engines_are_plain_vllm_serve_with_the_connector(overlay: str, role: str
     assert settings.tls_ca == "/etc/kvbridge/tls/ca.crt"
     assert settings.router == ("kvbridge-router:50061" if role == "prefill" else "")
     assert settings.token_env == "KVBRIDGE_TOKEN"
-    # The connector's metrics, on the port the engines' Service names for the ServiceMonitor.
-    assert (settings.metrics_host, settings.metrics_port) == ("0.0.0.0", 9400)
-    assert {"name": "kv-metrics", "containerPort": 9400} in vllm["ports"]
+    # The connector's metrics are served on vLLM's /metrics (port http), scraped there: no
+    # separate metrics port (it would be a second copy of every series).
+    assert settings.metrics_port == 0
+    assert {p["name"] for p in vllm["ports"]} == {"http", "nixl"}
     env = _env(overlay, vllm)
     assert env["KVBRIDGE_TOKEN"] == SECRET_VALUE  # from kvbridge-client-tokens, never inline
     assert SECRET_VALUE not in " ".join(argv)
@@ -624,10 +625,11 @@ def test_monitoring_objects_have_their_shape_and_real_metrics() -> None:
     assert set(scraped) == {"kvbridge-registry", "kvbridge-router", "kvbridge-gateway",
                             "kvbridge-engines"}
     ports = {p["name"] for s in scraped.values() for p in s["spec"]["ports"]}
-    assert {e["port"] for e in monitor["spec"]["endpoints"]} == {"metrics", "http",
-                                                                  "kv-metrics", "https"}
+    endpoints = [e["port"] for e in monitor["spec"]["endpoints"]]
+    assert sorted(endpoints) == ["http", "https", "metrics"]
+    # The engines: vLLM's /metrics on port http, with the connector's metrics in it.
     engine_ports = {p["name"]: p["port"] for p in services["kvbridge-engines"]["spec"]["ports"]}
-    assert engine_ports == {"http": 8000, "kv-metrics": 9400}
+    assert engine_ports == {"http": 8000}
     for endpoint in monitor["spec"]["endpoints"]:
         assert set(endpoint) <= {"port", "path", "interval", "scheme", "tlsConfig",
                                  "relabelings"}

@@ -113,14 +113,23 @@ def test_every_query_parses_and_names_its_metrics() -> None:
         'or absent(up{job="e"})') == {"a_bucket", "vllm:b", "up"}
 
 
-def test_per_model_panels_filter_by_the_model_variable() -> None:
-    # A connector's metrics have no model: the panels join them to the model_name of the same
-    # engine's vLLM metrics (same `pod`), filtered by $model.
+def test_connector_queries_filter_by_their_own_model_name() -> None:
+    # The connector's metrics come from the engines' vLLM /metrics, labelled model_name by
+    # vLLM: every selector of one filters by $model on that label, and no query borrows the
+    # model from vLLM's own metrics by a join.
+    selector = re.compile(r"kvbridge_connector_[a-z_]+(\{[^}]*\})?")
+    checked = 0
     for panel in _panels():
         for target in panel["targets"]:
             expr = target["expr"]
-            if "{{model_name}}" in target["legendFormat"] and "kvbridge_connector" in expr:
-                assert 'group_left (model_name)' in expr and '$model' in expr, panel["title"]
+            for found in selector.finditer(expr):
+                assert 'model_name=~"$model"' in (found[1] or ""), (panel["title"], expr)
+                checked += 1
+            if "kvbridge_connector" in expr:
+                assert "group_left" not in expr and "vllm:" not in expr, (panel["title"], expr)
+    assert checked > 10
+    for where, expr in rule_queries():
+        assert "group_left" not in expr, where
 
 
 # ==== the metric names: every one queried is exported ========================================
@@ -135,7 +144,8 @@ def test_every_queried_kvbridge_metric_is_exported_by_real_servers() -> None:
     with control_plane() as urls:
         for service, url in urls.items():
             exported[service] = series_names(scrape(url))
-    # The connector serves this registry from each engine's engine-core process.
+    # The connector's metrics registry: its snapshots are what the engines' vLLM /metrics serve
+    # (connector/_prom.py), under the same names.
     exported["connector"] = series_names(generate_latest(ConnectorMetrics().registry).decode())
     for service, names in exported.items():
         assert any(n.startswith(f"kvbridge_{service}_") for n in names), (service, names)
