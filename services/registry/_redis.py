@@ -98,7 +98,8 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
                  ) -> None:
         self.config = config
         self.clock = clock
-        # When the shared state is found empty, hold reclaims for the grace (0: tests).
+        # When Redis may have lost pins (empty state, a restart, a failover: store.lua's
+        # hold_until), hold reclaims for the grace (0: tests).
         self._grace = config.effective_recovery_grace_s if recovering else 0.0
         self.prefix = f"{{{config.redis_namespace}}}:"
         self._quotas = config.tenant_quotas()

@@ -159,8 +159,9 @@ class LeaseStore(Protocol):
 
     async def reclaim_hold(self) -> float:
         """Seconds left of the recovery grace, 0 when over. A store that starts empty may have
-        lost its state (a restart): pins from before may be live, so for that long no lease is
-        reclaimable, whatever its own pin count says (DESIGN invariant 7)."""
+        lost its state (a restart; on Redis also a restart or failover of Redis): pins from
+        before may be live, so for that long no lease is reclaimable, whatever its own pin
+        count says (DESIGN invariant 7)."""
         ...
 
     def next_deadline(self) -> float | None:

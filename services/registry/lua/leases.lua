@@ -154,7 +154,7 @@ local function get_lease(keys, args)
   return {'OK', stamp(), lease_enc(lid), holder_enc(redis.call('HGET', P .. 'l:' .. lid, 'h'))}
 end
 
--- Seconds left of the recovery grace (0 when over), which `begin` started if state was empty.
+-- Seconds left of the recovery grace (0 when over): see `hold_until` (store.lua).
 local function hold(keys, args)
   begin(keys, args)
   return {'OK', stamp(), F(math.max(HOLD_UNTIL - NOW, 0))}
