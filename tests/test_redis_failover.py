@@ -298,11 +298,13 @@ async def test_a_restarted_redis_holds_reclaims_for_the_grace(tmp_path: Path, kv
     durable = ("--dir", str(tmp_path), "--appendonly", "yes", "--appendfsync", "always",
                "--save", "")
     server = RedisProcess(*durable)
-    config = RegistryConfig(backend="redis", redis_url=server.url, redis_namespace="restart",
-                            max_pin_ttl_s=PIN_TTL, default_pin_ttl_s=PIN_TTL)
-    store = RedisStore(config, SystemClock())
-    await store.start()
-    try:
+    store: RedisStore | None = None
+    try:  # from here on the server is stopped whatever fails
+        config = RegistryConfig(backend="redis", redis_url=server.url,
+                                redis_namespace="restart", max_pin_ttl_s=PIN_TTL,
+                                default_pin_ttl_s=PIN_TTL)
+        store = RedisStore(config, SystemClock())
+        await store.start()
         await store.advance_clock(GRACE + 0.5)
         await store.register_holder(holder(ttl=300.0))
         lease = (await store.grant(grant_spec(kv, kv.tokens(8)))).lease
@@ -315,7 +317,8 @@ async def test_a_restarted_redis_holds_reclaims_for_the_grace(tmp_path: Path, kv
         await store.advance_clock(GRACE + 0.1)
         assert await store.heartbeat("h1") == ([lease.lease_id], 300.0)
     finally:
-        await store.close()
+        if store is not None:
+            await store.close()
         server.stop()
 
 
