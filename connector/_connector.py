@@ -87,6 +87,10 @@ BridgeStats.make_nixl = NixlPullConnector.build_kv_connector_stats
 class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
     # Whether this vLLM has the names synchronous reads use (the scheduler side asks once).
     _sync_names: bool | None = None
+    # Prefill: steps are measured for the cost model (`_vllm.COST` usable); and the snapshots
+    # of kvbridge's metrics for vLLM's /metrics (None: no control plane). Set in __init__.
+    _step_shapes: bool = False
+    _snapshots: Snapshots | None = None
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any) -> None:
@@ -118,8 +122,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         self._prefix_caching = _vllm.prefix_caching(vllm_config.cache_config)
         self._async_scheduling = _vllm.async_scheduling(vllm_config.scheduler_config)
         self.pin_guard: PinGuard | None = None
-        self._snapshots: Snapshots | None = None  # scheduler: kvbridge's figures to vLLM's
-        self._step_shapes = False  # prefill: steps are measured for the cost model (`COST`)
+        self._snapshots = None
+        self._step_shapes = False
         self._boot_id = boot_id()
         if role == KVConnectorRole.WORKER:
             worker = _vllm.nixl_worker(self)
