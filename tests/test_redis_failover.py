@@ -89,8 +89,11 @@ class Fleet:
         return f"redis://{self.vip.address}/0"
 
     async def synced(self) -> None:
-        """Until the replica has everything the primary has."""
+        """Until the replica has everything the primary has. WAIT counts the replicas that
+        acknowledged this connection's own last write, and the stores wrote on theirs: a write
+        here first puts everything before it into what is waited for."""
         primary = self.client(self.primary)
+        await primary.incr("synced")
         for _ in range(200):
             if await primary.wait(1, 100) >= 1:
                 return
@@ -281,14 +284,16 @@ async def test_a_failover_that_loses_a_pin_never_frees_the_lease_under_it(
         fleet: Fleet, kv: Any) -> None:
     """Whatever the interleaving, no registry replica (the one that granted the pin, another,
     one started after the failover) tells decode to free the lease before the lost pin's
-    deadline. Then, with the failover passed off as no failover, the same rounds do: the
-    rounds can see an unsafe reclaim."""
+    deadline. Then, with the failover passed off as no failover, such rounds do: the rounds
+    can see an unsafe reclaim."""
     rng = random.Random(SEED)
     for i in range(ROUNDS):
         unsafe, what = await _round(fleet, kv, rng, defeat=False)
         assert unsafe == 0, f"round {i} (seed {SEED}): {what}"
-    caught = [(await _round(fleet, kv, rng, defeat=True))[0] for _ in range(4)]
-    assert all(n > 0 for n in caught), caught
+    # Not every interleaving can: one that kills the lease late, or reads it again after the
+    # failover (a new pin that ends first), is told only after the lost pin's deadline anyway.
+    caught = [await _round(fleet, kv, rng, defeat=True) for _ in range(4)]
+    assert any(n > 0 for n, _ in caught), caught
 
 
 async def test_a_restarted_redis_holds_reclaims_for_the_grace(tmp_path: Path, kv: Any) -> None:

@@ -8,6 +8,7 @@ to its baseline once the conversations end.
 
 from __future__ import annotations
 
+import itertools
 import random
 import signal
 import statistics
@@ -107,6 +108,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         registry.stop()
 
 
+def _misses(decisions: dict[str, float]) -> float:
+    """Lookups the registry answered with a miss (it was reached, within the deadline)."""
+    return sum(v for k, v in decisions.items() if k.startswith("miss_"))
+
+
 def _history(seed: int, n: int = 400) -> tuple[random.Random, list[int]]:
     rng = random.Random(seed)
     return rng, [rng.randrange(10, 1000) for _ in range(n)]
@@ -194,20 +200,24 @@ def test_registry_killed_mid_pin_loses_no_lease(stack: Stack) -> None:
             assert time.monotonic() < deadline, "decode did not restore its lease in 30 s"
             time.sleep(0.2)
     # Prefill's channel to the registry (through the proxy) may be waiting out its reconnect
-    # backoff (at most 2 s): until it is connected, a lookup is a registry_error and the turn
-    # recomputes, which is right but reads nothing. Turns of another conversation find out.
-    _, probe = _history(4, 64)
-    while True:
-        errors = stack.decisions().get("registry_error", 0.0)
-        stack.turn(probe, "restart-probe")
-        if stack.decisions().get("registry_error", 0.0) == errors:
+    # backoff (at most 2 s): until it is connected, a lookup fails (registry_error) or outlasts
+    # the read deadline, and the turn recomputes, which is right but reads nothing. Turns of a
+    # conversation without a lease find out: the registry answered once one is a miss in time.
+    _, probe = _history(4, 128)  # long enough to be looked up
+    for attempt in itertools.count():
+        misses = _misses(stack.decisions())
+        stack.turn(probe, f"restart-probe-{attempt}")  # a new one each time: no lease
+        if _misses(stack.decisions()) > misses:
             break
         assert time.monotonic() < deadline, "prefill did not reach the restarted registry"
         time.sleep(0.5)
     history = held + _more(rng)
-    reused = stack.reused()
+    reused, before = stack.reused(), stack.decisions()
     assert stack.turn(history, "restart")[0] == stack.turn(history, None)[0]
-    assert stack.reused() > reused, "the restored lease was not read"
+    after = stack.decisions()
+    assert stack.reused() > reused, (
+        "the restored lease was not read: "
+        f"{ {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)} }")
     # The conversation ends: decode's KV goes back to where it was before it.
     with RegistryClient(stack.registry.address) as client:
         for lease in list(client.iter_leases(tenant=TENANT)):
