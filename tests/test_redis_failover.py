@@ -32,7 +32,14 @@ from test_store_contract import grant_spec, holder
 from kvbridge import errors
 from kvbridge.clock import SystemClock
 from kvbridge.faultproxy import FaultProxy
-from kvbridge.services.registry import EventType, LeaseEvent, RegistryConfig
+from kvbridge.services.registry import (
+    EventType,
+    LeaseEvent,
+    LeaseState,
+    MissReason,
+    RegistryConfig,
+    Snapshot,
+)
 from kvbridge.services.registry._redis import RedisStore
 
 PIN_TTL = 5.0  # the longest pin: the grace after a loss of state is this + 1 s
@@ -180,6 +187,7 @@ async def _round(fleet: Fleet, kv: Any, rng: random.Random, defeat: bool) -> tup
         idle = SHORT if kill == "expire" else 60.0
         lease = (await pick().grant(grant_spec(kv, kv.tokens(8), idle_ttl=idle))).lease
         lease_id = lease.lease_id
+        held = [lease_id]  # what decode holds (it frees nothing it was not told to)
         await fleet.synced()
         fleet.link.set(drop=True)  # from now on the replica hears nothing
         reader = rng.choice("AB")
@@ -227,7 +235,14 @@ async def _round(fleet: Fleet, kv: Any, rng: random.Random, defeat: bool) -> tup
                     if lease_id in reg.reclaimable:
                         await note(f"register on {name}")
             else:
-                freed, _ = await _retry(lambda: store.heartbeat("h1"))
+                try:
+                    freed, _ = await _retry(lambda: store.heartbeat("h1"))
+                except errors.HolderNotFound:  # as decode does: register again, with its leases
+                    if kill == "deregister" and killed:
+                        return
+                    reg = await _retry(lambda: store.register_holder(holder(ttl=300.0),
+                                                                     held_ids=held))
+                    freed = reg.reclaimable
                 if lease_id in freed:
                     await note(f"heartbeat on {name}")
             got = await _retry(lambda: store.get_lease(lease_id))
@@ -240,7 +255,8 @@ async def _round(fleet: Fleet, kv: Any, rng: random.Random, defeat: bool) -> tup
             store = stores[name]
             steps.append(f"killed on {name}")
             if kill == "supersede":
-                await _retry(lambda: store.grant(grant_spec(kv, kv.tokens(12))))
+                held.append((await _retry(lambda: store.grant(grant_spec(kv, kv.tokens(12)))
+                             )).lease.lease_id)
             elif kill == "revoke":
                 dead = await _retry(lambda: store.revoke(lease_id))
                 if dead.reclaimable and await _retry(store.reclaim_hold) <= 0:
@@ -296,6 +312,55 @@ async def test_a_failover_that_loses_a_pin_never_frees_the_lease_under_it(
     assert any(n > 0 for n, _ in caught), caught
 
 
+async def test_a_failover_that_loses_a_grant_never_reads_a_lease_its_holder_freed(
+        fleet: Fleet, kv: Any) -> None:
+    """The other way round: the promoted replica lacks a grant that superseded a lease, and
+    decode, told so by the old primary, freed the superseded lease's blocks; the replica still
+    has that lease live. No read pins it: a holder's leases are read again only once it has
+    registered with the new primary, with what it holds (then the lease it freed is revoked,
+    and the one it holds restored from its snapshot)."""
+    namespace = "fo-" + uuid.uuid4().hex[:10]
+    config = RegistryConfig(backend="redis", redis_url=fleet.vip_url, redis_namespace=namespace,
+                            max_pin_ttl_s=PIN_TTL, default_pin_ttl_s=PIN_TTL)
+    store = RedisStore(config, SystemClock())
+    await _retry(store.start)
+    try:
+        await store.advance_clock(GRACE + 0.5)  # past the grace of the fresh namespace
+        await store.tick()
+        await store.register_holder(holder(ttl=300.0))
+        old_tokens, new_tokens = kv.tokens(8), kv.tokens(12)
+        first = (await store.grant(grant_spec(kv, old_tokens))).lease
+        await fleet.synced()
+        fleet.link.set(drop=True)  # the replica gets nothing more
+        spec = grant_spec(kv, new_tokens)
+        second = (await store.grant(spec)).lease
+        assert (await store.heartbeat("h1"))[0] == [first.lease_id]  # decode frees it
+        await store.heartbeat("h1", [first.lease_id])  # and says so
+
+        async def nothing(_: aioredis.Redis) -> None:
+            return None
+
+        await fleet.fail_over(nothing)
+        assert (await fleet.client(fleet.primary).hget(
+            "{" + namespace + "}:l:" + first.lease_id, "s")) is not None  # back, as it was
+        for read in (
+                await _retry(lambda: store.acquire_read("t1", "c1",
+                                                        kv.prompt_hashes(old_tokens))),
+                await store.pin_lease("t1", "c1")):
+            assert read.pin is None and read.miss is MissReason.HOLDER_GONE, read
+        with pytest.raises(errors.HolderNotFound):  # its next heartbeat: register again
+            await store.heartbeat("h1")
+        reg = await store.register_holder(
+            holder(ttl=300.0), [Snapshot(second.lease_id, spec, second.epoch, 0.0)])
+        assert reg.restored == [second.lease_id]
+        assert (await store.get_lease(first.lease_id)).state is LeaseState.REVOKED
+        read = await store.acquire_read("t1", "c1", kv.prompt_hashes(new_tokens))
+        assert read.miss is MissReason.HIT and read.lease is not None
+        assert read.lease.lease_id == second.lease_id
+    finally:
+        await store.close()
+
+
 async def test_a_restarted_redis_holds_reclaims_for_the_grace(tmp_path: Path, kv: Any) -> None:
     """Redis restarted from its append-only file: it may be an older one (fsync'd once a
     second, or restored from a backup), which no replica can tell; so reclaims wait for the
@@ -317,7 +382,10 @@ async def test_a_restarted_redis_holds_reclaims_for_the_grace(tmp_path: Path, kv
         assert await store.heartbeat("h1") == ([lease.lease_id], 300.0)
         server.stop()
         server = RedisProcess(*durable, port=server.port)
-        assert await _retry(lambda: store.heartbeat("h1")) == ([], 300.0)
+        with pytest.raises(errors.HolderNotFound):  # register again, with what it holds
+            await _retry(lambda: store.heartbeat("h1"))
+        reg = await store.register_holder(holder(ttl=300.0), held_ids=[lease.lease_id])
+        assert reg.reclaimable == []
         assert await store.reclaim_hold() == pytest.approx(GRACE, abs=0.5)
         await store.advance_clock(GRACE + 0.1)
         assert await store.heartbeat("h1") == ([lease.lease_id], 300.0)

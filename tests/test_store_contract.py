@@ -1246,6 +1246,15 @@ async def test_redis_outage_fails_fast_and_service_resumes(tmp_path: Path, kv: A
         assert await store.tick() == 0  # the scheduler keeps going
         assert time.monotonic() - started < 2.0  # readers fail open, they do not wait
         server = RedisProcess(*durable, port=server.port)  # back, with its append-only file
+        # Another Redis process (it may have come back from an older file): the holder's
+        # leases are not read until it registers again with what it holds, which its next
+        # heartbeat asks for.
+        read = await store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
+        assert read.miss is MissReason.HOLDER_GONE and read.pin is None
+        with pytest.raises(errors.HolderNotFound):
+            await store.heartbeat("h1")
+        reg = await store.register_holder(holder(ttl=300.0), held_ids=[lease.lease_id])
+        assert reg.reclaimable == []
         read = await store.acquire_read("t1", "c1", kv.prompt_hashes(kv.tokens(8)))
         assert read.miss is MissReason.HIT and read.lease is not None
         assert read.lease.lease_id == lease.lease_id

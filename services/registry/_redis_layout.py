@@ -4,6 +4,7 @@ state, stops serving or refuses to start).
 
 Keys (P = `{namespace}:`, a Redis Cluster hash tag, so all keys of a fleet live in one slot):
   P h:<holder>       hash: host port tp bs fp ttl x(expire) ver s(state) la(lost at) rb(blocks)
+                     rid(the run id of the Redis it registered with; layout 5)
   P ha:<holder>      set: the holder's ACTIVE lease ids
   P hd:<holder>      set: its dead lease ids the holder has not confirmed freeing
   P holders          zset: live (active, draining) holder -> expire time
@@ -73,9 +74,13 @@ log = structlog.get_logger("kvbridge.registry")
 # replicas neither index the leases they grant or restore (those are not found by content)
 # nor take the leases they kill out of the index (the lookup checks the lease an entry names
 # and drops an entry it should not hold), which misreads nothing either; a lease granted
-# before has no keys and is just not indexed.
-LAYOUT = 4
-LAYOUT_MIN = 2  # the oldest layout that may share a namespace with this one
+# before has no keys and is just not indexed. Layout 5 records in each holder the run id of the
+# Redis it registered with and reads only the leases of holders registered with the Redis that
+# serves the state (store.lua `confirmed`): an older replica would read leases that a failover
+# or a restart from an older file brought back after their holder had freed them, so layout 5
+# needs the older ones gone.
+LAYOUT = 5
+LAYOUT_MIN = 5  # the oldest layout that may share a namespace with this one
 
 
 class LayoutRecord:

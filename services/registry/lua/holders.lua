@@ -89,7 +89,7 @@ local function register(keys, args)
   end
   local x = NOW + ttl
   redis.call('HSET', H, 'host', host, 'port', port, 'ver', version, 'ttl', F(ttl), 'x', F(x),
-             's', H_ACTIVE)
+             's', H_ACTIVE, 'rid', run_id())
   redis.call('ZADD', P .. 'holders', F(x), hid)
   -- The holder is the source of truth for its memory: an active lease it no longer lists
   -- must never be read again.
@@ -124,7 +124,9 @@ local function heartbeat(keys, args)
   local n = begin(keys, args)
   local hid = args[1]  -- then the ids of dead leases the holder has freed, args[2 .. n]
   local s = holder_state(hid)
-  if not s or s == H_LOST then return {'ERR', ERR_HOLDER_NOT_FOUND} end
+  if not s or s == H_LOST or not confirmed(hid) then  -- (unconfirmed: register again)
+    return {'ERR', ERR_HOLDER_NOT_FOUND}
+  end
   local H = P .. 'h:' .. hid
   local ttl = redis.call('HGET', H, 'ttl')
   local x = NOW + tonumber(ttl)

@@ -15,10 +15,10 @@ local function matching(ours, theirs, blocks)
 end
 
 -- Whether a lease (its LF fields) of a holder (its HF fields) can be read as they stand: a
--- live lease of an active, unexpired holder.
+-- live lease of an active, unexpired holder that registered with this Redis (`confirmed`).
 local function live(lf, hf)
   return hf[9] and tonumber(lf[12]) == ACTIVE and tonumber(lf[11]) > NOW
-         and tonumber(hf[9]) == H_ACTIVE and tonumber(hf[7]) > NOW
+         and tonumber(hf[9]) == H_ACTIVE and tonumber(hf[7]) > NOW and confirmed(lf[3])
 end
 
 -- Whether `key` is one of the history keys `hk` (a lease's, concatenated), last first.
@@ -136,7 +136,8 @@ local function read(keys, args)
   if not live(lf, hf) then
     local s = refresh(lid)
     if s ~= ACTIVE then return miss(MISS_FOR_STATE[s], 0, 0, 0) end
-    return miss(MISS_HOLDER_GONE, 0, 0, 0)  -- a live lease whose holder is draining
+    -- a live lease whose holder is draining, or has yet to register with this Redis
+    return miss(MISS_HOLDER_GONE, 0, 0, 0)
   end
   local n, bs = tonumber(lf[6]), tonumber(hf[4])
   local created, life = tonumber(lf[10]), tonumber(lf[9])

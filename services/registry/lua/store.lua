@@ -29,16 +29,33 @@ local function F(x) return string.format('%.6f', x) end
 -- So the state keeps the run id of the Redis that serves it (`rid`), and the first call that
 -- finds another (every replica's calls check, in the function that decides) holds reclaims for
 -- the grace: every pin granted before, lost or not, ends first.
-local function hold_until()
+--
+-- The other way round, such state may hold leases that their holders have freed: the grant
+-- that superseded one, or the revoke, and the holder's confirmation that it freed the blocks,
+-- lost with the writes that did not reach it. So each holder record keeps the run id it was
+-- registered under (`rid`, see `confirmed`): a holder registered under another Redis process
+-- is asked to register again, with the leases it holds (its heartbeat answers HOLDER_NOT_FOUND),
+-- and none of its leases is read until it has.
+local function run_id()
   RUN_ID = RUN_ID or string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
     or error('kvbridge: Redis tells no run_id (INFO server)')
+  return RUN_ID
+end
+
+local function hold_until()
   local v = redis.call('MGET', P .. 'rid', P .. 'hold_until')
   local until_ = tonumber(v[2] or '0')
-  if v[1] ~= RUN_ID then
+  if v[1] ~= run_id() then
     until_ = math.max(until_, NOW + GRACE)
     redis.call('MSET', P .. 'rid', RUN_ID, P .. 'hold_until', F(until_))
   end
   return until_
+end
+
+-- Whether a holder registered with the Redis process that serves the state (see above): only
+-- then does it hold what the state says it does.
+local function confirmed(hid)
+  return redis.call('HGET', P .. 'h:' .. hid, 'rid') == run_id()
 end
 
 -- Start a call: read the call context (the last CONTEXT_ARGS arguments: the stream's MAXLEN,
