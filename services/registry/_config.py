@@ -28,7 +28,10 @@ class RegistryConfig(SecuritySettings):
         "memory", "where leases live: memory (this process only) or redis (shared by every "
         "replica that names the same --redis-url and --redis-namespace)")
     redis_url: str = setting(
-        "", "with --backend redis: the Redis (or Valkey) URL, e.g. redis://127.0.0.1:6379/0")
+        "", "with --backend redis: the Redis (or Valkey) URL: redis://HOST:PORT/DB, "
+        "rediss://... for TLS (?ssl_ca_certs=FILE&ssl_certfile=FILE&ssl_keyfile=FILE), "
+        "unix:///PATH, or redis+sentinel://S1:26379,S2:26379,S3:26379/SERVICE[/DB] (rediss+"
+        "sentinel:// for TLS) to follow Sentinel's primary")
     redis_namespace: str = setting(
         "kvbridge", "with --backend redis: the key prefix (a Redis Cluster hash tag) that "
         "replicas of one fleet share")
@@ -148,6 +151,10 @@ class RegistryConfig(SecuritySettings):
         if self.backend == "redis" and not self.redis_url:
             raise ValueError("backend redis needs redis_url (--redis-url or "
                              "KVBRIDGE_REGISTRY_REDIS_URL)")
+        if self.backend == "redis":
+            from kvbridge.services.registry._redis_url import check_url
+
+            check_url(self.redis_url)
         if self.list_rate_per_principal < 0:
             raise ValueError("list_rate_per_principal must not be negative")
         if not self.redis_namespace or any(c in self.redis_namespace for c in "{} \t\n"):

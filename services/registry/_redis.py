@@ -65,6 +65,7 @@ from kvbridge.services.registry._model import Holder, Lease, LeaseState, MissRea
 from kvbridge.services.registry._redis_calls import (
     RECONNECT,
     FunctionCalls,
+    connect,
     no_retry,
     not_serving,
     pool_checks,
@@ -130,12 +131,11 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
         url = self.config.redis_url
         try:
             # Function calls (and every other write) go through this one: never resent.
-            self._redis = aioredis.Redis.from_url(url, socket_connect_timeout=2.0,
-                                                  socket_timeout=5.0, retry=no_retry(),
-                                                  **pool_checks())
-            self._tail = aioredis.Redis.from_url(url, socket_connect_timeout=2.0,
-                                                 socket_timeout=EVENT_BLOCK_MS / 1000 + 5.0,
-                                                 retry=retry_once(), **pool_checks())
+            self._redis = connect(url, socket_connect_timeout=2.0, socket_timeout=5.0,
+                                  retry=no_retry(), **pool_checks())
+            self._tail = connect(url, socket_connect_timeout=2.0,
+                                 socket_timeout=EVENT_BLOCK_MS / 1000 + 5.0, retry=retry_once(),
+                                 **pool_checks())
             await self._redis.ping()
             last = await self._redis.xrevrange(self._events_key, count=1)
         except (RedisError, OSError, ValueError) as exc:

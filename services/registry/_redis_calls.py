@@ -14,12 +14,17 @@ import inspect
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from kvbridge.services.registry._redis_lua import Library
+from kvbridge.services.registry._redis_url import check_url, redacted, sentinel_parts
+
+__all__ = ["check_url", "connect", "redacted"]
 
 # Error replies of a Redis that cannot serve now, whatever the call: an outage to the caller
 # (who retries or fails over), not a function's error. OOM: a full Redis refuses every write.
@@ -74,12 +79,48 @@ def pool_checks() -> dict[str, Any]:
     return {"maint_notifications_config": MaintNotificationsConfig(enabled=False)}
 
 
-def redacted(url: str) -> str:
-    """The URL without a password, for logs."""
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        rest = "***@" + rest.split("@", 1)[1]
-    return scheme + sep + rest
+def connect(url: str, **options: Any) -> aioredis.Redis:
+    """A client for `url` (see `check_url`): redis-py's own URLs, TLS (`rediss://`, its options
+    as query arguments such as `ssl_ca_certs`, `ssl_certfile`, `ssl_keyfile`), or a primary
+    found through Sentinel, which redis-py asks again whenever a connection to it fails (a
+    failover). `options` go to the connections to the primary. The sentinels themselves are
+    reached with the same TLS settings and with `sentinel_username`/`sentinel_password` from
+    the query, if any (Sentinel has its own users)."""
+    check_url(url)
+    if not url.partition("://")[0].endswith("+sentinel"):
+        return aioredis.Redis.from_url(url, **options)
+    sentinels, service, plain = sentinel_parts(url)
+    kwargs: dict[str, Any] = dict(parse_url(plain))
+    kwargs.pop("host", None)
+    kwargs.pop("port", None)
+    tls = kwargs.pop("connection_class", None) is not None  # SSLConnection: rediss
+    own = {k.removeprefix("sentinel_"): kwargs.pop(k) for k in list(kwargs)
+           if k in ("sentinel_username", "sentinel_password")}
+    ssl_opts = {k: v for k, v in kwargs.items() if k.startswith("ssl_")}
+    sentinel_kwargs = {"socket_connect_timeout": options.get("socket_connect_timeout", 2.0),
+                       "socket_timeout": options.get("socket_connect_timeout", 2.0),
+                       **own, **({"ssl": True, **ssl_opts} if tls else {})}
+    primary: dict[str, Any] = {**kwargs, **options, **({"ssl": True} if tls else {})}
+    sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs)
+    client: _SentinelPrimary = sentinel.master_for(service, redis_class=_SentinelPrimary,
+                                                   **primary)
+    client.sentinel_manager = sentinel
+    return client
+
+
+class _SentinelPrimary(aioredis.Redis):
+    """A client of Sentinel's primary that also closes its connections to the sentinels: a
+    `master_for` client leaves them to its `Sentinel`, which nothing else here would close
+    (each store's start and close would leave them open)."""
+
+    sentinel_manager: Sentinel | None = None  # (`sentinel` is the SENTINEL command's)
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        if self.sentinel_manager is not None:
+            # (Sentinel.aclose came long after redis-py 5.2: redis/redis-py#3201)
+            for client in self.sentinel_manager.sentinels:
+                await client.aclose()
 
 
 class FunctionCalls:
