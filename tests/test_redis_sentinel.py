@@ -212,6 +212,8 @@ async def test_a_store_refused_by_tls_fails_to_start_and_writes_nothing(
         assert message.startswith("cannot reach Redis at rediss://127.0.0.1:"), message
         if how != "no client certificate":  # the client refuses the server: it says why
             assert "certificate verify failed" in message, message
+        else:  # the server just drops the connection: the message says what may be missing
+            assert "needs a client certificate: add ssl_certfile" in message, message
         assert await plain.dbsize() == before
         assert not await plain.keys("{" + redis_namespace + "}:*")
         await store.close()  # closing again is harmless
@@ -600,3 +602,13 @@ def _returns(value: Any) -> Any:
         return value()
     return check
 
+
+
+@pytest.mark.parametrize("url", ["redis://app:s3cret@127.0.0.1:1/0",
+                                 "redis+sentinel://127.0.0.1:1/kvb?sentinel_password=s3cret"])
+async def test_a_store_that_cannot_start_never_shows_a_password(url: str) -> None:
+    store = RedisStore(RegistryConfig(backend="redis", redis_url=url, redis_namespace="pw"),
+                       SystemClock())
+    with pytest.raises(OSError, match="cannot reach Redis at") as caught:
+        await store.start()
+    assert "s3cret" not in str(caught.value), caught.value

@@ -140,7 +140,12 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
             last = await self._redis.xrevrange(self._events_key, count=1)
         except (RedisError, OSError, ValueError) as exc:
             await self.close()
-            raise OSError(f"cannot reach Redis at {url}: {exc}") from exc
+            hint = ""
+            if url.startswith("rediss") and "ssl_certfile" not in url:
+                # A Redis that asks for client certificates just drops the connection.
+                hint = (" (a Redis with tls-auth-clients yes needs a client certificate: "
+                        "add ssl_certfile=FILE&ssl_keyfile=FILE to the URL's query)")
+            raise OSError(f"cannot reach Redis at {redacted(url)}: {exc}{hint}") from exc
         self._batcher = FunctionCalls(self._redis, library(), self._events_key)
         try:
             await self._batcher.load()  # refuses a Redis without functions (< 7.0)
