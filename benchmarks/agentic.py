@@ -158,6 +158,9 @@ def engine_counts(url: str) -> dict[str, float]:
         elif (name == "vllm:request_queue_time_seconds_bucket"
               and float(labels.get("le", "inf")) == WAIT_S):
             out["queued_within"] = out.get("queued_within", 0.0) + value
+        elif name == "kvbridge_connector_decisions_total":  # kvbridge's prefill: why it read
+            key = f"decision_{labels.get('decision', '')}"  # or recomputed
+            out[key] = out.get(key, 0.0) + value
     return out
 
 
@@ -481,9 +484,14 @@ def summarize(results: list[TurnResult], delta: dict[str, dict[str, float]],
               samples: list[tuple[float, str, float]], elapsed: float,
               plans: list[ConversationPlan]) -> dict[str, Any]:
     done = [r for r in results if r.ttft_ms is not None]
-    ttft = [r.ttft_ms for r in done if r.ttft_ms is not None]
+    answered_ttft = [r.ttft_ms for r in done if r.ttft_ms is not None]
+    # A turn not answered within the leg waited at least until the leg's end for its first
+    # token: counted at that bound. Left out, a leg that leaves its slowest turns unanswered
+    # would look faster the more of them it leaves.
+    ttft = answered_ttft + [max(elapsed - r.start_s, 0.0) * 1000 for r in results
+                            if r.ttft_ms is None]
     tpot = [r.tpot_ms for r in done if r.tpot_ms is not None]
-    later = [r for r in done if r.turn > 1]
+    later = [r for r in results if r.turn > 1]  # an unanswered one found nothing in time
     decodes = [name for name in delta if name.startswith("decode-")]
     waited = sum(delta[d].get("queued", 0.0) - delta[d].get("queued_within", 0.0)
                  for d in decodes)
@@ -507,6 +515,7 @@ def summarize(results: list[TurnResult], delta: dict[str, dict[str, float]],
         "conversations": len(plans),
         "ttft_p50_ms": _percentile(ttft, 0.5), "ttft_p90_ms": _percentile(ttft, 0.9),
         "ttft_p99_ms": _percentile(ttft, 0.99),
+        "ttft_p90_answered_ms": _percentile(answered_ttft, 0.9),  # answered turns only
         "tpot_p50_ms": _percentile(tpot, 0.5), "tpot_p90_ms": _percentile(tpot, 0.9),
         # The decodes' own mean (vLLM's histogram): what decoding cost, without the hops to
         # the client (kvbridge's answers stream through the gateway).
@@ -514,8 +523,15 @@ def summarize(results: list[TurnResult], delta: dict[str, dict[str, float]],
         "ttft_estimated": any(r.estimated for r in done),
         # Waited in a decode's queue for at least WAIT_S, or never answered within the leg.
         "turns_waited_1s": round(waited) + unanswered,
-        "reuse_hit_rate": (round(sum(1 for r in later if _found_history(r)) / len(later), 3)
+        "reuse_hit_rate": (round(sum(1 for r in later if r.ttft_ms is not None
+                                     and _found_history(r)) / len(later), 3)
                            if later else None),
+        # kvbridge's prefill: each request's read-or-recompute decision (a turn 2+ whose
+        # answer tail was cheaper to recompute than to read counts as recompute_cheaper, and
+        # is not a reuse hit above).
+        "connector_decisions": {k.removeprefix("decision_"): int(v)
+                                for k, v in sorted(prefill.items())
+                                if k.startswith("decision_") and v},
         "tokens_local_cache": int(prefill.get("tokens_local_cache_hit", 0)),
         "tokens_read_back": int(prefill.get("tokens_external_kv_transfer", 0)),
         "tokens_computed": int(prefill.get("tokens_local_compute", 0)),
@@ -579,7 +595,8 @@ def check_targets(summary: dict[str, dict[str, Any]]) -> dict[str, bool | None]:
 def table(summary: dict[str, dict[str, Any]]) -> str:
     rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
             ("TTFT p50 / p90 / p99 ms", lambda s: f"{s['ttft_p50_ms']} / {s['ttft_p90_ms']} / "
-             f"{s['ttft_p99_ms']}" + (" (est.)" if s["ttft_estimated"] else "")),
+             f"{s['ttft_p99_ms']}" + (" (est.)" if s["ttft_estimated"] else "")
+             + (" (>=: unanswered turns at the leg's end)" if s["turns_unanswered"] else "")),
             ("TPOT p50 / p90 ms", lambda s: f"{s['tpot_p50_ms']} / {s['tpot_p90_ms']}"),
             ("decode engines' mean TPOT ms", lambda s: str(s["decode_engine_tpot_ms"])),
             ("turns answered / all", lambda s: f"{s['turns_answered']} / {s['turns']}"),
@@ -590,7 +607,9 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
             ("retained block-seconds", lambda s: str(s["retained_block_seconds"])),
             ("turns per minute", lambda s: str(s["turns_per_minute"])),
             ("new conversations by decode", lambda s: " ".join(
-                f"{k}:{v}" for k, v in s["new_conversations_by_decode"].items()))]
+                f"{k}:{v}" for k, v in s["new_conversations_by_decode"].items())),
+            ("kvbridge prefill's decisions", lambda s: " ".join(
+                f"{k}:{v}" for k, v in s.get("connector_decisions", {}).items()) or "-")]
     legs = list(summary)
     lines = ["| | " + " | ".join(legs) + " |", "|---|" + "---|" * len(legs)]
     for label, cell in rows:

@@ -49,7 +49,8 @@ def test_summary_counts_waits_reuse_blocks_and_balance() -> None:
                _turn(1, 1, 120.0, "decode-1", local=1024),
                _turn(1, 2, 60.0, "decode-1", 0, 100), _turn(2, 1, None, "")]
     delta = {"prefill-0": {"tokens_local_cache_hit": 1024.0, "tokens_external_kv_transfer": 900,
-                           "tokens_local_compute": 3076.0},
+                           "tokens_local_compute": 3076.0, "decision_hit": 1.0,
+                           "decision_recompute_cheaper": 1.0, "decision_miss_no_lease": 0.0},
              "decode-0": {"queued": 3.0, "queued_within": 2.0, "tpot_sum": 0.02,
                           "tpot_count": 3.0},
              "decode-1": {"queued": 2.0, "queued_within": 2.0, "tpot_sum": 0.01,
@@ -66,7 +67,11 @@ def test_summary_counts_waits_reuse_blocks_and_balance() -> None:
     assert s["first_turns_from_local_cache"] == 1.0  # the second first turn (after warm-up)
     assert s["turns_local_and_read_back"] == 0
     assert s["turns_per_minute"] == 8.0
-    assert s["ttft_p50_ms"] == 60.0 and s["ttft_p90_ms"] == 120.0
+    # The unanswered turn (from 1 s in) waited at least to the leg's end (30 s): it counts at
+    # that bound, so the slowest turns of a leg that leaves them unanswered are not dropped.
+    assert s["ttft_p50_ms"] == 100.0 and s["ttft_p90_ms"] == 29000.0
+    assert s["ttft_p90_answered_ms"] == 120.0
+    assert s["connector_decisions"] == {"hit": 1, "recompute_cheaper": 1}
     assert s["decode_engine_tpot_ms"] == 6.0
 
 
