@@ -150,6 +150,12 @@ async def _fleet_now(client: aioredis.Redis, prefix: str) -> float:
     return secs + micros / 1e6 + float(off or 0) + float(fix or 0)
 
 
+async def _serving(client: aioredis.Redis) -> str:
+    """Who serves the state, as the functions record it (store.lua `serving`)."""
+    run_id = (await client.info("server"))["run_id"]
+    return f"{run_id}:{(await client.info('replication'))['master_replid']}"
+
+
 async def _round(fleet: Fleet, kv: Any, rng: random.Random, defeat: bool) -> tuple[int, str]:
     """One interleaving: how many times decode was told it may free the lease while the lost
     pin could be live, and what the round did (for a failure's message)."""
@@ -206,7 +212,7 @@ async def _round(fleet: Fleet, kv: Any, rng: random.Random, defeat: bool) -> tup
 
         async def defeated(new: aioredis.Redis) -> None:
             if defeat:  # the promoted Redis passed off as the one that wrote the state
-                await new.set(prefix + "rid", (await new.info("server"))["run_id"])
+                await new.set(prefix + "rid", await _serving(new))
 
         await fleet.fail_over(defeated)
         new = fleet.client(fleet.primary)
@@ -357,6 +363,45 @@ async def test_a_failover_that_loses_a_grant_never_reads_a_lease_its_holder_free
         read = await store.acquire_read("t1", "c1", kv.prompt_hashes(new_tokens))
         assert read.miss is MissReason.HIT and read.lease is not None
         assert read.lease.lease_id == second.lease_id
+    finally:
+        await store.close()
+
+
+async def test_a_failover_there_and_back_never_reads_a_lease_its_holder_freed(
+        fleet: Fleet, kv: Any) -> None:
+    """The primary stalls and is replaced by a replica that lacks its last writes (a grant
+    that superseded a lease, and decode's word that it freed it); it resyncs from its
+    replacement, taking on that state, and is promoted again before the holder re-registered:
+    the same Redis process, another history. No read pins the freed lease."""
+    namespace = "fo-" + uuid.uuid4().hex[:10]
+    config = RegistryConfig(backend="redis", redis_url=fleet.vip_url, redis_namespace=namespace,
+                            max_pin_ttl_s=PIN_TTL, default_pin_ttl_s=PIN_TTL)
+    store = RedisStore(config, SystemClock())
+    await _retry(store.start)
+    try:
+        await store.advance_clock(GRACE + 0.5)
+        await store.tick()
+        await store.register_holder(holder(ttl=300.0))
+        old_tokens = kv.tokens(8)
+        first = (await store.grant(grant_spec(kv, old_tokens))).lease
+        await fleet.synced()
+        fleet.link.set(drop=True)
+        await store.grant(grant_spec(kv, kv.tokens(12)))
+        assert (await store.heartbeat("h1"))[0] == [first.lease_id]
+        await store.heartbeat("h1", [first.lease_id])
+        primary = fleet.primary
+
+        async def nothing(_: aioredis.Redis) -> None:
+            return None
+
+        await fleet.fail_over(nothing)  # to the replica, no call served there
+        await fleet.synced()  # the old primary now has the replacement's state
+        await fleet.fail_over(nothing)  # and is promoted again
+        assert fleet.primary is primary
+        read = await _retry(lambda: store.acquire_read("t1", "c1", kv.prompt_hashes(old_tokens)))
+        assert read.pin is None and read.miss is MissReason.HOLDER_GONE, read
+        with pytest.raises(errors.HolderNotFound):
+            await store.heartbeat("h1")
     finally:
         await store.close()
 

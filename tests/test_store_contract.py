@@ -329,6 +329,21 @@ async def test_held_leases_come_in_pages(make_backend: Factory, kv: Any) -> None
         await b.store.register_holder(holder(ttl=300.0), snaps[:1], ids, restore_only=True)
 
 
+async def test_a_later_page_for_a_holder_the_store_does_not_know_starts_over(
+        b: Backend, kv: Any) -> None:
+    """A later page of a paged registration (restore only) needs the first page, which
+    revokes what the holder no longer lists, to have run on this state: for a holder the
+    store does not know (a restart or failover between pages), it is refused, changing
+    nothing, and the holder registers again from the first page."""
+    snap = Snapshot("l-page2", grant_spec(kv, kv.tokens(8)), 1, 0.0)
+    with pytest.raises(errors.HolderNotFound):
+        await b.store.register_holder(holder(ttl=300.0), [snap], restore_only=True)
+    assert await b.store.holders() == []
+    assert await b.store.list_leases(include_inactive=True) == []
+    first = await b.store.register_holder(holder(ttl=300.0), [snap], ["l-page2"])
+    assert first.restored == ["l-page2"]
+
+
 async def test_duplicate_block_ids_are_refused(b: Backend, kv: Any) -> None:
     """Issue 32: a lease naming one block twice ([7, 7]) is refused, state unchanged."""
     await b.store.register_holder(holder(ttl=300.0))

@@ -444,6 +444,11 @@ class LeaseTable:
         holder = self._holders.get(spec.holder_id)
         if holder is not None and holder.state is not HolderState.LOST and holder.expire_at <= now:
             self._lose_holder(holder, now)  # it missed its TTL: its leases are lost for good
+        if restore_only and (holder is None or holder.state is HolderState.LOST):
+            # A later page needs the first (which revokes what the holder no longer lists) to
+            # have run on this state; a restart between pages lost it: start again.
+            raise HolderNotFound(f"holder {spec.holder_id!r} is not registered; register it "
+                                 "(again) from the first page", holder=spec.holder_id)
         if holder is not None and holder.state is not HolderState.LOST and (
             holder.block_size != spec.block_size or holder.fingerprint != spec.fingerprint
             or holder.tp_size != spec.tp_size

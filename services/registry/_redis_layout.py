@@ -4,7 +4,7 @@ state, stops serving or refuses to start).
 
 Keys (P = `{namespace}:`, a Redis Cluster hash tag, so all keys of a fleet live in one slot):
   P h:<holder>       hash: host port tp bs fp ttl x(expire) ver s(state) la(lost at) rb(blocks)
-                     rid(the run id of the Redis it registered with; layout 5)
+                     rid(who served the state when it registered, see P rid; layout 5)
   P ha:<holder>      set: the holder's ACTIVE lease ids
   P hd:<holder>      set: its dead lease ids the holder has not confirmed freeing
   P holders          zset: live (active, draining) holder -> expire time
@@ -41,9 +41,10 @@ Keys (P = `{namespace}:`, a Redis Cluster hash tag, so all keys of a fleet live 
                      sending to the others)
   P ticker           hash: o (the ticker token of the replica whose turn it is to run the
                      scheduled ticks), x (until when that turn holds, on the fleet's clock)
-  P rid, P hold_until  the run id of the Redis that serves this state, and until when nothing
-                     is reported reclaimable (pins granted before a loss of Redis data, a
-                     restart or a failover, may still be read; store.lua `hold_until`)
+  P rid, P hold_until  who serves this state (the Redis process's run id and its replication
+                     id: a restart or a promotion changes it), and until when nothing is
+                     reported reclaimable (pins granted before a loss of Redis data, a restart
+                     or a failover, may still be read; store.lua `serving`)
 """
 
 from __future__ import annotations
@@ -74,11 +75,11 @@ log = structlog.get_logger("kvbridge.registry")
 # replicas neither index the leases they grant or restore (those are not found by content)
 # nor take the leases they kill out of the index (the lookup checks the lease an entry names
 # and drops an entry it should not hold), which misreads nothing either; a lease granted
-# before has no keys and is just not indexed. Layout 5 records in each holder the run id of the
-# Redis it registered with and reads only the leases of holders registered with the Redis that
-# serves the state (store.lua `confirmed`): an older replica would read leases that a failover
-# or a restart from an older file brought back after their holder had freed them, so layout 5
-# needs the older ones gone.
+# before has no keys and is just not indexed. Layout 5 records in each holder who served the
+# state when it registered and reads only the leases of holders registered with whoever serves
+# it now (store.lua `confirmed`): an older replica would read leases that a failover or a
+# restart from an older file brought back after their holder had freed them, so layout 5 needs
+# the older ones gone.
 LAYOUT = 5
 LAYOUT_MIN = 5  # the oldest layout that may share a namespace with this one
 

@@ -60,6 +60,11 @@ local function register(keys, args)
   local restore_only, nids = args[tail] == '1', tonumber(args[tail + 1])
   local H = P .. 'h:' .. hid
   local s = holder_state(hid)
+  if restore_only and (not s or s == H_LOST or not confirmed(hid)) then
+    -- A later page needs the first, which revokes what the holder no longer lists, to have
+    -- run on this state (a failover between pages may have lost it): start again.
+    return {'ERR', ERR_HOLDER_NOT_FOUND}
+  end
   if s and s ~= H_LOST then
     local f = redis.call('HMGET', H, 'bs', 'fp', 'tp')
     if f[1] ~= bs or f[2] ~= fp or f[3] ~= tp then
@@ -89,7 +94,7 @@ local function register(keys, args)
   end
   local x = NOW + ttl
   redis.call('HSET', H, 'host', host, 'port', port, 'ver', version, 'ttl', F(ttl), 'x', F(x),
-             's', H_ACTIVE, 'rid', run_id())
+             's', H_ACTIVE, 'rid', serving())
   redis.call('ZADD', P .. 'holders', F(x), hid)
   -- The holder is the source of truth for its memory: an active lease it no longer lists
   -- must never be read again.

@@ -19,43 +19,54 @@ local BASE, RAW, STEPPED, GEN, FIX  -- the clock check (see `begin`)
 local HOLD_UNTIL
 local GRACE   -- the recovery grace, from the call context
 local RUN_ID  -- this Redis process's run id (INFO server), looked up once
+local SERVED  -- who serves the state, for this call (see `serving`; reset by `begin`)
 
 local function F(x) return string.format('%.6f', x) end
 
--- Until when nothing is reported reclaimable. State that another Redis process wrote, or none
--- did, may lack pins that readers hold: a new namespace or a Redis that lost its data (a
--- restarted registry's), a restart from an older file, a failover to an asynchronous replica
--- (it has the primary's state but maybe not its last writes, and no replica can tell which).
--- So the state keeps the run id of the Redis that serves it (`rid`), and the first call that
--- finds another (every replica's calls check, in the function that decides) holds reclaims for
--- the grace: every pin granted before, lost or not, ends first.
+-- Until when nothing is reported reclaimable. State that another Redis wrote, or none did, may
+-- lack pins that readers hold: a new namespace or a Redis that lost its data (a restarted
+-- registry's), a restart from an older file, a failover to an asynchronous replica (it has the
+-- primary's state but maybe not its last writes, and no replica can tell which). So the state
+-- keeps who serves it (`rid`, see `serving`), and the first call that finds another (every
+-- replica's calls check, in the function that decides) holds reclaims for the grace: every pin
+-- granted before, lost or not, ends first.
 --
 -- The other way round, such state may hold leases that their holders have freed: the grant
 -- that superseded one, or the revoke, and the holder's confirmation that it freed the blocks,
--- lost with the writes that did not reach it. So each holder record keeps the run id it was
--- registered under (`rid`, see `confirmed`): a holder registered under another Redis process
--- is asked to register again, with the leases it holds (its heartbeat answers HOLDER_NOT_FOUND),
--- and none of its leases is read until it has.
-local function run_id()
-  RUN_ID = RUN_ID or string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
-    or error('kvbridge: Redis tells no run_id (INFO server)')
-  return RUN_ID
+-- lost with the writes that did not reach it. So each holder record keeps who served the state
+-- when it registered (`rid`, see `confirmed`): a holder registered under another is asked to
+-- register again, with the leases it holds (its heartbeat answers HOLDER_NOT_FOUND), and none
+-- of its leases is read until it has.
+--
+-- Who serves: the Redis process (its run id: a restart) and its term as primary (its
+-- replication id, which a promotion changes). The process alone is not enough: a primary that
+-- stalls, is replaced, resyncs from its replacement (taking on state that lacks its own last
+-- writes) and is promoted again is the same process with another history.
+local function serving()
+  if not SERVED then
+    RUN_ID = RUN_ID or string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
+      or error('kvbridge: Redis tells no run_id (INFO server)')
+    local term = string.match(redis.call('INFO', 'replication'), 'master_replid:(%x+)')
+      or error('kvbridge: Redis tells no master_replid (INFO replication)')
+    SERVED = RUN_ID .. ':' .. term
+  end
+  return SERVED
 end
 
 local function hold_until()
   local v = redis.call('MGET', P .. 'rid', P .. 'hold_until')
   local until_ = tonumber(v[2] or '0')
-  if v[1] ~= run_id() then
+  if v[1] ~= serving() then
     until_ = math.max(until_, NOW + GRACE)
-    redis.call('MSET', P .. 'rid', RUN_ID, P .. 'hold_until', F(until_))
+    redis.call('MSET', P .. 'rid', SERVED, P .. 'hold_until', F(until_))
   end
   return until_
 end
 
--- Whether a holder registered with the Redis process that serves the state (see above): only
--- then does it hold what the state says it does.
+-- Whether a holder registered with whoever serves the state now (see above): only then does
+-- it hold what the state says it does.
 local function confirmed(hid)
-  return redis.call('HGET', P .. 'h:' .. hid, 'rid') == run_id()
+  return redis.call('HGET', P .. 'h:' .. hid, 'rid') == serving()
 end
 
 -- Start a call: read the call context (the last CONTEXT_ARGS arguments: the stream's MAXLEN,
@@ -99,7 +110,7 @@ local function begin(keys, args, hot)
     end
   end
   NOW = BASE + tonumber(clk[2] or '0')
-  HOLD_UNTIL = math.huge
+  HOLD_UNTIL, SERVED = math.huge, nil
   if not hot then HOLD_UNTIL = hold_until() end
   return n
 end
