@@ -13,5 +13,5 @@ cd "$root"
 # history there, and this job shows the read back from decode that a busy fleet's prefills need
 # (their caches no longer hold the conversation). `kvbridge up --cpu-engines` keeps vLLM's
 # default (on), and the demo's "local" column then shows what came from that cache.
-exec kvbridge up --cpu-engines --no-prefill-prefix-caching --demo 5 \
+exec kvbridge up --cpu-engines --no-prefill-prefix-caching --decision threshold --demo 5 \
   --registry-listen 127.0.0.1:0 --router-listen 127.0.0.1:0 --gateway-listen 127.0.0.1:0 "$@"
