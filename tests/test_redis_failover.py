@@ -16,11 +16,12 @@ RECLAIMABLE events), each on the fleet's clock against the lost pin's deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import random
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -318,13 +319,22 @@ async def test_a_failover_that_loses_a_pin_never_frees_the_lease_under_it(
     assert any(n > 0 for n, _ in caught), caught
 
 
-async def test_a_failover_that_loses_a_grant_never_reads_a_lease_its_holder_freed(
-        fleet: Fleet, kv: Any) -> None:
-    """The other way round: the promoted replica lacks a grant that superseded a lease, and
-    decode, told so by the old primary, freed the superseded lease's blocks; the replica still
-    has that lease live. No read pins it: a holder's leases are read again only once it has
-    registered with the new primary, with what it holds (then the lease it freed is revoked,
-    and the one it holds restored from its snapshot)."""
+@dataclasses.dataclass
+class _Freed:
+    """A lease (`first`, of `old_tokens`) that its holder freed after a grant (`second`, of
+    `spec`) superseded it, both on the primary only: the replica heard nothing of either."""
+
+    store: RedisStore
+    namespace: str
+    first: Any
+    second: Any
+    spec: Any
+    old_tokens: list[int]
+    new_tokens: list[int]
+
+
+@contextlib.asynccontextmanager
+async def _freed_on_the_primary_only(fleet: Fleet, kv: Any) -> AsyncIterator[_Freed]:
     namespace = "fo-" + uuid.uuid4().hex[:10]
     config = RegistryConfig(backend="redis", redis_url=fleet.vip_url, redis_namespace=namespace,
                             max_pin_ttl_s=PIN_TTL, default_pin_ttl_s=PIN_TTL)
@@ -342,29 +352,41 @@ async def test_a_failover_that_loses_a_grant_never_reads_a_lease_its_holder_free
         second = (await store.grant(spec)).lease
         assert (await store.heartbeat("h1"))[0] == [first.lease_id]  # decode frees it
         await store.heartbeat("h1", [first.lease_id])  # and says so
+        yield _Freed(store, namespace, first, second, spec, old_tokens, new_tokens)
+    finally:
+        await store.close()
 
-        async def nothing(_: aioredis.Redis) -> None:
-            return None
 
-        await fleet.fail_over(nothing)
+async def _nothing(_: aioredis.Redis) -> None:
+    """A failover's step before clients: nothing."""
+
+
+async def test_a_failover_that_loses_a_grant_never_reads_a_lease_its_holder_freed(
+        fleet: Fleet, kv: Any) -> None:
+    """The other way round: the promoted replica lacks a grant that superseded a lease, and
+    decode, told so by the old primary, freed the superseded lease's blocks; the replica still
+    has that lease live. No read pins it: a holder's leases are read again only once it has
+    registered with the new primary, with what it holds (then the lease it freed is revoked,
+    and the one it holds restored from its snapshot)."""
+    async with _freed_on_the_primary_only(fleet, kv) as f:
+        store = f.store
+        await fleet.fail_over(_nothing)
         assert (await fleet.client(fleet.primary).hget(
-            "{" + namespace + "}:l:" + first.lease_id, "s")) is not None  # back, as it was
+            "{" + f.namespace + "}:l:" + f.first.lease_id, "s")) is not None  # back, as it was
         for read in (
                 await _retry(lambda: store.acquire_read("t1", "c1",
-                                                        kv.prompt_hashes(old_tokens))),
+                                                        kv.prompt_hashes(f.old_tokens))),
                 await store.pin_lease("t1", "c1")):
             assert read.pin is None and read.miss is MissReason.HOLDER_GONE, read
         with pytest.raises(errors.HolderNotFound):  # its next heartbeat: register again
             await store.heartbeat("h1")
         reg = await store.register_holder(
-            holder(ttl=300.0), [Snapshot(second.lease_id, spec, second.epoch, 0.0)])
-        assert reg.restored == [second.lease_id]
-        assert (await store.get_lease(first.lease_id)).state is LeaseState.REVOKED
-        read = await store.acquire_read("t1", "c1", kv.prompt_hashes(new_tokens))
+            holder(ttl=300.0), [Snapshot(f.second.lease_id, f.spec, f.second.epoch, 0.0)])
+        assert reg.restored == [f.second.lease_id]
+        assert (await store.get_lease(f.first.lease_id)).state is LeaseState.REVOKED
+        read = await store.acquire_read("t1", "c1", kv.prompt_hashes(f.new_tokens))
         assert read.miss is MissReason.HIT and read.lease is not None
-        assert read.lease.lease_id == second.lease_id
-    finally:
-        await store.close()
+        assert read.lease.lease_id == f.second.lease_id
 
 
 async def test_a_failover_there_and_back_never_reads_a_lease_its_holder_freed(
@@ -373,37 +395,17 @@ async def test_a_failover_there_and_back_never_reads_a_lease_its_holder_freed(
     that superseded a lease, and decode's word that it freed it); it resyncs from its
     replacement, taking on that state, and is promoted again before the holder re-registered:
     the same Redis process, another history. No read pins the freed lease."""
-    namespace = "fo-" + uuid.uuid4().hex[:10]
-    config = RegistryConfig(backend="redis", redis_url=fleet.vip_url, redis_namespace=namespace,
-                            max_pin_ttl_s=PIN_TTL, default_pin_ttl_s=PIN_TTL)
-    store = RedisStore(config, SystemClock())
-    await _retry(store.start)
-    try:
-        await store.advance_clock(GRACE + 0.5)
-        await store.tick()
-        await store.register_holder(holder(ttl=300.0))
-        old_tokens = kv.tokens(8)
-        first = (await store.grant(grant_spec(kv, old_tokens))).lease
-        await fleet.synced()
-        fleet.link.set(drop=True)
-        await store.grant(grant_spec(kv, kv.tokens(12)))
-        assert (await store.heartbeat("h1"))[0] == [first.lease_id]
-        await store.heartbeat("h1", [first.lease_id])
+    async with _freed_on_the_primary_only(fleet, kv) as f:
         primary = fleet.primary
-
-        async def nothing(_: aioredis.Redis) -> None:
-            return None
-
-        await fleet.fail_over(nothing)  # to the replica, no call served there
+        await fleet.fail_over(_nothing)  # to the replica, no call served there
         await fleet.synced()  # the old primary now has the replacement's state
-        await fleet.fail_over(nothing)  # and is promoted again
+        await fleet.fail_over(_nothing)  # and is promoted again
         assert fleet.primary is primary
-        read = await _retry(lambda: store.acquire_read("t1", "c1", kv.prompt_hashes(old_tokens)))
+        read = await _retry(lambda: f.store.acquire_read("t1", "c1",
+                                                         kv.prompt_hashes(f.old_tokens)))
         assert read.pin is None and read.miss is MissReason.HOLDER_GONE, read
         with pytest.raises(errors.HolderNotFound):
-            await store.heartbeat("h1")
-    finally:
-        await store.close()
+            await f.store.heartbeat("h1")
 
 
 async def test_a_restarted_redis_holds_reclaims_for_the_grace(tmp_path: Path, kv: Any) -> None:

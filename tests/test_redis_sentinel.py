@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import redis
 import redis.asyncio as aioredis
-from conftest import KvKit, RedisProcess
+from conftest import KvKit, RedisProcess, stop_process
 from redis.asyncio.connection import SSLConnection
 from test_auth import _pki
 from test_store_contract import grant_spec, holder
@@ -321,13 +321,7 @@ class SentinelProcess:
         raise RuntimeError("could not start redis-server --sentinel")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc)
 
 
 @dataclass
