@@ -271,9 +271,11 @@ def sync_client(threaded_registry: ThreadedRegistry) -> Iterator[RegistryClient]
 
 
 # ==== a real redis-server on a free 127.0.0.1 port ============================================
+import os  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 import uuid  # noqa: E402
 
@@ -345,6 +347,56 @@ def redis_server() -> Iterator[RedisProcess]:
     server = RedisProcess()
     yield server
     server.stop()
+
+
+class RedisCluster:
+    """A Redis Cluster of `primaries` redis-servers (no replicas, no persistence) this test
+    session started and joined with `redis-cli --cluster create`: equal slot ranges."""
+
+    def __init__(self, primaries: int = 3) -> None:
+        self.dir = tempfile.mkdtemp(prefix="kvbridge-cluster-")
+        self.nodes: list[RedisProcess] = []
+        try:
+            for k in range(primaries):
+                self.nodes.append(RedisProcess(
+                    "--save", "", "--appendonly", "no", "--cluster-enabled", "yes",
+                    "--cluster-config-file", os.path.join(self.dir, f"nodes-{k}.conf"),
+                    "--cluster-node-timeout", "2000"))
+            subprocess.run(
+                ["redis-cli", "--cluster", "create",
+                 *(f"127.0.0.1:{n.port}" for n in self.nodes), "--cluster-replicas", "0",
+                 "--cluster-yes"], check=True, capture_output=True, timeout=30)
+            deadline = time.monotonic() + 20
+            while not all(self._ok(n) for n in self.nodes):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the Redis Cluster did not reach cluster_state:ok")
+                time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
+
+    @staticmethod
+    def _ok(node: RedisProcess) -> bool:
+        out = subprocess.run(["redis-cli", "-p", str(node.port), "cluster", "info"],
+                             capture_output=True, text=True, timeout=5).stdout
+        return "cluster_state:ok" in out
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    """One 3-primary Redis Cluster for the session; tests keep apart by namespace."""
+    cluster = RedisCluster()
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture

@@ -52,12 +52,13 @@ MARGIN_S = 2.0  # the issue's bound: serving again within the failover time plus
 # ==== URL checks ==============================================================================
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:6379", "127.0.0.1:6379", "sentinel://a/kvb",
-                                 "redis+cluster://a:1/0"])
+                                 "cluster://a:1"])
 def test_a_bad_scheme_names_the_accepted_ones(url: str) -> None:
     with pytest.raises(ValueError) as caught:
         check_url(url)
     message = str(caught.value)
-    for scheme in ("redis://", "rediss://", "unix", "redis+sentinel://", "rediss+sentinel"):
+    for scheme in ("redis://", "rediss://", "unix", "redis+sentinel://", "rediss+sentinel",
+                   "redis+cluster://", "rediss+cluster"):
         assert scheme in message, message
 
 
@@ -65,6 +66,9 @@ def test_a_bad_scheme_names_the_accepted_ones(url: str) -> None:
     ("redis+sentinel://127.0.0.1:26379", "name the Sentinel service"),
     ("redis+sentinel://127.0.0.1:26379/", "name the Sentinel service"),
     ("redis+sentinel://a:26379,b:x/kvb", "bad sentinel address 'b:x'"),
+    ("redis+cluster://a:1/0", "database 0 only"),
+    ("redis+cluster://a:1,b:0", "bad cluster node address 'b:0'"),
+    ("rediss+cluster://a:1,,b", "bad cluster node address ''"),
     ("redis+sentinel://a:99999/kvb", "bad sentinel address 'a:99999'"),
     ("redis+sentinel://a:26379,,b:26379/kvb", "bad sentinel address ''"),
     ("rediss+sentinel://a:26379/kvb/zero", "the database must be a number"),

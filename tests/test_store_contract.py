@@ -47,6 +47,7 @@ from kvbridge.services.registry import (
 )
 from kvbridge.services.registry._core import OWED_EVENTS_PER_TICK
 from kvbridge.services.registry._redis import RedisStore
+from kvbridge.services.registry._redis_shards import ShardedStore, shard_of
 
 BS = 4
 
@@ -65,8 +66,10 @@ class Backend:
         if self.clock is not None:
             self.clock.advance(seconds)
         else:
-            assert isinstance(self.store, RedisStore)
-            await self.store.advance_clock(seconds)
+            shards = self.store.shards if isinstance(self.store, ShardedStore) else [self.store]
+            for shard in shards:
+                assert isinstance(shard, RedisStore)
+                await shard.advance_clock(seconds)
 
     def left(self, deadline: float) -> float:
         return deadline - self.store.clock.monotonic()
@@ -86,7 +89,7 @@ class Backend:
 Factory = Callable[..., Awaitable[Backend]]
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "redis-cluster"])
 async def make_backend(request: pytest.FixtureRequest) -> AsyncIterator[Factory]:
     """`await make_backend(recovering=False, **config_overrides)`: a fresh store of the
     parametrized backend (`recovering`: hold reclaims for the grace, as after a restart)."""
@@ -98,13 +101,20 @@ async def make_backend(request: pytest.FixtureRequest) -> AsyncIterator[Factory]
             store: LeaseStore = MemoryStore.create(RegistryConfig(**overrides), clock,
                                                    recovering=recovering)
             backend = Backend("memory", store, clock)
-        else:
+        elif request.param == "redis":
             redis_server = request.getfixturevalue("redis_server")
             namespace = request.getfixturevalue("redis_namespace") + f"-{len(stores)}"
             config = RegistryConfig(backend="redis", redis_url=redis_server.url,
                                     redis_namespace=namespace, **overrides)
             store = RedisStore(config, SystemClock(), recovering=recovering)
             backend = Backend("redis", store, None)
+        else:  # tenants spread over 3 shards, one on each of the cluster's 3 primaries
+            cluster = request.getfixturevalue("redis_cluster")
+            namespace = request.getfixturevalue("redis_namespace") + f"-{len(stores)}"
+            config = RegistryConfig(backend="redis", redis_url=cluster.url,
+                                    redis_namespace=namespace, redis_shards=3, **overrides)
+            store = ShardedStore(config, SystemClock(), recovering=recovering)
+            backend = Backend("redis-cluster", store, None)
         await store.start()
         stores.append(store)
         return backend
@@ -267,6 +277,8 @@ async def test_grant_retry_never_returns_another_holders_lease(
     b = await make_backend()
     await b.store.register_holder(holder("h2", ttl=300.0))
     planted = grant_lease_id("h2", "req-7")
+    if isinstance(b.store, ShardedStore):  # the id the grant makes ends with its shard's tag
+        planted += f".s{shard_of('t1', len(b.store.shards))}"
     await b.store.register_holder(holder(ttl=300.0), [
         Snapshot(planted, grant_spec(kv, kv.tokens(8), tenant="t1"), 1, 0.0)])
     with pytest.raises(errors.IdempotencyConflict):

@@ -15,6 +15,7 @@ SECURED_TENANT_MAX_LEASES = 100_000
 SECURED_TENANT_MAX_BLOCKS = 10_000_000
 # ... and its live pins (reads in flight): far more than a tenant's prefill engines read at once.
 SECURED_TENANT_MAX_PINS = 10_000
+MAX_SHARDS = 1024  # each shard is a store with its own connections and ticks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,8 +31,13 @@ class RegistryConfig(SecuritySettings):
     redis_url: str = setting(
         "", "with --backend redis: the Redis (or Valkey) URL: redis://HOST:PORT/DB, "
         "rediss://... for TLS (?ssl_ca_certs=FILE&ssl_certfile=FILE&ssl_keyfile=FILE), "
-        "unix:///PATH, or redis+sentinel://S1:26379,S2:26379,S3:26379/SERVICE[/DB] (rediss+"
-        "sentinel:// for TLS) to follow Sentinel's primary")
+        "unix:///PATH, redis+sentinel://S1:26379,S2:26379,S3:26379/SERVICE[/DB] (rediss+"
+        "sentinel:// for TLS) to follow Sentinel's primary, or redis+cluster://N1:6379,N2:6379 "
+        "(rediss+cluster://) for a Redis Cluster")
+    redis_shards: int = setting(
+        1, "with --backend redis: spread tenants over this many shards, each its own hash "
+        "tag, so that a Redis Cluster's primaries share the fleet (a multiple of the primaries "
+        "spreads evenly); every replica of a namespace must name the same count")
     redis_namespace: str = setting(
         "kvbridge", "with --backend redis: the key prefix (a Redis Cluster hash tag) that "
         "replicas of one fleet share")
@@ -63,7 +69,9 @@ class RegistryConfig(SecuritySettings):
         "after a start with empty state, report nothing reclaimable for this long so pins "
         "granted before the restart run out; -1 means max_pin_ttl_s + 1",
     )
-    max_leases: int = setting(1_000_000, "total leases (active and awaiting reclaim) held")
+    max_leases: int = setting(
+        1_000_000, "total leases (active and awaiting reclaim) held; with --redis-shards, "
+        "per shard")
     tenant_max_leases: int = setting(
         -1, "most active leases one tenant may hold (0: no limit); past it the tenant's own "
         "soonest-expiring unpinned leases are revoked to make room, never another tenant's. "
@@ -130,7 +138,7 @@ class RegistryConfig(SecuritySettings):
                     "max_history_keys", "max_lookup_keys", "max_watchers_per_principal",
                     "list_burst_per_principal",
                     "max_holders_per_principal", "max_message_bytes", "expiry_batch",
-                    "expiry_tick_s", "redis_events_maxlen")
+                    "expiry_tick_s", "redis_events_maxlen", "redis_shards")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -155,6 +163,9 @@ class RegistryConfig(SecuritySettings):
             from kvbridge.services.registry._redis_url import check_url
 
             check_url(self.redis_url)
+        if self.redis_shards > MAX_SHARDS:
+            raise ValueError(f"redis_shards must be at most {MAX_SHARDS}, got "
+                             f"{self.redis_shards}")
         if self.list_rate_per_principal < 0:
             raise ValueError("list_rate_per_principal must not be negative")
         if not self.redis_namespace or any(c in self.redis_namespace for c in "{} \t\n"):

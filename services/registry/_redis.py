@@ -95,14 +95,19 @@ def _s(value: bytes) -> str:
 class RedisStore(LayoutRecord, FleetClock, EventTail):
     """Leases in Redis under `{config.redis_namespace}:`; see the module docstring."""
 
-    def __init__(self, config: RegistryConfig, clock: Clock, *, recovering: bool = True
-                 ) -> None:
+    def __init__(self, config: RegistryConfig, clock: Clock, *, recovering: bool = True,
+                 shard: tuple[str, str] | None = None) -> None:
+        """`shard`: (namespace, id tag) of one shard of a `ShardedStore` (`_redis_shards`):
+        its keys are under that namespace and the lease and pin ids it makes end with the
+        tag; None: the whole fleet's state under `config.redis_namespace`."""
         self.config = config
         self.clock = clock
         # When Redis may have lost pins (empty state, a restart, a failover: store.lua's
         # hold_until), hold reclaims for the grace (0: tests).
         self._grace = config.effective_recovery_grace_s if recovering else 0.0
-        self.prefix = f"{{{config.redis_namespace}}}:"
+        self.namespace, self._tag = shard or (config.redis_namespace, "")
+        self._sharded = shard is not None
+        self.prefix = f"{{{self.namespace}}}:"
         self._quotas = config.tenant_quotas()
         self._events_key = self.prefix + "events"
         self._redis: aioredis.Redis | None = None
@@ -156,6 +161,8 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
             raise
         await self._check_eviction_policy()
         await self._check_layout()
+        if not self._sharded:  # (a ShardedStore checks the count for its shards)
+            await self._check_shard_count(self.prefix, 1)
         self._use_pin_secret(await self._shared_pin_secret())
         try:
             await self.tick()  # primes counts
@@ -168,7 +175,7 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
             raise OSError(self._outdated)
         last_id: Any = last[0][0] if last else b"0-0"
         self._reader = asyncio.create_task(self._read_events(last_id), name="registry-events")
-        log.info("redis_store_started", url=redacted(url), namespace=self.config.redis_namespace)
+        log.info("redis_store_started", url=redacted(url), namespace=self.namespace)
 
     async def _failed_start(self, exc: Exception) -> NoReturn:
         await self.close()
@@ -331,9 +338,9 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
         if block_size is None:
             block_size = (await self.get_holder(g.holder_id)).block_size
         if g.request_id:
-            lease_id = grant_lease_id(g.holder_id, g.request_id)
+            lease_id = grant_lease_id(g.holder_id, g.request_id) + self._tag
         else:
-            lease_id = "l-" + secrets.token_hex(8)
+            lease_id = "l-" + secrets.token_hex(8) + self._tag
         idle, life = grant_ttls(cfg, g)
         payload = g.hashes + array("I", g.block_ids).tobytes()
         for _ in range(3):  # the function found another block size (STALE): check against it
@@ -438,9 +445,9 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
                     caller: str) -> Read:
         cfg = self.config
         if request_id:
-            pin_id = self._pin_id(tenant, reader_id, request_id, caller)
+            pin_id = self._pin_id(tenant, reader_id, request_id, caller) + self._tag
         else:
-            pin_id = "p-" + secrets.token_hex(8)
+            pin_id = "p-" + secrets.token_hex(8) + self._tag
         ttl = min(pin_ttl or cfg.default_pin_ttl_s, cfg.max_pin_ttl_s)
         reply = await self._run("read", mode, tenant, conversation_id, hashes, min_tokens, ttl,
                                 pin_id, 1 if request_id else 0, cfg.max_pin_ttl_s,
@@ -496,7 +503,7 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
             # Redis lost its data and a replica started since made a new secret (or this one
             # had none to share): take it, so that a read retried on any replica finds its pin.
             self._use_pin_secret(secret)
-            log.warning("redis_pin_secret_changed", namespace=self.config.redis_namespace,
+            log.warning("redis_pin_secret_changed", namespace=self.namespace,
                         hint="reads retried across the change make a second pin, which "
                              "expires")
         self._check_layout_min(int(reply[9]))  # a newer replica may need this one gone

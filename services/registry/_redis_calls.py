@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import parse_url
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
@@ -22,7 +23,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from kvbridge.services.registry._redis_lua import Library
-from kvbridge.services.registry._redis_url import check_url, redacted, sentinel_parts
+from kvbridge.services.registry._redis_url import (
+    check_url,
+    cluster_parts,
+    redacted,
+    sentinel_parts,
+)
 
 __all__ = ["check_url", "connect", "redacted"]
 
@@ -85,9 +91,14 @@ def connect(url: str, **options: Any) -> aioredis.Redis:
     found through Sentinel, which redis-py asks again whenever a connection to it fails (a
     failover). `options` go to the connections to the primary. The sentinels themselves are
     reached with the same TLS settings and with `sentinel_username`/`sentinel_password` from
-    the query, if any (Sentinel has its own users)."""
+    the query, if any (Sentinel has its own users). A cluster URL gives a Redis Cluster
+    client: each call goes to the primary that serves its keys' slot, found again when a
+    slot moves or a primary fails over (a MOVED reply: the call did not run there)."""
     check_url(url)
-    if not url.partition("://")[0].endswith("+sentinel"):
+    scheme = url.partition("://")[0]
+    if scheme.endswith("+cluster"):
+        return _cluster(url, options)
+    if not scheme.endswith("+sentinel"):
         return aioredis.Redis.from_url(url, **options)
     sentinels, service, plain = sentinel_parts(url)
     kwargs: dict[str, Any] = dict(parse_url(plain))
@@ -106,6 +117,19 @@ def connect(url: str, **options: Any) -> aioredis.Redis:
                                                    **primary)
     client.sentinel_manager = sentinel
     return client
+
+
+def _cluster(url: str, options: dict[str, Any]) -> aioredis.Redis:
+    nodes, plain = cluster_parts(url)
+    kwargs: dict[str, Any] = dict(parse_url(plain))
+    for key in ("host", "port", "db"):
+        kwargs.pop(key, None)
+    if kwargs.pop("connection_class", None) is not None:  # SSLConnection: rediss
+        kwargs["ssl"] = True
+    client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes],
+                          **{**kwargs, **options})
+    # The store calls of it what a plain client has: single-slot commands and pipelines.
+    return cast(aioredis.Redis, client)
 
 
 class _SentinelPrimary(aioredis.Redis):

@@ -89,6 +89,7 @@ class LayoutRecord:
     record, the eviction policy, the fleet's pin secret."""
 
     config: RegistryConfig
+    namespace: str
     prefix: str
     layout: int
     layout_min: int
@@ -118,17 +119,42 @@ class LayoutRecord:
             await self.close()
             raise OSError(self._too_old(int(minimum)))
         if int(version) > self.layout:
-            log.info("redis_layout_newer", namespace=self.config.redis_namespace,
+            log.info("redis_layout_newer", namespace=self.namespace,
                      layout=self.layout, namespace_layout=int(version),
                      hint="replicas of a newer version share this namespace; upgrade this "
                           "one too")
+
+    async def _check_shard_count(self, prefix: str, count: int) -> None:
+        """Record in `<prefix>shards` how many shards the fleet of this namespace spreads its
+        tenants over, or refuse to start with another count: replicas that disagree would
+        look for a tenant's leases and pins in different shards, and one's reclaim could
+        free KV under another's pin. (Changing it takes a new namespace, or every replica
+        stopped and the namespace's keys deleted.)"""
+        assert self._redis is not None
+        key = prefix + "shards"
+        try:
+            recorded = await self._redis.get(key)
+            if recorded is None and count > 1 and await self._redis.exists(prefix + "layout"):
+                recorded = b"1"  # a single-shard fleet's state, from before the record
+            if recorded is None:
+                await self._redis.set(key, count, nx=True)
+                recorded = await self._redis.get(key)
+        except (RedisError, OSError) as exc:
+            await self._failed_start(exc)
+        if recorded is not None and int(recorded) != count:
+            await self.close()
+            raise OSError(
+                f"Redis namespace {self.config.redis_namespace!r} is spread over "
+                f"{int(recorded)} shard(s); this replica was started with redis_shards "
+                f"{count}: start it with --redis-shards {int(recorded)}, or use a new "
+                "--redis-namespace for another count")
 
     def _check_layout_min(self, minimum: int) -> None:
         """Stop serving when a newer replica raised the namespace's minimum past this one's
         layout (every tick reports it)."""
         if minimum > self.layout:
             self._outdated = self._too_old(minimum)
-            log.error("redis_layout_outdated", namespace=self.config.redis_namespace,
+            log.error("redis_layout_outdated", namespace=self.namespace,
                       layout=self.layout, namespace_layout_min=minimum,
                       hint="this replica now answers UNAVAILABLE (readers recompute): "
                            "upgrade it")
@@ -138,7 +164,7 @@ class LayoutRecord:
         return self._outdated  # a newer layout's minimum left this replica behind
 
     def _too_old(self, minimum: int) -> str:
-        return (f"Redis namespace {self.config.redis_namespace!r} is shared by replicas whose "
+        return (f"Redis namespace {self.namespace!r} is shared by replicas whose "
                 f"state layout needs at least {minimum}; this replica speaks layout "
                 f"{self.layout}: upgrade kvbridge on it")
 

@@ -170,11 +170,13 @@ async def open_store(config: RegistryConfig, clock: Clock | None = None) -> Leas
     if config.backend == "redis":
         try:
             from kvbridge.services.registry._redis import RedisStore
+            from kvbridge.services.registry._redis_shards import ShardedStore
         except ImportError as exc:
             raise OSError(f"the redis backend needs redis-py: pip install 'kvbridge[redis]' "
                           f"({exc})") from exc
 
-        store: LeaseStore = RedisStore(config, clock)
+        store: LeaseStore = (ShardedStore(config, clock) if config.redis_shards > 1
+                             else RedisStore(config, clock))
     else:
         store = MemoryStore.create(config, clock)
     await store.start()
