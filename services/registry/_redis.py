@@ -284,7 +284,8 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
         restored, reclaimable = [_s(x) for x in reply[3]], [_s(x) for x in reply[4]]
         log.info(_s(reply[5]), holder=holder.holder_id,
                  nixl=f"{holder.nixl_host}:{holder.nixl_port}", block_size=holder.block_size,
-                 ttl_s=ttl, restored=len(restored), dead=len(reclaimable), backend="redis")
+                 ttl_s=ttl, restored=len(restored), dead=len(reclaimable), backend="redis",
+                 **({"shard": self.namespace} if self._sharded else {}))
         return Registration(holder, restored, reclaimable)
 
     async def heartbeat(self, holder_id: str,

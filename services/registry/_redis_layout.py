@@ -2,7 +2,8 @@
 replicas sharing a namespace speak (so that one of an older version, which would misread the
 state, stops serving or refuses to start).
 
-Keys (P = `{namespace}:`, a Redis Cluster hash tag, so all keys of a fleet live in one slot):
+Keys (P = `{namespace}:`, a Redis Cluster hash tag, so all keys of a fleet, or of one shard of
+it, live in one slot; a sharded fleet's shards have namespaces `namespace.sK[.j]`):
   P h:<holder>       hash: host port tp bs fp ttl x(expire) ver s(state) la(lost at) rb(blocks)
                      rid(who served the state when it registered, see P rid; layout 5)
   P ha:<holder>      set: the holder's ACTIVE lease ids
@@ -41,6 +42,8 @@ Keys (P = `{namespace}:`, a Redis Cluster hash tag, so all keys of a fleet live 
                      sending to the others)
   P ticker           hash: o (the ticker token of the replica whose turn it is to run the
                      scheduled ticks), x (until when that turn holds, on the fleet's clock)
+  P shards           how many shards the fleet spreads its tenants over (in the fleet's own
+                     namespace; `_check_shard_count`)
   P rid, P hold_until  who serves this state (the Redis process's run id and its replication
                      id: a restart or a promotion changes it), and until when nothing is
                      reported reclaimable (pins granted before a loss of Redis data, a restart
