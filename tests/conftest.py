@@ -350,22 +350,24 @@ def redis_server() -> Iterator[RedisProcess]:
 
 
 class RedisCluster:
-    """A Redis Cluster of `primaries` redis-servers (no replicas, no persistence) this test
-    session started and joined with `redis-cli --cluster create`: equal slot ranges."""
+    """A Redis Cluster of `primaries` redis-servers, each with `replicas` replicas (no
+    persistence), this test session started and joined with `redis-cli --cluster create`:
+    equal slot ranges, the first `primaries` nodes the primaries. `extra`: more redis-server
+    arguments for every node."""
 
-    def __init__(self, primaries: int = 3) -> None:
+    def __init__(self, primaries: int = 3, replicas: int = 0, *extra: str) -> None:
         self.dir = tempfile.mkdtemp(prefix="kvbridge-cluster-")
         self.nodes: list[RedisProcess] = []
         try:
-            for k in range(primaries):
+            for k in range(primaries * (1 + replicas)):
                 self.nodes.append(RedisProcess(
                     "--save", "", "--appendonly", "no", "--cluster-enabled", "yes",
                     "--cluster-config-file", os.path.join(self.dir, f"nodes-{k}.conf"),
-                    "--cluster-node-timeout", "2000"))
+                    "--cluster-node-timeout", "2000", *extra))
             subprocess.run(
                 ["redis-cli", "--cluster", "create",
-                 *(f"127.0.0.1:{n.port}" for n in self.nodes), "--cluster-replicas", "0",
-                 "--cluster-yes"], check=True, capture_output=True, timeout=30)
+                 *(f"127.0.0.1:{n.port}" for n in self.nodes), "--cluster-replicas",
+                 str(replicas), "--cluster-yes"], check=True, capture_output=True, timeout=30)
             deadline = time.monotonic() + 20
             while not all(self._ok(n) for n in self.nodes):
                 if time.monotonic() > deadline:
@@ -384,6 +386,19 @@ class RedisCluster:
     @property
     def url(self) -> str:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def primary_of(self, slot: int) -> RedisProcess:
+        """The node serving `slot` now, as the live nodes say."""
+        import redis
+
+        for node in self.nodes:
+            if node.proc.poll() is not None:
+                continue
+            with redis.Redis(port=node.port, socket_timeout=5) as client:
+                for first, last, primary, *_ in client.execute_command("CLUSTER", "SLOTS"):
+                    if int(first) <= slot <= int(last):
+                        return next(n for n in self.nodes if n.port == int(primary[1]))
+        raise RuntimeError(f"no node serves slot {slot}")
 
     def stop(self) -> None:
         for node in self.nodes:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from conftest import RedisCluster
 from test_store_contract import grant_spec, holder
 
 from kvbridge import errors
@@ -309,3 +310,89 @@ async def test_a_grpc_registry_serves_from_the_cluster(redis_cluster: Any,
     finally:
         await client.close()
         await server.stop(0)
+
+
+async def test_a_primary_failover_holds_and_reconfirms_only_its_shard(
+        redis_namespace: str, kv: Any) -> None:
+    """A 3-primary cluster with a replica each (`cluster-require-full-coverage no`, as
+    docs/registry.md asks); one primary is SIGKILLed. Its shard answers UNAVAILABLE until the
+    replica takes over, then asks the holder to register again (the replica's term is
+    another) and holds its reclaims for the grace; the other shards' reads hit throughout;
+    after the holder registered again with what it holds, every shard reads."""
+    from redis.crc import key_slot
+
+    cluster = RedisCluster(3, 1, "--cluster-require-full-coverage", "no",
+                           "--cluster-node-timeout", "1000")
+    store: Any = None
+    try:
+        config = RegistryConfig(backend="redis", redis_url=cluster.url,
+                                redis_namespace=redis_namespace, redis_shards=SHARDS,
+                                max_pin_ttl_s=1.0, default_pin_ttl_s=1.0,
+                                recovery_grace_s=1.5)
+        store = ShardedStore(config, SystemClock())
+        await store.start()
+        spec = holder(ttl=300.0)
+        await store.register_holder(spec)
+        tenants = [group[0] for group in tenants_by_shard(1)]
+        specs = [grant_spec(kv, kv.tokens(8), tenant=t, first_block=100 + 10 * k)
+                 for k, t in enumerate(tenants)]
+        grants = [await store.grant(g) for g in specs]
+        await asyncio.sleep(1.6)  # the fresh state's grace
+        assert await store.reclaim_hold() == 0
+        victim_shard = 0
+        slot = key_slot(f"{{{store.shards[victim_shard].namespace}}}".encode())
+        primary = cluster.primary_of(slot)
+        node = aioredis.Redis(port=primary.port)
+        try:  # the replica has every write before this one once it acknowledges it
+            await node.set(f"{{{store.shards[victim_shard].namespace}}}:probe", 1)
+            assert await node.execute_command("WAIT", 1, 5000) == 1
+        finally:
+            await node.aclose()
+        primary.proc.kill()
+        killed = time.monotonic()
+        outcomes: list[list[str]] = [[] for _ in range(SHARDS)]
+        first_hit = None
+        registered_again = False
+        while time.monotonic() - killed < 30:
+            for k, tenant in enumerate(tenants):
+                try:
+                    read = await store.acquire_read(tenant, "c1",
+                                                    kv.prompt_hashes(kv.tokens(8)))
+                    outcomes[k].append(read.miss.name)
+                    if read.pin is not None:
+                        await store.release_read(read.pin.pin_id)
+                        if read.lease is not None:  # never another lease than granted
+                            assert read.lease.lease_id == grants[k].lease.lease_id
+                except errors.Unavailable:
+                    outcomes[k].append("UNAVAILABLE")
+            try:
+                await store.heartbeat(spec.holder_id)
+            except errors.HolderNotFound:  # what decode's session does: all it holds
+                snaps = [Snapshot(g.lease.lease_id, s, g.lease.epoch, 0.0)
+                         for g, s in zip(grants, specs, strict=True)]
+                await store.register_holder(spec, snaps, [x.lease_id for x in snaps])
+                registered_again = True
+            except errors.Unavailable:
+                pass
+            if registered_again and outcomes[victim_shard][-1] == "HIT":
+                first_hit = time.monotonic() - killed
+                break
+            await asyncio.sleep(0.1)
+        print(f"victim shard outcomes: {outcomes[victim_shard]}; first hit again after "
+              f"{first_hit} s")
+        assert first_hit is not None, outcomes[victim_shard]
+        assert registered_again
+        assert "UNAVAILABLE" in outcomes[victim_shard]
+        for k in range(SHARDS):
+            if k != victim_shard:
+                assert set(outcomes[k]) == {"HIT"}, (k, outcomes[k])
+        # Only the failed-over shard holds reclaims: a revoke elsewhere is reclaimable now.
+        assert await store.reclaim_hold() > 0
+        healthy, held = grants[1].lease.lease_id, grants[victim_shard].lease.lease_id
+        await store.revoke(healthy)
+        await store.revoke(held)
+        assert (await store.heartbeat(spec.holder_id))[0] == [healthy]
+    finally:
+        if store is not None:
+            await store.close()
+        cluster.stop()
