@@ -24,6 +24,13 @@ stack in the same run (ratios, not absolute numbers, are what transfer between m
 Every lease is granted with history keys as the gateway grants them
 (`kvbridge.history.grant_keys` of a `--lookup-messages` history), so that the memory per lease
 includes the lookup index.
+
+With `--backend redis` or `redis-cluster`, the same figures (but the list flood and the lookup)
+for 1..`--replicas` registry replicas sharing one Redis or a Redis Cluster, with each
+primary's commands and function calls over the AcquireRead rounds (`primary_commands`,
+`primary_fcalls`) and over the whole configuration (`_all`). The registry shards a cluster's
+state by tenant, so the leases there are dealt over `--tenants` tenants: with one, every read
+would go to one primary.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -268,6 +276,9 @@ class _Registries:
     memory_bytes: Callable[[], int]
     cpu_seconds: Callable[[], float]
     redis: bool = False
+    # Per Redis primary, in order: (commands processed, function calls) so far; the deltas
+    # over the AcquireRead rounds show whether every primary serves the reads.
+    primary_counts: Callable[[], list[tuple[int, int]]] | None = None
 
     @property
     def ports(self) -> list[int]:
@@ -305,8 +316,17 @@ def _registry_proc(leases: int, extra: Sequence[str] = (), secured: bool = False
 async def _run(leases: int, blocks: int, rate: float, duration: float, concurrency: int,
                rounds: int, log: Callable[[str], None],
                registries: _Registries | None = None, secured: bool = False,
-               lookup_tenants: int = 1000, lookup_messages: int = 200) -> dict[str, Any]:
+               lookup_tenants: int = 1000, lookup_messages: int = 200, tenants: int = 1
+               ) -> dict[str, Any]:
+    """`tenants`: the measured leases (and so the reads) are dealt round robin over this many
+    tenants; one ("bench") unless the store shards by tenant and every shard must serve."""
     block_size = 16
+    # The side registries' leases are all the bench tenant's (the reader token's only one).
+    assert tenants == 1 or not secured, "side registries read one tenant"
+
+    def tenant_of(i: int) -> str:
+        return "bench" if tenants == 1 else _tenant(i, tenants)
+
     # The lookup by content is measured on the memory backend, on a registry of its own (its
     # leases spread over many tenants, the first registry's all in one).
     lookup: _Proc | None = None
@@ -328,6 +348,7 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
     boundaries = _grant_boundaries(lookup_messages)
     out: dict[str, Any] = {"leases": leases, "blocks_per_lease": blocks,
                            "offered_rate_rps": rate, "replicas": len(registries.procs),
+                           "tenants": tenants,
                            # every lease's history keys: those of a history this long
                            "history_messages": lookup_messages,
                            "history_keys_per_lease": len(boundaries),
@@ -347,7 +368,8 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         lease_keys = [_lease_history(_history_root("bench", i), boundaries)
                       for i in range(leases)]
 
-        async def grant(i: int, tenant: str = "bench", ttl: float = 3600.0) -> str:
+        async def grant(i: int, tenant: str = "", ttl: float = 3600.0) -> str:
+            tenant = tenant or tenant_of(i)
             resp = await client.grant_lease(
                 "bench-decode", tenant, f"conv-{i}", f"req-{i}", block_ids, tokens,
                 hashes[i % 256], idle_ttl=ttl, max_lifetime=max(ttl, 3600.0),
@@ -355,7 +377,8 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
             return str(resp.lease.lease_id)
 
         # Warm up code paths and the allocator, then measure memory per lease.
-        await _bounded(lambda i: grant(i, "warmup"), 2000, concurrency)
+        # Over as many tenants as the measured leases, so that every shard is warmed.
+        await _bounded(lambda i: grant(i, "warmup-" + tenant_of(i)), 2000, concurrency)
         await asyncio.sleep(0.5)
         rss0 = registries.memory_bytes()
         log(f"granting {leases} leases of {blocks} blocks ...")
@@ -427,7 +450,7 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
 
         async def acquire(i: int) -> None:
             k = i % leases
-            resp = await client.acquire_read("bench", f"conv-{k}", prompts[k % 256],
+            resp = await client.acquire_read(tenant_of(k), f"conv-{k}", prompts[k % 256],
                                              min_tokens=64, pin_ttl=1.0, reader_id="bench",
                                              request_id=uuid.uuid4().hex)
             if resp.miss_reason != pb.MISS_REASON_UNSPECIFIED:
@@ -443,7 +466,7 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         raw_calls = [ch.unary_unary(ACQUIRE_METHOD, request_serializer=_identity,
                                     response_deserializer=_identity) for ch in raw_channels]
         templates = [pb.AcquireReadRequest(
-            tenant="bench", conversation_id=f"conv-{k}", block_hashes=prompts[k % 256],
+            tenant=tenant_of(k), conversation_id=f"conv-{k}", block_hashes=prompts[k % 256],
             min_tokens=64, pin_ttl=duration_pb(1.0), reader_id="bench").SerializeToString()
             for k in range(min(leases, 4096))]
         run = uuid.uuid4().hex[:16]
@@ -535,6 +558,7 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
         await _closed_loop(acquire, concurrency, 0.5)
         per_round = max(duration / rounds, 0.5)
         run_offset = 10_000_000  # past the warm-up's request ids
+        counts0 = registries.primary_counts() if registries.primary_counts else None
         for r in range(rounds):
             # Latency: each service offered `rate` in short windows taken in turn, so each
             # sees the offered rate alone and a stall of this shared machine hits all alike.
@@ -559,6 +583,10 @@ async def _run(leases: int, blocks: int, rate: float, duration: float, concurren
                 f"{_pct(latencies['echo'], 0.99):.2f} ms"
                 + "".join(f"; {name} {rates['acquire_' + name][-1]:.0f} RPC/s, p99 "
                           f"{_pct(latencies['acquire_' + name], 0.99):.2f} ms" for name in sides))
+        if registries.primary_counts and counts0 is not None:
+            out.update(_primary_deltas(counts0, registries.primary_counts()))
+            log(f"  per primary, during the AcquireRead rounds: commands "
+                f"{out['primary_commands']}, function calls {out['primary_fcalls']}")
         if not registries.redis:
             out.update(await _list_flood(client, registry.port, grant, acquire_probe,
                                          probe_replies, check_hit, rate, duration, log))
@@ -836,66 +864,221 @@ REDIS_TARGETS = [
 ]
 
 
-class _RedisServer:
-    """The Redis the replicas share: one given by URL, or a redis-server started here on a
-    free 127.0.0.1 port (no persistence) and stopped by its PID."""
+REDIS_CLUSTER_TARGETS = [(key, op, bound, what.replace("on Redis", "on a Redis Cluster"))
+                         for key, op, bound, what in REDIS_TARGETS]
 
-    def __init__(self, url: str) -> None:
-        self.proc: subprocess.Popen[bytes] | None = None
-        if not url:
-            exe = shutil.which("redis-server")
-            if exe is None:
-                raise click.ClickException(
-                    "--backend redis needs redis-server on PATH (apt-get install -y "
-                    "redis-server) or --redis-url")
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            self.proc = subprocess.Popen(
-                [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                 "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            url = f"redis://127.0.0.1:{port}/0"
-        self.url = url
+
+def _stop_popen(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a process this bench started, by its PID: SIGTERM, then SIGKILL."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(15)
+
+
+def _start_redis_server(exe: str, workdir: str, extra: Sequence[str] = ()
+                        ) -> tuple[subprocess.Popen[bytes], int]:
+    """A redis-server on a free 127.0.0.1 port (no persistence, its files in `workdir`) that
+    answers PING, and its port. Tried again on another port if it does not start: a port
+    probed free may be taken before the server binds it."""
+    for _attempt in range(5):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        proc = subprocess.Popen(
+            [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+             "no", "--dir", workdir, *extra], stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return proc, port
+            except OSError:
+                pass
+            time.sleep(0.05)
+        _stop_popen(proc)
+    raise click.ClickException(f"could not start {exe} on a free port")
+
+
+class _Redis:
+    """The Redis the replicas share, and a client of each of its primaries (their own figures
+    are read from each): one server (`--backend redis`) or a Redis Cluster
+    (`--backend redis-cluster`). Given by URL, or started here on free 127.0.0.1 ports (no
+    persistence, files in a temporary directory), then stopped by PID."""
+
+    def __init__(self, url: str, cluster: bool, primaries: int = 3) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []  # the servers started here
+        self.dir = ""
+        self.clients: list[Any] = []  # a redis.Redis per primary, in (host, port) order
+        try:
+            if not url:
+                url = self._start(cluster, primaries)
+            self.url = url
+            self._connect(cluster)
+        except BaseException:
+            self.stop()
+            raise
+
+    @staticmethod
+    def _exe(name: str) -> str:
+        exe = shutil.which(name)
+        if exe is None:
+            raise click.ClickException(
+                f"--backend redis and redis-cluster need {name} on PATH (apt-get install -y "
+                "redis-server) or --redis-url")
+        return exe
+
+    def _start(self, cluster: bool, primaries: int) -> str:
+        exe = self._exe("redis-server")
+        self.dir = tempfile.mkdtemp(prefix="kvbridge-bench-redis-")
+        if not cluster:
+            proc, port = _start_redis_server(exe, self.dir)
+            self.procs.append(proc)
+            return f"redis://127.0.0.1:{port}/0"
+        ports = []
+        for k in range(primaries):
+            proc, port = _start_redis_server(exe, self.dir, (
+                "--cluster-enabled", "yes",
+                "--cluster-config-file", os.path.join(self.dir, f"nodes-{k}.conf"),
+                "--cluster-node-timeout", "5000"))
+            self.procs.append(proc)
+            ports.append(port)
+        # Equal slot ranges, as the registry's shard namespaces expect for an even spread.
+        made = subprocess.run(
+            [self._exe("redis-cli"), "--cluster", "create",
+             *(f"127.0.0.1:{port}" for port in ports), "--cluster-replicas", "0",
+             "--cluster-yes"], capture_output=True, text=True, timeout=60)
+        if made.returncode != 0:
+            raise click.ClickException(f"redis-cli --cluster create failed: "
+                                       f"{(made.stdout + made.stderr)[-2000:]}")
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in ports)
+
+    def _connect(self, cluster: bool) -> None:
         import redis
 
-        self.client = redis.Redis.from_url(url)
-        deadline = time.monotonic() + 15
+        if not cluster:
+            self.clients = [redis.Redis.from_url(self.url)]
+        else:
+            from kvbridge.services.registry._redis_url import cluster_parts
+
+            seeds, plain = cluster_parts(self.url)
+
+            def node(host: str, port: int) -> Any:
+                # The URL's options (user, password, TLS) with this node's address.
+                pool = redis.ConnectionPool.from_url(plain)
+                pool.connection_kwargs.update(host=host, port=port)
+                return redis.Redis(connection_pool=pool)
+
+            self.clients = self._primaries(seeds, node)
+        deadline = time.monotonic() + 20
         while True:
             try:
-                self.client.ping()
+                for client in self.clients:
+                    client.ping()
+                    # Every primary must see every slot served before the replicas start.
+                    if cluster and client.execute_command("CLUSTER INFO")["cluster_state"] != "ok":
+                        raise redis.RedisError("cluster_state is not ok")
                 break
             except redis.RedisError as exc:
                 if time.monotonic() > deadline:
-                    self.stop()
-                    raise click.ClickException(f"Redis at {url} does not answer: {exc}") from None
+                    raise click.ClickException(f"Redis at {self.url} is not ready: {exc}"
+                                               ) from None
                 time.sleep(0.1)
 
+    @staticmethod
+    def _primaries(seeds: Sequence[tuple[str, int]], node: Callable[[str, int], Any]
+                   ) -> list[Any]:
+        """A client of each primary that serves slots, from the first seed that lists them."""
+        import redis
+
+        failures = []
+        for seed_host, seed_port in seeds:
+            seed = node(seed_host, seed_port)
+            try:
+                nodes = seed.execute_command("CLUSTER NODES")
+            except redis.RedisError as exc:
+                failures.append(f"{seed_host}:{seed_port}: {exc}")
+                continue
+            finally:
+                seed.close()
+            found = []
+            for address, info in nodes.items():
+                flags = info["flags"].split(",")
+                if "master" in flags and "fail" not in flags and info["slots"]:
+                    host, _, port = address.partition("@")[0].rpartition(":")
+                    found.append((host or seed_host, int(port)))
+            if found:
+                return [node(host, port) for host, port in sorted(found)]
+            failures.append(f"{seed_host}:{seed_port}: no primary serves slots")
+        raise click.ClickException(f"no Redis Cluster primaries found: {'; '.join(failures)}")
+
     def used_memory(self) -> int:
-        return int(self.client.info("memory")["used_memory"])
+        return sum(int(c.info("memory")["used_memory"]) for c in self.clients)
 
     def cpu_seconds(self) -> float:
-        if self.proc is None:  # someone else's Redis: its CPU is not ours to read
-            return 0.0
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        # Only the servers started here: someone else's Redis's CPU is not ours to read.
+        total = 0.0
+        for proc in self.procs:
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
+    def counts(self) -> list[tuple[int, int]]:
+        """Per primary: (commands processed, function calls) since it started."""
+        out = []
+        for client in self.clients:
+            stats = client.info("commandstats")
+            fcalls = sum(int(stats.get(name, {}).get("calls", 0))
+                         for name in ("cmdstat_fcall", "cmdstat_fcall_ro"))
+            out.append((int(client.info("stats")["total_commands_processed"]), fcalls))
+        return out
 
     def stop(self) -> None:
-        self.client.close()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(15)
+        for client in self.clients:
+            client.close()
+        for proc in self.procs:
+            _stop_popen(proc)
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _run_redis(leases: int, replicas: int, redis: _RedisServer, namespace: str,
+def _primary_deltas(before: list[tuple[int, int]], after: list[tuple[int, int]],
+                    suffix: str = "") -> dict[str, Any]:
+    """Each primary's commands and function calls between two `_Redis.counts`, and the spread
+    of the commands over the primaries (the most over the fewest: 1.0 is an even share)."""
+    commands = [a[0] - b[0] for a, b in zip(after, before, strict=True)]
+    fcalls = [a[1] - b[1] for a, b in zip(after, before, strict=True)]
+    return {f"primary_commands{suffix}": commands, f"primary_fcalls{suffix}": fcalls,
+            f"primary_command_spread{suffix}":
+                round(max(commands) / min(commands), 2) if min(commands) > 0 else None}
+
+
+def _run_redis(leases: int, replicas: int, redis: _Redis, namespace: str, shards: int,
                run: Callable[[_Registries], dict[str, Any]]) -> dict[str, Any]:
+    """`run` against `replicas` registry replicas sharing `redis` (one namespace of `shards`
+    shards). The primaries' counts are taken over the whole configuration (`_all`: replicas'
+    start, grants, renewals, expiry, reads) as well as over the AcquireRead rounds."""
+    counts0 = redis.counts()
     procs = [_registry_proc(leases, ["--backend", "redis", "--redis-url", redis.url,
-                                     "--redis-namespace", namespace])
+                                     "--redis-namespace", namespace,
+                                     "--redis-shards", str(shards)])
              for _ in range(replicas)]
 
     def cpu() -> float:  # the replicas and Redis together serve each call
         return sum(p.cpu_seconds() for p in procs) + redis.cpu_seconds()
 
-    return run(_Registries(procs, redis.used_memory, cpu, redis=True))
+    out = run(_Registries(procs, redis.used_memory, cpu, redis=True,
+                          primary_counts=redis.counts))
+    out.update(_primary_deltas(counts0, redis.counts(), "_all"))
+    out.update({"redis_url": redis.url, "redis_shards": shards,
+                "redis_primaries": len(redis.clients)})
+    return out
 
 
 def _report(result: dict[str, Any], targets: list[tuple[str, str, float, str]]) -> None:
@@ -908,6 +1091,13 @@ def _report(result: dict[str, Any], targets: list[tuple[str, str, float, str]]) 
         value = result[key]
         ok = value <= bound if op == "<=" else value >= bound
         click.echo(f"  {'met ' if ok else 'MISS'} {what}: {value} (target {op} {bound})")
+    if "primary_commands" in result:
+        click.echo(f"per primary ({result['redis_primaries']}, {result['redis_shards']} "
+                   f"shard(s), {result['tenants']} tenant(s)), during the AcquireRead rounds: "
+                   f"commands {result['primary_commands']} (most/fewest "
+                   f"{result['primary_command_spread']}), function calls "
+                   f"{result['primary_fcalls']}; over the whole configuration: commands "
+                   f"{result['primary_commands_all']}")
 
 
 @click.command("registry")
@@ -923,18 +1113,34 @@ def _report(result: dict[str, Any], targets: list[tuple[str, str, float, str]]) 
               help="registry and echo phases alternate this many times")
 @click.option("--concurrency", default=64, show_default=True, type=click.IntRange(1, 4096),
               help="calls in flight for the closed-loop phases")
-@click.option("--backend", type=click.Choice(["memory", "redis"]), default="memory",
-              show_default=True,
+@click.option("--backend", type=click.Choice(["memory", "redis", "redis-cluster"]),
+              default="memory", show_default=True,
               help="redis: also measure 1..--replicas registry replicas sharing one Redis, "
-                   "beside the memory backend, in the same run")
+                   "beside the memory backend, in the same run; redis-cluster: the same on a "
+                   "Redis Cluster (3 primaries started here unless --redis-url names one), "
+                   "tenants sharded over its primaries, with each primary's command counts")
 @click.option("--replicas", default=2, show_default=True, type=click.IntRange(1, 4),
-              help="with --backend redis: the most replicas measured")
-@click.option("--redis-url", default="", help="with --backend redis: an existing Redis to use "
-                                              "(default: start redis-server on a free port)")
+              help="with --backend redis or redis-cluster: the most replicas measured")
+@click.option("--redis-url", default="",
+              help="with --backend redis: an existing Redis to use (default: start "
+                   "redis-server on a free port); with redis-cluster: an existing cluster, "
+                   "redis+cluster://HOST:PORT[,HOST:PORT...] (default: start 3 redis-servers "
+                   "on free ports and join them with redis-cli --cluster create)")
+@click.option("--redis-shards", type=click.IntRange(1, 1024), default=None,
+              help="with --backend redis or redis-cluster: the replicas' --redis-shards, the "
+                   "shards tenants are spread over  [default: the cluster's primaries; 1 on "
+                   "one Redis]")
+@click.option("--tenants", type=click.IntRange(min=1), default=None,
+              help="with --backend redis or redis-cluster: tenants the Redis configurations' "
+                   "leases, and so their reads, are dealt over round robin. A tenant lives on "
+                   "one shard, so a cluster needs many for every primary to serve the reads; "
+                   "the memory backend's leases stay in one tenant  [default: 1000 with "
+                   "redis-cluster, 1 with redis]")
 @click.option("--redis-leases", default=20_000, show_default=True,
               type=click.IntRange(min=1000),
-              help="with --backend redis: live leases in each Redis configuration (each is "
-                   "granted through a Lua script; memory and expiry figures are per lease)")
+              help="with --backend redis or redis-cluster: live leases in each Redis "
+                   "configuration (each is granted through a Lua script; memory and expiry "
+                   "figures are per lease)")
 @click.option("--auth", "secured", is_flag=True,
               help="also measure a registry that authenticates every call by bearer token "
                    "(memory backend), interleaved with the others; its figures end in _auth")
@@ -949,11 +1155,14 @@ def _report(result: dict[str, Any], targets: list[tuple[str, str, float, str]]) 
 @click.option("--json", "as_json", is_flag=True, help="print one JSON object")
 def registry_bench(leases: int, blocks: int, rate: float, duration: float, concurrency: int,
                    rounds: int, backend: str, replicas: int, redis_url: str,
-                   redis_leases: int, secured: bool, lookup_tenants: int, lookup_messages: int,
+                   redis_shards: int | None, tenants: int | None, redis_leases: int,
+                   secured: bool, lookup_tenants: int, lookup_messages: int,
                    as_json: bool) -> None:
     """Measure the registry beside a trivial gRPC echo service (about a minute; with
-    --backend redis, a few more). Memory backend: one JSON object. Redis: one object per
-    configuration, keyed memory, redis_1, ..., redis_N."""
+    --backend redis or redis-cluster, a few more). Memory backend: one JSON object. Redis:
+    one object per configuration, keyed memory, redis_1, ..., redis_N (redis-cluster:
+    redis_cluster_1, ..., redis_cluster_N), each Redis one with its primaries' command
+    counts (primary_commands: one per primary, in address order)."""
 
     def log(msg: str) -> None:
         click.echo(msg, err=True)
@@ -968,28 +1177,37 @@ def registry_bench(leases: int, blocks: int, rate: float, duration: float, concu
             _report(result, TARGETS)
         return
 
+    cluster = backend == "redis-cluster"
+    if redis_url and ("+cluster://" in redis_url) != cluster:
+        raise click.UsageError(
+            "--backend redis-cluster takes a redis+cluster:// --redis-url" if cluster else
+            "a redis+cluster:// --redis-url needs --backend redis-cluster")
+    tenants = tenants or (1000 if cluster else 1)
     results: dict[str, dict[str, Any]] = {}
     log("== memory backend")
     results["memory"] = aio.run(_run(leases, blocks, rate, duration, concurrency, rounds, log,
                                      secured=secured, lookup_tenants=lookup_tenants,
                                      lookup_messages=lookup_messages))
-    redis = _RedisServer(redis_url)
+    redis = _Redis(redis_url, cluster)
+    shards = redis_shards or len(redis.clients)
+    what = "redis_cluster" if cluster else "redis"
     try:
         for n in range(1, replicas + 1):
-            log(f"== redis, {n} replica(s)")
+            log(f"== {what.replace('_', ' ')}, {n} replica(s), {shards} shard(s), "
+                f"{tenants} tenant(s)")
 
             def measure(registries: _Registries) -> dict[str, Any]:
                 return aio.run(_run(redis_leases, blocks, rate, duration, concurrency, rounds,
-                                    log, registries, lookup_messages=lookup_messages))
+                                    log, registries, lookup_messages=lookup_messages,
+                                    tenants=tenants))
 
             namespace = f"kvbridge-bench-{uuid.uuid4().hex[:8]}"
             try:
-                results[f"redis_{n}"] = _run_redis(redis_leases, n, redis, namespace, measure)
+                results[f"{what}_{n}"] = _run_redis(redis_leases, n, redis, namespace, shards,
+                                                    measure)
             except (KvbridgeError, RuntimeError) as exc:  # report it, measure the others
-                log(f"  redis with {n} replica(s) failed: {exc}")
-                results[f"redis_{n}"] = {"error": str(exc), "replicas": n}
-                continue
-            results[f"redis_{n}"]["redis_url"] = redis.url
+                log(f"  {what} with {n} replica(s) failed: {exc}")
+                results[f"{what}_{n}"] = {"error": str(exc), "replicas": n}
     finally:
         redis.stop()
     if as_json:
@@ -1000,4 +1218,5 @@ def registry_bench(leases: int, blocks: int, rate: float, duration: float, concu
         if "error" in result:
             click.echo(f"  failed: {result['error']}")
             continue
-        _report(result, TARGETS if name == "memory" else REDIS_TARGETS)
+        _report(result, TARGETS if name == "memory" else
+                REDIS_CLUSTER_TARGETS if cluster else REDIS_TARGETS)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 
@@ -107,3 +109,48 @@ def test_short_registry_bench_prints_every_figure() -> None:
             and result["lookup_misses_missed"] == result["lookup_misses"])
     assert result["lookup_p50_ms"] <= result["lookup_p99_ms"]
     assert result["lookup_miss_p50_ms"] <= result["lookup_miss_p99_ms"]
+
+
+def test_redis_cluster_bench_refuses_a_url_that_is_not_a_cluster() -> None:
+    """--backend redis-cluster with a plain Redis URL is refused before anything starts."""
+    from click.testing import CliRunner
+
+    from kvbridge.benchmarks.registry_bench import registry_bench
+
+    run = CliRunner().invoke(registry_bench, ["--backend", "redis-cluster",
+                                              "--redis-url", "redis://127.0.0.1:1/0"])
+    assert run.exit_code == 2 and "redis+cluster://" in run.output
+
+
+@pytest.mark.slow  # a benchmark subprocess and a 3-primary Redis Cluster: ~35 s
+def test_short_redis_cluster_bench_counts_every_primary() -> None:
+    """`--backend redis-cluster` starts a 3-primary cluster, measures a replica on it beside
+    the memory backend, and reports each primary's commands: with the leases dealt over many
+    tenants (sharded by tenant), every primary serves reads. The cluster is stopped after."""
+    if not (shutil.which("redis-server") and shutil.which("redis-cli")):
+        pytest.skip("redis-server and redis-cli are not installed (apt-get install -y "
+                    "redis-server)")
+    run = subprocess.run(
+        [sys.executable, "-m", "kvbridge.cli", "--log-level", "error", "bench", "registry",
+         "--backend", "redis-cluster", "--replicas", "1", "--leases", "1000",
+         "--redis-leases", "1000", "--rate", "200", "--duration", "0.5", "--rounds", "1",
+         "--concurrency", "8", "--json"],
+        capture_output=True, text=True, timeout=240,
+        env={k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(results) == {"memory", "redis_cluster_1"}
+    assert results["memory"]["acquire_read_p99_ms"] > 0
+    cluster = results["redis_cluster_1"]
+    assert cluster["acquire_read_p99_ms"] > 0 and cluster["replicas"] == 1
+    assert (cluster["redis_primaries"], cluster["redis_shards"], cluster["tenants"]) == (
+        3, 3, 1000)
+    for key in ("primary_commands", "primary_fcalls", "primary_commands_all"):
+        assert len(cluster[key]) == 3 and all(n > 0 for n in cluster[key]), (key, cluster[key])
+    assert cluster["primary_command_spread"] == round(
+        max(cluster["primary_commands"]) / min(cluster["primary_commands"]), 2)
+    # The bench's own cluster, on free ports: stopped at the end.
+    for address in cluster["redis_url"].removeprefix("redis+cluster://").split(","):
+        host, _, port = address.rpartition(":")
+        with pytest.raises(OSError), socket.create_connection((host, int(port)), timeout=2):
+            pass
