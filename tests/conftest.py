@@ -360,9 +360,12 @@ class RedisCluster:
         self.nodes: list[RedisProcess] = []
         try:
             for k in range(primaries * (1 + replicas)):
+                # (a replica's full sync writes an RDB file even without --save: in the
+                # cluster's own folder, not the tests' working directory)
                 self.nodes.append(RedisProcess(
                     "--save", "", "--appendonly", "no", "--cluster-enabled", "yes",
                     "--cluster-config-file", os.path.join(self.dir, f"nodes-{k}.conf"),
+                    "--dir", self.dir, "--dbfilename", f"dump-{k}.rdb",
                     "--cluster-node-timeout", "2000", *extra))
             subprocess.run(
                 ["redis-cli", "--cluster", "create",
