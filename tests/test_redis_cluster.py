@@ -124,6 +124,9 @@ async def test_a_holder_lives_in_every_shard(make_store: Make, kv: Any) -> None:
                                              first_block=100 + 10 * (2 * k + j)))
             leases[tenant] = g.lease
             assert g.lease.lease_id.endswith(f".s{k}")
+    mine = await store.get_holder("h1")  # every shard's leases counted
+    assert mine.lease_count == 2 * SHARDS and mine.retained_blocks == 2 * 2 * SHARDS
+    assert [h.lease_count for h in await store.holders()] == [2 * SHARDS]
     kept = [leases[group[0]].lease_id for group in groups]
     dropped = sorted(leases[group[1]].lease_id for group in groups)
     reg = await store.register_holder(holder(ttl=300.0), held_ids=kept)
@@ -200,7 +203,8 @@ async def test_a_shard_that_lost_its_data_holds_only_its_own_reclaims(
     await store.revoke(healthy)
     await store.revoke(held)
     assert (await store.heartbeat("h1"))[0] == [healthy]
-    assert await store.reclaim_hold() > 0
+    assert await store.reclaim_hold() > 0 and await store.reclaim_hold(held) > 0
+    assert await store.reclaim_hold(healthy) == 0  # (GetLease says reclaimable: it is)
     deadline = time.monotonic() + 5
     while held not in (reclaimable := (await store.heartbeat("h1"))[0]):
         assert time.monotonic() < deadline, reclaimable
@@ -260,7 +264,7 @@ async def test_listings_page_across_shards_in_id_order(make_store: Make, kv: Any
 
 
 async def test_every_replica_of_a_namespace_names_the_same_shard_count(
-        make_store: Make, redis_namespace: str) -> None:
+        make_store: Make, redis_cluster: Any, redis_namespace: str) -> None:
     """Replicas that disagree on the count would look for a tenant in different shards (one's
     reclaim could free KV under another's pin): a replica with another count refuses to
     start, and says how to start it."""
@@ -269,6 +273,23 @@ async def test_every_replica_of_a_namespace_names_the_same_shard_count(
         with pytest.raises(OSError, match="spread over 3 shard.s.; this replica was started "
                                           f"with redis_shards {shards}"):
             await make_store(shards=shards)
+    # A record Redis lost lets a replica of another count start; the first tick of the
+    # others that finds the record rewritten stops them serving (readers recompute).
+    first = await make_store(namespace=redis_namespace + "-lost")
+    await first.tick()
+    assert first.not_serving == ""
+    client = aioredis.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    try:
+        assert await client.delete(f"{{{redis_namespace}-lost}}:shards") == 1
+    finally:
+        await client.aclose()
+    second = await make_store(namespace=redis_namespace + "-lost", shards=2)
+    await first.tick()
+    assert "spread over 2 shard(s)" in first.not_serving
+    with pytest.raises(errors.Unavailable):
+        await first.acquire_read("t1", "c1", b"")
+    await second.tick()
+    assert second.not_serving == ""
     single = redis_namespace + "-single"
     await make_store(shards=1, namespace=single)
     with pytest.raises(OSError, match="--redis-shards 1"):
@@ -353,6 +374,7 @@ async def test_a_primary_failover_holds_and_reconfirms_only_its_shard(
         outcomes: list[list[str]] = [[] for _ in range(SHARDS)]
         first_hit = None
         registered_again = False
+        beats_while_down = 0
         while time.monotonic() - killed < 30:
             for k, tenant in enumerate(tenants):
                 try:
@@ -367,6 +389,8 @@ async def test_a_primary_failover_holds_and_reconfirms_only_its_shard(
                     outcomes[k].append("UNAVAILABLE")
             try:
                 await store.heartbeat(spec.holder_id)
+                if outcomes[victim_shard][-1] == "UNAVAILABLE":
+                    beats_while_down += 1  # the other shards' beats went on
             except errors.HolderNotFound:  # what decode's session does: all it holds
                 snaps = [Snapshot(g.lease.lease_id, s, g.lease.epoch, 0.0)
                          for g, s in zip(grants, specs, strict=True)]
@@ -383,6 +407,7 @@ async def test_a_primary_failover_holds_and_reconfirms_only_its_shard(
         assert first_hit is not None, outcomes[victim_shard]
         assert registered_again
         assert "UNAVAILABLE" in outcomes[victim_shard]
+        assert beats_while_down > 0
         for k in range(SHARDS):
             if k != victim_shard:
                 assert set(outcomes[k]) == {"HIT"}, (k, outcomes[k])

@@ -292,6 +292,21 @@ async def test_grant_retry_never_returns_another_holders_lease(
     assert (await b.store.get_lease(planted)).holder.holder_id == "h1"
 
 
+async def test_a_grant_is_found_by_the_id_its_request_id_derives(b: Backend, kv: Any) -> None:
+    """A holder whose grant's outcome is unknown asks for the lease by the id it derives
+    (`kvbridge.ids.grant_lease_id`): found, however the store names it (a sharded store's
+    ids end with their shard's tag), and revoked by it too."""
+    from kvbridge.ids import grant_lease_id
+
+    await b.store.register_holder(holder(ttl=300.0))
+    made = (await b.store.grant(grant_spec(kv, kv.tokens(8), request_id="req-9"))).lease
+    derived = grant_lease_id("h1", "req-9")
+    assert (await b.store.get_lease(derived)).lease_id == made.lease_id
+    assert (await b.store.revoke(derived)).state is LeaseState.REVOKED
+    with pytest.raises(errors.LeaseNotFound):
+        await b.store.get_lease(grant_lease_id("h1", "req-never-sent"))
+
+
 async def test_a_tenants_live_pins_are_capped(make_backend: Factory, kv: Any) -> None:
     """Issue 32, item 14: a tenant holds at most tenant_max_pins live pins; a read past it is
     refused (TENANT_QUOTA_EXCEEDED: prefill recomputes) with nothing pinned, another tenant

@@ -168,8 +168,9 @@ class RegistryConfig(SecuritySettings):
                              f"{self.redis_shards}")
         if self.list_rate_per_principal < 0:
             raise ValueError("list_rate_per_principal must not be negative")
-        if not self.redis_namespace or any(c in self.redis_namespace for c in "{} \t\n"):
-            raise ValueError("redis_namespace must be non-empty, without braces or spaces")
+        if not self.redis_namespace or any(c in self.redis_namespace for c in "{}~ \t\n"):
+            raise ValueError("redis_namespace must be non-empty, without braces, '~' (it "
+                             "separates a shard's namespace) or spaces")
         check_logging(self.log_level, self.log_format)
         tracing.check_endpoint(self.otlp_traces_endpoint)
         self.check_security()

@@ -32,7 +32,7 @@ from typing import Any, NoReturn
 import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvbridge.clock import Clock, monotonic
@@ -105,7 +105,7 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
         # When Redis may have lost pins (empty state, a restart, a failover: store.lua's
         # hold_until), hold reclaims for the grace (0: tests).
         self._grace = config.effective_recovery_grace_s if recovering else 0.0
-        self.namespace, self._tag = shard or (config.redis_namespace, "")
+        self.namespace, self.tag = shard or (config.redis_namespace, "")
         self._sharded = shard is not None
         self.prefix = f"{{{self.namespace}}}:"
         self._quotas = config.tenant_quotas()
@@ -225,6 +225,9 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             # Only unreachability: a function's error is a bug and must not look like an outage.
             raise Unavailable(f"Redis unreachable: {exc}", backend="redis") from exc
+        except RedisClusterException as exc:  # no primary serves the slot now (a failover)
+            raise Unavailable(f"Redis Cluster cannot serve now: {exc}", backend="redis",
+                              redis_error="CLUSTER") from exc
         except ResponseError as exc:
             code = not_serving(exc)
             if code is None:
@@ -339,9 +342,9 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
         if block_size is None:
             block_size = (await self.get_holder(g.holder_id)).block_size
         if g.request_id:
-            lease_id = grant_lease_id(g.holder_id, g.request_id) + self._tag
+            lease_id = grant_lease_id(g.holder_id, g.request_id) + self.tag
         else:
-            lease_id = "l-" + secrets.token_hex(8) + self._tag
+            lease_id = "l-" + secrets.token_hex(8) + self.tag
         idle, life = grant_ttls(cfg, g)
         payload = g.hashes + array("I", g.block_ids).tobytes()
         for _ in range(3):  # the function found another block size (STALE): check against it
@@ -405,7 +408,7 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
             raise refusal(self.config, _s(reply[1]), lease_id=lease_id)
         return lease_with_holder(reply[2], reply[3], self._base(reply[1]))
 
-    async def reclaim_hold(self) -> float:
+    async def reclaim_hold(self, lease_id: str = "") -> float:
         reply = await self._run("hold")
         return float(reply[2])
 
@@ -446,9 +449,9 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
                     caller: str) -> Read:
         cfg = self.config
         if request_id:
-            pin_id = self._pin_id(tenant, reader_id, request_id, caller) + self._tag
+            pin_id = self._pin_id(tenant, reader_id, request_id, caller) + self.tag
         else:
-            pin_id = "p-" + secrets.token_hex(8) + self._tag
+            pin_id = "p-" + secrets.token_hex(8) + self.tag
         ttl = min(pin_ttl or cfg.default_pin_ttl_s, cfg.max_pin_ttl_s)
         reply = await self._run("read", mode, tenant, conversation_id, hashes, min_tokens, ttl,
                                 pin_id, 1 if request_id else 0, cfg.max_pin_ttl_s,
@@ -508,10 +511,24 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
                         hint="reads retried across the change make a second pin, which "
                              "expires")
         self._check_layout_min(int(reply[9]))  # a newer replica may need this one gone
+        if not self._sharded:  # (a ShardedStore checks its count after its shards' ticks)
+            await self.recheck_shard_count(self.prefix, 1)
         expired = int(reply[2])
         if expired:
             log.debug("leases_expired", count=expired)
         return expired
+
+    async def recheck_shard_count(self, prefix: str, count: int) -> str:
+        """At a tick: stop serving if the namespace's shard count is no longer `count` (and
+        say why); an unreachable Redis is checked at the next tick."""
+        try:
+            conflict = await self._shard_count_conflict(prefix, count)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            self._unreachable("tick", exc)
+            return ""
+        if conflict:
+            self._stop_serving(conflict)
+        return conflict
 
     def _unreachable(self, during: str, exc: Exception) -> None:
         now = monotonic()

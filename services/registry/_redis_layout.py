@@ -133,24 +133,42 @@ class LayoutRecord:
         look for a tenant's leases and pins in different shards, and one's reclaim could
         free KV under another's pin. (Changing it takes a new namespace, or every replica
         stopped and the namespace's keys deleted.)"""
-        assert self._redis is not None
-        key = prefix + "shards"
         try:
-            recorded = await self._redis.get(key)
-            if recorded is None and count > 1 and await self._redis.exists(prefix + "layout"):
-                recorded = b"1"  # a single-shard fleet's state, from before the record
-            if recorded is None:
-                await self._redis.set(key, count, nx=True)
-                recorded = await self._redis.get(key)
+            conflict = await self._shard_count_conflict(prefix, count, fresh=True)
         except (RedisError, OSError) as exc:
             await self._failed_start(exc)
-        if recorded is not None and int(recorded) != count:
+        if conflict:
             await self.close()
-            raise OSError(
-                f"Redis namespace {self.config.redis_namespace!r} is spread over "
+            raise OSError(conflict)
+
+    async def _shard_count_conflict(self, prefix: str, count: int, *, fresh: bool = False
+                                    ) -> str:
+        """Why `count` is not the namespace's shard count ("" when it is), writing the record
+        when Redis lost it (every tick checks it again: a replica of another count started
+        after a loss stops serving at the first tick that finds the record rewritten). A
+        record missing at start (`fresh`) beside a single-shard fleet's state is that fleet's:
+        it predates the record."""
+        assert self._redis is not None
+        key = prefix + "shards"
+        recorded = await self._redis.get(key)
+        if recorded is None and fresh and count > 1 \
+                and await self._redis.exists(prefix + "layout"):
+            recorded = b"1"
+        if recorded is None:
+            await self._redis.set(key, count, nx=True)
+            recorded = await self._redis.get(key)
+        if recorded is None or int(recorded) == count:
+            return ""
+        return (f"Redis namespace {self.config.redis_namespace!r} is spread over "
                 f"{int(recorded)} shard(s); this replica was started with redis_shards "
                 f"{count}: start it with --redis-shards {int(recorded)}, or use a new "
                 "--redis-namespace for another count")
+
+    def _stop_serving(self, why: str) -> None:
+        """Answer every call UNAVAILABLE from now on (readers recompute), for `why`."""
+        if not self._outdated:
+            log.error("redis_replica_stops_serving", namespace=self.namespace, why=why)
+        self._outdated = why
 
     def _check_layout_min(self, minimum: int) -> None:
         """Stop serving when a newer replica raised the namespace's minimum past this one's

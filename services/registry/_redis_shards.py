@@ -31,6 +31,7 @@ import heapq
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+import structlog
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from kvbridge.clock import Clock
@@ -58,17 +59,21 @@ __all__ = ["ShardedStore", "shard_namespaces", "shard_of"]
 
 _T = TypeVar("_T")
 
+log = structlog.get_logger("kvbridge.registry")
+
 
 def shard_namespaces(namespace: str, count: int) -> list[str]:
-    """The namespaces of `count` shards of `namespace`: shard K's slot falls in the K-th of
-    `count` equal ranges of the cluster's slots."""
+    """The namespaces of `count` shards of `namespace`: `NAMESPACE~KofN`, with a suffix
+    `.J` where needed to put shard K's slot in the K-th of `count` equal ranges of the
+    cluster's slots. (`~` is refused in a configured namespace, and the count is in the name:
+    no shard of one count shares keys with a fleet's own namespace or another count's shard.)"""
     names = []
     for k in range(count):
         lo = k * REDIS_CLUSTER_HASH_SLOTS // count
         hi = (k + 1) * REDIS_CLUSTER_HASH_SLOTS // count
         j = 0
         while True:
-            name = f"{namespace}.s{k}" + (f".{j}" if j else "")
+            name = f"{namespace}~{k}of{count}" + (f".{j}" if j else "")
             if lo <= key_slot(f"{{{name}}}".encode()) < hi:
                 break
             j += 1
@@ -90,6 +95,7 @@ class ShardedStore:
         self.config = config
         self.clock = clock
         count = config.redis_shards
+        self._prefix = f"{{{config.redis_namespace}}}:"  # the fleet's own: its shard count
         self.shards = [RedisStore(config, clock, recovering=recovering, shard=(name, f".s{k}"))
                        for k, name in enumerate(shard_namespaces(config.redis_namespace,
                                                                  count))]
@@ -110,28 +116,36 @@ class ShardedStore:
         """`call` on every shard at once (see `_gather`)."""
         return await _gather([call(s) for s in self.shards])
 
-    async def _by_id(self, some_id: str, call: Callable[[RedisStore], Awaitable[_T]]) -> _T:
-        """`call` on the shard that made `some_id`; for an untagged id, on each shard in turn
-        until one knows it (LeaseNotFound from all: the last one's)."""
+    async def _by_id(self, some_id: str, call: Callable[[RedisStore, str], Awaitable[_T]]
+                     ) -> _T:
+        """`call(shard, id)` on the shard that made `some_id`. An untagged id is either one
+        derived from a request id (`kvbridge.ids.grant_lease_id`: a holder asks about a grant
+        of unknown outcome by it, not knowing the shard) or one restored from before
+        sharding: every shard K is asked at once for `id.sK` and for `id`, and the one that
+        knows it answers (LeaseNotFound when none does; an outage of any shard, if one was
+        down: the id may be there)."""
         k = self._tag(some_id)
         if k is not None:
-            return await call(self.shards[k])
-        missing: LeaseNotFound | None = None
-        for store in self.shards:
-            try:
-                return await call(store)
-            except LeaseNotFound as exc:
-                missing = exc
-        assert missing is not None
-        raise missing
+            return await call(self.shards[k], some_id)
+        asks = [(s, f"{some_id}{s.tag}") for s in self.shards] + [(s, some_id)
+                                                                  for s in self.shards]
+        results = await asyncio.gather(*(call(s, x) for s, x in asks), return_exceptions=True)
+        errors: list[BaseException] = []
+        for result in results:
+            if not isinstance(result, BaseException):
+                return result
+            if not isinstance(result, Exception):
+                raise result
+            errors.append(result)
+        outage = next((e for e in errors if not isinstance(e, LeaseNotFound)), None)
+        raise outage if outage is not None else errors[-1]  # (-1: the plain id's, named so)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
         try:
             await self._all(lambda s: s.start())
-            await self.shards[0]._check_shard_count(f"{{{self.config.redis_namespace}}}:",
-                                                    len(self.shards))
+            await self.shards[0]._check_shard_count(self._prefix, len(self.shards))
         except BaseException:
             await self.close()
             raise
@@ -173,9 +187,22 @@ class ShardedStore:
             k = self._tag(lease_id)
             for j in (range(len(self.shards)) if k is None else (k,)):
                 parts[j].append(lease_id)
-        results = await _gather([s.heartbeat(holder_id, parts[k])
-                                 for k, s in enumerate(self.shards)])
-        return _unique(x for r, _ in results for x in r), results[0][1]
+        # A shard that cannot be reached must not starve the others of heartbeats (the
+        # holder would be lost in all of them, its leases with it): while any shard answers,
+        # the answer is theirs. What a missed shard would have said comes at a later beat:
+        # its reclaimable ids until acked (an ack it missed is repeated, since decode acks an
+        # id it no longer holds at once), and HOLDER_NOT_FOUND if it lost the holder.
+        outcomes = await asyncio.gather(*(s.heartbeat(holder_id, parts[k])
+                                          for k, s in enumerate(self.shards)),
+                                        return_exceptions=True)
+        answered = [r for r in outcomes if not isinstance(r, BaseException)]
+        missed = [r for r in outcomes if isinstance(r, BaseException)]
+        if missed and (not answered or any(not isinstance(e, Unavailable) for e in missed)):
+            raise _first(missed)
+        if missed:
+            log.warning("heartbeat_missed_shards", holder=holder_id, shards=len(missed),
+                        of=len(self.shards), error=str(missed[0]))
+        return _unique(x for r, _ in answered for x in r), answered[0][1]
 
     async def deregister_holder(self, holder_id: str) -> tuple[list[str], int]:
         check.identifier("holder_id", holder_id, self.config.max_id_length)
@@ -187,10 +214,13 @@ class ShardedStore:
         heartbeat there says so), and until then that shard reads none of its leases."""
         results = await self._all(lambda s: s.holders())
         live = set.intersection(*({h.holder_id for h in r} for r in results))
-        return [h for h in results[0] if h.holder_id in live]
+        others = [{h.holder_id: h for h in r} for r in results[1:]]
+        return [_summed(h, [o[h.holder_id] for o in others])
+                for h in results[0] if h.holder_id in live]
 
     async def get_holder(self, holder_id: str) -> Holder:
-        return (await self._all(lambda s: s.get_holder(holder_id)))[0]
+        first, *others = await self._all(lambda s: s.get_holder(holder_id))
+        return _summed(first, others)
 
     # ---- leases -----------------------------------------------------------------------------
 
@@ -229,12 +259,15 @@ class ShardedStore:
         return out
 
     async def revoke(self, lease_id: str, holder_id: str = "", reason: str = "") -> Lease:
-        return await self._by_id(lease_id, lambda s: s.revoke(lease_id, holder_id, reason))
+        return await self._by_id(lease_id, lambda s, x: s.revoke(x, holder_id, reason))
 
     async def get_lease(self, lease_id: str) -> Lease:
-        return await self._by_id(lease_id, lambda s: s.get_lease(lease_id))
+        return await self._by_id(lease_id, lambda s, x: s.get_lease(x))
 
-    async def reclaim_hold(self) -> float:
+    async def reclaim_hold(self, lease_id: str = "") -> float:
+        k = self._tag(lease_id) if lease_id else None
+        if k is not None:  # a failover of one primary holds its own shards only
+            return await self.shards[k].reclaim_hold()
         return max(await self._all(lambda s: s.reclaim_hold()))
 
     async def list_leases(self, tenant: str = "", conversation_id: str = "",
@@ -296,7 +329,12 @@ class ShardedStore:
 
     async def tick(self, *, turn: float = 0.0) -> int:
         # Each shard's tick takes that shard's turn (tick.lua): the expiry runs per shard.
-        return sum(await asyncio.gather(*(s.tick(turn=turn) for s in self.shards)))
+        expired = sum(await asyncio.gather(*(s.tick(turn=turn) for s in self.shards)))
+        if not self.not_serving:
+            conflict = await self.shards[0].recheck_shard_count(self._prefix, len(self.shards))
+            for s in self.shards[1:] if conflict else ():
+                s._stop_serving(conflict)
+        return expired
 
     def next_deadline(self) -> float | None:
         due = [d for d in (s.next_deadline() for s in self.shards) if d is not None]
@@ -322,13 +360,25 @@ async def _gather(calls: Sequence[Awaitable[_T]]) -> list[_T]:
     (register again) even while another shard is down."""
     results = await asyncio.gather(*calls, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]
-    for error in errors:
-        if not isinstance(error, Exception):
-            raise error
     if errors:
-        refusals = [e for e in errors if not isinstance(e, Unavailable)]
-        raise (refusals or errors)[0]
+        raise _first(errors)
     return results  # type: ignore[return-value]
+
+
+def _first(errors: Sequence[BaseException]) -> BaseException:
+    """The error to raise of several shards' (a cancellation, then a refusal, then an
+    outage)."""
+    return (next((e for e in errors if not isinstance(e, Exception)), None)
+            or next((e for e in errors if not isinstance(e, Unavailable)), None)
+            or errors[0])
+
+
+def _summed(holder: Holder, others: Sequence[Holder]) -> Holder:
+    """A holder as every shard has it: each counts its own leases and blocks."""
+    for other in others:
+        holder.lease_count += other.lease_count
+        holder.retained_blocks += other.retained_blocks
+    return holder
 
 
 async def _none() -> list[Any]:

@@ -326,7 +326,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         try:
             lease = await self.store.get_lease(request.lease_id)
         except LeaseNotFound:
-            hold = await self.store.reclaim_hold()
+            hold = await self.store.reclaim_hold(request.lease_id)
             if hold > 0:  # it may have existed: its holder may not have re-registered yet
                 raise Recovering(
                     f"lease {request.lease_id!r} is unknown to this registry, which lost its "
@@ -340,7 +340,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
     async def _reclaimable(self, lease: Lease) -> bool:
         """May the holder free the lease's blocks now: dead, unpinned, and not within the
         recovery grace (after a loss of state, pins from before may be live)."""
-        return lease.reclaimable and await self.store.reclaim_hold() <= 0
+        return lease.reclaimable and await self.store.reclaim_hold(lease.lease_id) <= 0
 
     @_rpc
     async def ListLeases(self, request: pb.ListLeasesRequest,

@@ -157,11 +157,12 @@ class LeaseStore(Protocol):
         deadline then says when to try again)."""
         ...
 
-    async def reclaim_hold(self) -> float:
+    async def reclaim_hold(self, lease_id: str = "") -> float:
         """Seconds left of the recovery grace, 0 when over. A store that starts empty may have
         lost its state (a restart; on Redis also a restart or failover of Redis): pins from
         before may be live, so for that long no lease is reclaimable, whatever its own pin
-        count says (DESIGN invariant 7)."""
+        count says (DESIGN invariant 7). `lease_id`: the hold that applies to that lease
+        (a sharded store's shards hold apart); "": the longest."""
         ...
 
     def next_deadline(self) -> float | None:
@@ -230,7 +231,7 @@ class MemoryStore:
     async def get_lease(self, lease_id: str) -> Lease:
         return self.table.get_lease(lease_id)
 
-    async def reclaim_hold(self) -> float:
+    async def reclaim_hold(self, lease_id: str = "") -> float:
         return self.table.reclaim_hold()
 
     async def list_leases(self, tenant: str = "", conversation_id: str = "",
