@@ -273,8 +273,8 @@ async def test_every_replica_of_a_namespace_names_the_same_shard_count(
         with pytest.raises(OSError, match="spread over 3 shard.s.; this replica was started "
                                           f"with redis_shards {shards}"):
             await make_store(shards=shards)
-    # A record Redis lost lets a replica of another count start; the first tick of the
-    # others that finds the record rewritten stops them serving (readers recompute).
+    # A record Redis lost lets a replica of another count start; the first check of the
+    # others (at a tick, once a second) that finds the record rewritten stops them serving.
     first = await make_store(namespace=redis_namespace + "-lost")
     await first.tick()
     assert first.not_serving == ""
@@ -284,6 +284,7 @@ async def test_every_replica_of_a_namespace_names_the_same_shard_count(
     finally:
         await client.aclose()
     second = await make_store(namespace=redis_namespace + "-lost", shards=2)
+    await asyncio.sleep(1.05)  # (ticks check the record at most once a second)
     await first.tick()
     assert "spread over 2 shard(s)" in first.not_serving
     with pytest.raises(errors.Unavailable):

@@ -87,6 +87,11 @@ __all__ = ["LAYOUT", "LAYOUT_MIN", "RedisStore"]
 
 log = structlog.get_logger("kvbridge.registry")
 
+# How often ticks check the namespace's shard count record again (`recheck_shard_count`): a
+# replica of another count, started after Redis lost the record, serves at most this long
+# beside this one (plus a tick) before one of them stops.
+_COUNT_CHECK_EVERY_S = 1.0
+
 
 def _s(value: bytes) -> str:
     return value.decode()
@@ -129,6 +134,7 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
         self._init_clock()
         self.layout, self.layout_min = LAYOUT, LAYOUT_MIN  # (tests set others)
         self._outdated = ""  # why this replica no longer serves (a newer layout's minimum)
+        self._count_checked = -_COUNT_CHECK_EVERY_S  # when the shard count was last checked
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -519,8 +525,12 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
         return expired
 
     async def recheck_shard_count(self, prefix: str, count: int) -> str:
-        """At a tick: stop serving if the namespace's shard count is no longer `count` (and
-        say why); an unreachable Redis is checked at the next tick."""
+        """At a tick, at most once a second: stop serving if the namespace's shard count is no
+        longer `count` (and say why); an unreachable Redis is checked at the next tick."""
+        now = self.clock.monotonic()
+        if now - self._count_checked < _COUNT_CHECK_EVERY_S:
+            return ""
+        self._count_checked = now
         try:
             conflict = await self._shard_count_conflict(prefix, count)
         except (RedisError, RedisClusterException, OSError) as exc:
