@@ -269,6 +269,12 @@ async def test_every_replica_of_a_namespace_names_the_same_shard_count(
     reclaim could free KV under another's pin): a replica with another count refuses to
     start, and says how to start it."""
     await make_store()
+    # A release from before sharding reads no count: the namespace's layout keeps it out.
+    older = RedisStore(RegistryConfig(backend="redis", redis_url=redis_cluster.url,
+                                      redis_namespace=redis_namespace),
+                       SystemClock(), shard=(redis_namespace, ""))  # (skips the count)
+    with pytest.raises(OSError, match="needs at least 6; this replica speaks layout 5"):
+        await older.start()
     for shards in (2, 1):
         with pytest.raises(OSError, match="spread over 3 shard.s.; this replica was started "
                                           f"with redis_shards {shards}"):
@@ -293,6 +299,14 @@ async def test_every_replica_of_a_namespace_names_the_same_shard_count(
     assert second.not_serving == ""
     single = redis_namespace + "-single"
     await make_store(shards=1, namespace=single)
+    with pytest.raises(OSError, match="--redis-shards 1"):
+        await make_store(namespace=single)
+    # A single-shard fleet's state from before the record: its count is 1 all the same.
+    client = aioredis.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    try:
+        assert await client.delete(f"{{{single}}}:shards") == 1
+    finally:
+        await client.aclose()
     with pytest.raises(OSError, match="--redis-shards 1"):
         await make_store(namespace=single)
     await make_store(namespace=single + "-x")  # a new namespace takes any count

@@ -166,9 +166,11 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
             await self.close()
             raise
         await self._check_eviction_policy()
-        await self._check_layout()
         if not self._sharded:  # (a ShardedStore checks the count for its shards)
+            # First: a sharded fleet's own namespace also records a layout this one does not
+            # speak (`SHARDED_NAMESPACE_LAYOUT`), and the count is the reason to give.
             await self._check_shard_count(self.prefix, 1)
+        await self._check_layout()
         self._use_pin_secret(await self._shared_pin_secret())
         try:
             await self.tick()  # primes counts

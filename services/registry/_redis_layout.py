@@ -85,6 +85,11 @@ log = structlog.get_logger("kvbridge.registry")
 # the older ones gone.
 LAYOUT = 5
 LAYOUT_MIN = 5  # the oldest layout that may share a namespace with this one
+# What a sharded fleet records as its own namespace's layout (beside its shard count, its
+# state being in the shards' namespaces): releases from before sharding, which do not read
+# the count, refuse to start on it (or stop serving) rather than serve that namespace as a
+# fleet of one shard beside it; later releases read the count first.
+SHARDED_NAMESPACE_LAYOUT = 6
 
 
 class LayoutRecord:
@@ -151,9 +156,9 @@ class LayoutRecord:
         assert self._redis is not None
         key = prefix + "shards"
         recorded = await self._redis.get(key)
-        if recorded is None and fresh and count > 1 \
-                and await self._redis.exists(prefix + "layout"):
-            recorded = b"1"
+        if recorded is None and fresh and count > 1 and await self._redis.exists(
+                prefix + "holders", prefix + "leases", prefix + "rid"):
+            recorded = b"1"  # (a sharded fleet's own namespace has no such key)
         if recorded is None:
             await self._redis.set(key, count, nx=True)
             recorded = await self._redis.get(key)

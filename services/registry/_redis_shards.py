@@ -54,6 +54,7 @@ from kvbridge.services.registry._core import (
 )
 from kvbridge.services.registry._model import Holder, Lease
 from kvbridge.services.registry._redis import RedisStore
+from kvbridge.services.registry._redis_layout import SHARDED_NAMESPACE_LAYOUT
 
 __all__ = ["ShardedStore", "shard_namespaces", "shard_of"]
 
@@ -145,7 +146,10 @@ class ShardedStore:
     async def start(self) -> None:
         try:
             await self._all(lambda s: s.start())
-            await self.shards[0]._check_shard_count(self._prefix, len(self.shards))
+            first = self.shards[0]
+            await first._check_shard_count(self._prefix, len(self.shards))
+            await first._fcall("layout", [self._prefix + "layout"],
+                               [SHARDED_NAMESPACE_LAYOUT, SHARDED_NAMESPACE_LAYOUT])
         except BaseException:
             await self.close()
             raise
