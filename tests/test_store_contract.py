@@ -305,6 +305,9 @@ async def test_a_grant_is_found_by_the_id_its_request_id_derives(b: Backend, kv:
     assert (await b.store.revoke(derived)).state is LeaseState.REVOKED
     with pytest.raises(errors.LeaseNotFound):
         await b.store.get_lease(grant_lease_id("h1", "req-never-sent"))
+    longest = "l" * b.store.config.max_id_length  # valid, and unknown: not found
+    with pytest.raises(errors.LeaseNotFound):
+        await b.store.get_lease(longest)
 
 
 async def test_a_tenants_live_pins_are_capped(make_backend: Factory, kv: Any) -> None:

@@ -9,18 +9,20 @@ re-confirms only its shard's part. This class writes no lease rule; it only rout
 - A call that names a tenant (grant, read, pin, a listing or renewal by tenant) goes to the
   tenant's shard: a stable hash of the tenant, modulo N.
 - A call that names a lease or pin id goes to the shard that made it: ids end with the
-  shard's tag (".s3"). An id without a valid tag (a lease restored from before sharding) is
-  asked of every shard, and the one that knows it answers.
+  shard's tag (".s3"). An id without a valid tag (one a holder derives from a request id, or
+  one restored from before sharding) is asked of every shard, and the one that knows it
+  answers.
 - A holder lives in every shard (its leases may be of any tenant): registration, heartbeat and
   deregistration fan out. A registration sends each shard the snapshots it will keep and the
-  held ids it made (untagged ones to all); `HOLDER_NOT_FOUND` from any shard is the answer, so
-  that the holder registers again everywhere. Any other failure of any shard fails the call:
-  what the others did is repeated safely by the retry (every holder call is idempotent).
+  held ids it made (untagged ones to all). `HOLDER_NOT_FOUND` from any shard is the answer, so
+  that the holder registers again everywhere. A heartbeat is answered by the shards that
+  answer (one out of reach must not get the holder lost in the others); any other failure of
+  a shard fails the call, and the retry repeats what the others did (every holder call is
+  idempotent).
 - Broad listings merge the shards' pages in lease id order, so the page token (the last id)
   works across them.
-- Shard namespaces are `NAMESPACE.sK`, with a suffix where needed to put shard K's slot in the
-  K-th of N equal slot ranges: a cluster whose primaries split the slots evenly (as
-  `redis-cli --cluster create` does) gets an equal share of shards on each primary.
+- Shard namespaces are `NAMESPACE~KofN` (see `shard_namespaces`); the fleet's own namespace
+  keeps only the shard count and a layout record that releases from before sharding refuse.
 """
 
 from __future__ import annotations
@@ -128,8 +130,11 @@ class ShardedStore:
         k = self._tag(some_id)
         if k is not None:
             return await call(self.shards[k], some_id)
-        asks = [(s, f"{some_id}{s.tag}") for s in self.shards] + [(s, some_id)
-                                                                  for s in self.shards]
+        longest = self.config.max_id_length
+        check.identifier("lease_id", some_id, longest)
+        asks = [(s, f"{some_id}{s.tag}") for s in self.shards
+                if len(some_id) + len(s.tag) <= longest]  # (a longer one was never made)
+        asks += [(s, some_id) for s in self.shards]
         results = await asyncio.gather(*(call(s, x) for s, x in asks), return_exceptions=True)
         errors: list[BaseException] = []
         for result in results:
