@@ -65,7 +65,9 @@ class GrantOutcomeUnknown(Exception):
     def __init__(self, request_id: str, lease_id: str, hard_deadline: float, cause: str) -> None:
         super().__init__(f"grant {request_id}: outcome unknown ({cause})")
         self.request_id = request_id
-        self.lease_id = lease_id  # the only id a lease of this grant can have
+        # The id to ask the registry about this grant's lease by (`GetLease`): the lease's
+        # own id, or, on a registry sharded over Redis, its id without the shard's tag.
+        self.lease_id = lease_id
         self.hard_deadline = hard_deadline
 
 

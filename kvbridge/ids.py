@@ -61,5 +61,6 @@ def pin_id_maker(secret: bytes) -> PinIds:
 
 
 def grant_lease_id(holder_id: str, request_id: str) -> str:
-    """The id of the lease a grant with `request_id` from `holder_id` makes (both backends)."""
+    """The id of the lease a grant with `request_id` from `holder_id` makes, by which GetLease
+    finds it on every backend (a registry sharded over Redis appends its shard's tag: `.sK`)."""
     return derived_id("l", holder_id, request_id)

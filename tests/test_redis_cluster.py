@@ -239,6 +239,19 @@ async def test_leases_without_a_shard_tag_are_found_in_any_shard(make_store: Mak
     assert (await store.heartbeat("h1", ["l-legacy-1"]))[0] == []
     with pytest.raises(errors.LeaseNotFound):
         await store.get_lease("l-legacy-1")  # forgotten once freed, in its shard
+    # One request id used for two tenants (two shards): its derived id names one lease, the
+    # same for a lookup and for the revoke it guards, and the revoke touches only that one.
+    from kvbridge.ids import grant_lease_id
+
+    made = [(await store.grant(grant_spec(kv, kv.tokens(8), tenant=t, conversation="c7",
+                                          request_id="req-twice", first_block=200 + 10 * k))
+             ).lease.lease_id for k, t in enumerate(tenants[:2])]
+    derived = grant_lease_id("h1", "req-twice")
+    found = (await store.get_lease(derived)).lease_id
+    assert found in made
+    assert (await store.revoke(derived)).lease_id == found
+    other = next(x for x in made if x != found)
+    assert (await store.get_lease(other)).state is LeaseState.ACTIVE
 
 
 async def test_listings_page_across_shards_in_id_order(make_store: Make, kv: Any) -> None:
@@ -268,13 +281,30 @@ async def test_every_replica_of_a_namespace_names_the_same_shard_count(
     """Replicas that disagree on the count would look for a tenant in different shards (one's
     reclaim could free KV under another's pin): a replica with another count refuses to
     start, and says how to start it."""
-    await make_store()
+    fleet = await make_store()
     # A release from before sharding reads no count: the namespace's layout keeps it out.
     older = RedisStore(RegistryConfig(backend="redis", redis_url=redis_cluster.url,
                                       redis_namespace=redis_namespace),
                        SystemClock(), shard=(redis_namespace, ""))  # (skips the count)
     with pytest.raises(OSError, match="needs at least 6; this replica speaks layout 5"):
         await older.start()
+    # Redis loses both records: a single-shard replica is refused without writing a count
+    # (which would stop the fleet), and the fleet's next check writes both back.
+    own = f"{{{redis_namespace}}}:"
+    cluster_client = aioredis.RedisCluster(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    try:
+        assert await cluster_client.delete(own + "shards") == 1
+        with pytest.raises(OSError, match="is a sharded fleet's"):
+            await make_store(shards=1)
+        assert await cluster_client.get(own + "shards") is None
+        assert await cluster_client.delete(own + "layout") == 1
+        await asyncio.sleep(1.05)  # (ticks check the records at most once a second)
+        await fleet.tick()
+        assert fleet.not_serving == ""
+        assert await cluster_client.get(own + "shards") == b"3"
+        assert await cluster_client.hget(own + "layout", "min") == b"6"
+    finally:
+        await cluster_client.aclose()
     for shards in (2, 1):
         with pytest.raises(OSError, match="spread over 3 shard.s.; this replica was started "
                                           f"with redis_shards {shards}"):

@@ -519,20 +519,24 @@ class RedisStore(LayoutRecord, FleetClock, EventTail):
                         hint="reads retried across the change make a second pin, which "
                              "expires")
         self._check_layout_min(int(reply[9]))  # a newer replica may need this one gone
-        if not self._sharded:  # (a ShardedStore checks its count after its shards' ticks)
+        if not self._sharded and self.count_check_due():  # (a ShardedStore checks its own)
             await self.recheck_shard_count(self.prefix, 1)
         expired = int(reply[2])
         if expired:
             log.debug("leases_expired", count=expired)
         return expired
 
-    async def recheck_shard_count(self, prefix: str, count: int) -> str:
-        """At a tick, at most once a second: stop serving if the namespace's shard count is no
-        longer `count` (and say why); an unreachable Redis is checked at the next tick."""
+    def count_check_due(self) -> bool:
+        """Whether a tick should check the shard count record again (once a second)."""
         now = self.clock.monotonic()
         if now - self._count_checked < _COUNT_CHECK_EVERY_S:
-            return ""
+            return False
         self._count_checked = now
+        return True
+
+    async def recheck_shard_count(self, prefix: str, count: int) -> str:
+        """At a tick: stop serving if the namespace's shard count is no longer `count` (and
+        say why); an unreachable Redis is checked at the next tick."""
         try:
             conflict = await self._shard_count_conflict(prefix, count)
         except (RedisError, RedisClusterException, OSError) as exc:

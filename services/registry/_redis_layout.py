@@ -3,7 +3,7 @@ replicas sharing a namespace speak (so that one of an older version, which would
 state, stops serving or refuses to start).
 
 Keys (P = `{namespace}:`, a Redis Cluster hash tag, so all keys of a fleet, or of one shard of
-it, live in one slot; a sharded fleet's shards have namespaces `namespace.sK[.j]`):
+it, live in one slot; a sharded fleet's shards have namespaces `namespace~KofN[.j]`):
   P h:<holder>       hash: host port tp bs fp ttl x(expire) ver s(state) la(lost at) rb(blocks)
                      rid(who served the state when it registered, see P rid; layout 5)
   P ha:<holder>      set: the holder's ACTIVE lease ids
@@ -156,18 +156,27 @@ class LayoutRecord:
         assert self._redis is not None
         key = prefix + "shards"
         recorded = await self._redis.get(key)
-        if recorded is None and fresh and count > 1 and await self._redis.exists(
-                prefix + "holders", prefix + "leases", prefix + "rid"):
-            recorded = b"1"  # (a sharded fleet's own namespace has no such key)
+        if recorded is None and fresh:
+            if count > 1 and await self._redis.exists(prefix + "holders", prefix + "leases",
+                                                       prefix + "rid"):
+                recorded = b"1"  # (a sharded fleet's own namespace has no such key)
+            elif count == 1 and int(await self._redis.hget(prefix + "layout", "version")
+                                    or 0) >= SHARDED_NAMESPACE_LAYOUT:
+                # A sharded fleet's namespace that lost its count: refused without writing
+                # one, which would stop that fleet.
+                return (f"Redis namespace {self.config.redis_namespace!r} is a sharded "
+                        "fleet's (its shard count record is lost): start this replica with "
+                        "that fleet's --redis-shards")
         if recorded is None:
             await self._redis.set(key, count, nx=True)
             recorded = await self._redis.get(key)
-        if recorded is None or int(recorded) == count:
+        said = recorded.decode(errors="replace") if isinstance(recorded, bytes) else recorded
+        if said is None or said == str(count):
             return ""
-        return (f"Redis namespace {self.config.redis_namespace!r} is spread over "
-                f"{int(recorded)} shard(s); this replica was started with redis_shards "
-                f"{count}: start it with --redis-shards {int(recorded)}, or use a new "
-                "--redis-namespace for another count")
+        return (f"Redis namespace {self.config.redis_namespace!r} is spread over {said} "
+                f"shard(s); this replica was started with redis_shards {count}: start it "
+                f"with --redis-shards {said}, or use a new --redis-namespace for another "
+                "count")
 
     def _stop_serving(self, why: str) -> None:
         """Answer every call UNAVAILABLE from now on (readers recompute), for `why`."""

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 import structlog
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+from redis.exceptions import RedisClusterException, RedisError
 
 from kvbridge.clock import Clock
 from kvbridge.errors import LeaseNotFound, Unavailable
@@ -53,6 +54,7 @@ from kvbridge.services.registry._core import (
     check_listing,
     check_registration,
     check_renewal,
+    check_revocation,
 )
 from kvbridge.services.registry._model import Holder, Lease
 from kvbridge.services.registry._redis import RedisStore
@@ -119,48 +121,53 @@ class ShardedStore:
         """`call` on every shard at once (see `_gather`)."""
         return await _gather([call(s) for s in self.shards])
 
-    async def _by_id(self, some_id: str, call: Callable[[RedisStore, str], Awaitable[_T]]
-                     ) -> _T:
-        """`call(shard, id)` on the shard that made `some_id`. An untagged id is either one
-        derived from a request id (`kvbridge.ids.grant_lease_id`: a holder asks about a grant
-        of unknown outcome by it, not knowing the shard) or one restored from before
-        sharding: every shard K is asked at once for `id.sK` and for `id`, and the one that
-        knows it answers (LeaseNotFound when none does; an outage of any shard, if one was
-        down: the id may be there)."""
-        k = self._tag(some_id)
-        if k is not None:
-            return await call(self.shards[k], some_id)
+    async def _find(self, lease_id: str) -> tuple[RedisStore, Lease]:
+        """An untagged lease id's shard and lease. Such an id is one derived from a request id
+        (`kvbridge.ids.grant_lease_id`: a holder asks about a grant of unknown outcome by it,
+        not knowing the shard) or one restored from before sharding: every shard K is asked
+        at once for `id.sK` and for `id`; the first found, in that order, answers (the same
+        one every time, so that an access check and the call it guards see one lease).
+        LeaseNotFound when none has it; an outage of a shard when one was down (it may)."""
         longest = self.config.max_id_length
-        check.identifier("lease_id", some_id, longest)
-        asks = [(s, f"{some_id}{s.tag}") for s in self.shards
-                if len(some_id) + len(s.tag) <= longest]  # (a longer one was never made)
-        asks += [(s, some_id) for s in self.shards]
-        results = await asyncio.gather(*(call(s, x) for s, x in asks), return_exceptions=True)
+        check.identifier("lease_id", lease_id, longest)
+        asks = [(s, f"{lease_id}{s.tag}") for s in self.shards
+                if len(lease_id) + len(s.tag) <= longest]  # (a longer one was never made)
+        asks += [(s, lease_id) for s in self.shards]
+        results = await asyncio.gather(*(s.get_lease(x) for s, x in asks),
+                                       return_exceptions=True)
         errors: list[BaseException] = []
-        for result in results:
+        for (store, _), result in zip(asks, results, strict=True):
             if not isinstance(result, BaseException):
-                return result
-            if not isinstance(result, Exception):
-                raise result
+                return store, result
             errors.append(result)
-        outage = next((e for e in errors if not isinstance(e, LeaseNotFound)), None)
-        raise outage if outage is not None else errors[-1]  # (-1: the plain id's, named so)
+        outages = [e for e in errors if not isinstance(e, LeaseNotFound)]
+        raise _first(outages) if outages else errors[-1]  # (-1: the plain id's, named so)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
         try:
             await self._all(lambda s: s.start())
-            first = self.shards[0]
-            await first._check_shard_count(self._prefix, len(self.shards))
-            await first._fcall("layout", [self._prefix + "layout"],
-                               [SHARDED_NAMESPACE_LAYOUT, SHARDED_NAMESPACE_LAYOUT])
+            await self.shards[0]._check_shard_count(self._prefix, len(self.shards))
+            refused = await self._mark_sharded()
+            if refused:
+                raise OSError(refused)
         except BaseException:
             await self.close()
             raise
 
     async def close(self) -> None:
         await asyncio.gather(*(s.close() for s in self.shards), return_exceptions=True)
+
+    async def _mark_sharded(self) -> str:
+        """Record `SHARDED_NAMESPACE_LAYOUT` in the fleet's own namespace (again, when Redis
+        lost it), so that releases from before sharding keep off it; "" or, when a release
+        that needs a newer layout shares the namespace, why this one must not serve."""
+        first = self.shards[0]
+        ok, _, minimum = await first._fcall("layout", [self._prefix + "layout"],
+                                            [SHARDED_NAMESPACE_LAYOUT,
+                                             SHARDED_NAMESPACE_LAYOUT])
+        return "" if int(ok) else first._too_old(int(minimum))
 
     # ---- holders ----------------------------------------------------------------------------
 
@@ -184,7 +191,8 @@ class ShardedStore:
                 own[k].append(i)
         results = await _gather([s.register_holder(spec, snaps[k], own[k], restore_only)
                                  for k, s in enumerate(self.shards)])
-        return Registration(results[0].holder, [x for r in results for x in r.restored],
+        holder = _summed(results[0].holder, [r.holder for r in results[1:]])
+        return Registration(holder, [x for r in results for x in r.restored],
                             _unique(x for r in results for x in r.reclaimable))
 
     async def heartbeat(self, holder_id: str,
@@ -268,10 +276,18 @@ class ShardedStore:
         return out
 
     async def revoke(self, lease_id: str, holder_id: str = "", reason: str = "") -> Lease:
-        return await self._by_id(lease_id, lambda s, x: s.revoke(x, holder_id, reason))
+        check_revocation(self.config, lease_id, holder_id, reason)
+        k = self._tag(lease_id)
+        if k is not None:
+            return await self.shards[k].revoke(lease_id, holder_id, reason)
+        store, lease = await self._find(lease_id)  # then that one only
+        return await store.revoke(lease.lease_id, holder_id, reason)
 
     async def get_lease(self, lease_id: str) -> Lease:
-        return await self._by_id(lease_id, lambda s, x: s.get_lease(x))
+        k = self._tag(lease_id)
+        if k is not None:
+            return await self.shards[k].get_lease(lease_id)
+        return (await self._find(lease_id))[1]
 
     async def reclaim_hold(self, lease_id: str = "") -> float:
         k = self._tag(lease_id) if lease_id else None
@@ -339,10 +355,16 @@ class ShardedStore:
     async def tick(self, *, turn: float = 0.0) -> int:
         # Each shard's tick takes that shard's turn (tick.lua): the expiry runs per shard.
         expired = sum(await asyncio.gather(*(s.tick(turn=turn) for s in self.shards)))
-        if not self.not_serving:
-            conflict = await self.shards[0].recheck_shard_count(self._prefix, len(self.shards))
-            for s in self.shards[1:] if conflict else ():
-                s._stop_serving(conflict)
+        first = self.shards[0]
+        if not self.not_serving and first.count_check_due():
+            why = await first.recheck_shard_count(self._prefix, len(self.shards))
+            if not why:
+                try:
+                    why = await self._mark_sharded()
+                except (RedisError, RedisClusterException, OSError) as exc:
+                    first._unreachable("tick", exc)
+            for s in self.shards if why else ():
+                s._stop_serving(why)
         return expired
 
     def next_deadline(self) -> float | None:
