@@ -117,6 +117,16 @@ class ShardedStore:
             return int(k)
         return None
 
+    def _split(self, ids: Iterable[str]) -> list[list[str]]:
+        """Each shard's part of `ids`: the ids it made, and every untagged one (any shard may
+        know it), in the order given."""
+        parts: list[list[str]] = [[] for _ in self.shards]
+        for some_id in ids:
+            k = self._tag(some_id)
+            for part in parts if k is None else (parts[k],):
+                part.append(some_id)
+        return parts
+
     async def _all(self, call: Callable[[RedisStore], Awaitable[_T]]) -> list[_T]:
         """`call` on every shard at once (see `_gather`)."""
         return await _gather([call(s) for s in self.shards])
@@ -183,12 +193,7 @@ class ShardedStore:
         for snap in snapshots:
             k = self._tag(snap.lease_id)
             snaps[shard_of(snap.grant.tenant, n) if k is None else k].append(snap)
-        untagged = [i for i in ids if self._tag(i) is None]
-        own: list[list[str]] = [list(untagged) for _ in range(n)]
-        for i in ids:
-            k = self._tag(i)
-            if k is not None:
-                own[k].append(i)
+        own = self._split(ids)
         results = await _gather([s.register_holder(spec, snaps[k], own[k], restore_only)
                                  for k, s in enumerate(self.shards)])
         holder = _summed(results[0].holder, [r.holder for r in results[1:]])
@@ -199,11 +204,7 @@ class ShardedStore:
                         reclaimed: Iterable[str] = ()) -> tuple[list[str], float]:
         acked = list(reclaimed)
         check_heartbeat(self.config, holder_id, acked)
-        parts: list[list[str]] = [[] for _ in self.shards]
-        for lease_id in acked:
-            k = self._tag(lease_id)
-            for j in (range(len(self.shards)) if k is None else (k,)):
-                parts[j].append(lease_id)
+        parts = self._split(acked)
         # A shard that cannot be reached must not starve the others of heartbeats (the
         # holder would be lost in all of them, its leases with it): while any shard answers,
         # the answer is theirs. What a missed shard would have said comes at a later beat:
@@ -249,22 +250,17 @@ class ShardedStore:
         ids, convs = list(lease_ids), list(conversations)
         check_renewal(self.config, ids, convs)
         n = len(self.shards)
-        by_id: list[list[str]] = [[] for _ in range(n)]
-        untagged = [i for i in ids if self._tag(i) is None]
-        for lease_id in ids:
-            k = self._tag(lease_id)
-            if k is not None:
-                by_id[k].append(lease_id)
+        by_id = self._split(ids)
         by_conv: list[list[tuple[str, str]]] = [[] for _ in range(n)]
         for pair in convs:
             by_conv[shard_of(pair[0], n)].append(pair)
-        results = await _gather([s.renew(untagged + by_id[k], by_conv[k])
-                                 if untagged or by_id[k] or by_conv[k] else _none()
+        results = await _gather([s.renew(by_id[k], by_conv[k])
+                                 if by_id[k] or by_conv[k] else _none()
                                  for k, s in enumerate(self.shards)])
         known: dict[str, Renewal] = {}
         conv_out: list[list[Renewal]] = [[] for _ in range(n)]
         for k, renewals in enumerate(results):
-            asked = len(untagged) + len(by_id[k])
+            asked = len(by_id[k])
             for r in renewals[:asked]:
                 # An untagged id: the shard that knows it (a state) answers for it.
                 if r.lease_id not in known or known[r.lease_id].state is None:
