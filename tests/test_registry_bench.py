@@ -9,6 +9,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from typing import Any
 
 import grpc
 import pytest
@@ -75,16 +76,21 @@ def test_bench_lookups_hit_their_lease_and_miss_in_another_tenant() -> None:
     assert miss.miss is MissReason.NO_LEASE and miss.pin is None and miss.keys_matched == 0
 
 
-@pytest.mark.slow  # a benchmark subprocess: ~15 s
-def test_short_registry_bench_prints_every_figure() -> None:
+def _bench(*args: str) -> Any:
+    """`kvbridge bench registry ARGS` at a short setting: its JSON."""
     run = subprocess.run(
         [sys.executable, "-m", "kvbridge.cli", "--log-level", "error", "bench", "registry",
-         "--leases", "2000", "--rate", "200", "--duration", "0.5", "--rounds", "1",
-         "--concurrency", "8", "--json"],
+         *args, "--rate", "200", "--duration", "0.5", "--rounds", "1", "--concurrency", "8",
+         "--json"],
         capture_output=True, text=True, timeout=240,
         env={k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"})
     assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # a benchmark subprocess: ~15 s
+def test_short_registry_bench_prints_every_figure() -> None:
+    result = _bench("--leases", "2000")
     for key in REQUIRED:
         assert isinstance(result[key], (int, float)) and result[key] > 0, (key, result[key])
     assert result["acquire_read_p50_ms"] <= result["acquire_read_p99_ms"]
@@ -130,15 +136,8 @@ def test_short_redis_cluster_bench_counts_every_primary() -> None:
     if not (shutil.which("redis-server") and shutil.which("redis-cli")):
         pytest.skip("redis-server and redis-cli are not installed (apt-get install -y "
                     "redis-server)")
-    run = subprocess.run(
-        [sys.executable, "-m", "kvbridge.cli", "--log-level", "error", "bench", "registry",
-         "--backend", "redis-cluster", "--replicas", "1", "--leases", "1000",
-         "--redis-leases", "1000", "--rate", "200", "--duration", "0.5", "--rounds", "1",
-         "--concurrency", "8", "--json"],
-        capture_output=True, text=True, timeout=240,
-        env={k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads(run.stdout.strip().splitlines()[-1])
+    results = _bench("--backend", "redis-cluster", "--replicas", "1", "--leases", "1000",
+                     "--redis-leases", "1000")
     assert set(results) == {"memory", "redis_cluster_1"}
     assert results["memory"]["acquire_read_p99_ms"] > 0
     cluster = results["redis_cluster_1"]
