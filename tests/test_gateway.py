@@ -146,9 +146,12 @@ async def make_stack(registry_server: RegistryServer, tmp_path: Path, *,
                      engines: tuple[tuple[str, str], ...] = (("prefill", "p0"),
                                                              ("decode", "d0")),
                      **gateway: Any) -> Stack:
+    # These tests check what the router's lease lookup found: a first call on a cold channel
+    # of a loaded CI machine can outlast the 0.25 s default and route by load instead.
     router = await create_server(RouterConfig(
         listen="127.0.0.1:0", metrics_listen="",
-        registry=f"127.0.0.1:{registry_server.port}"), clock=FakeClock())
+        registry=f"127.0.0.1:{registry_server.port}", registry_timeout_s=5.0),
+        clock=FakeClock())
     await router.start()
     server = await start_gateway(GatewayConfig(
         listen="127.0.0.1:0", router=f"127.0.0.1:{router.port}",
