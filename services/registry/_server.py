@@ -39,7 +39,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger("kvbridge.registry")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RegistryService"].full_name
-_MAX_TICK_SLEEP = 0.02  # bounds expiry lateness even if a deadline moves earlier
+# The longest the expiry scheduler sleeps with nothing due that it knows of. Each replica of a
+# shared store (and each shard of it) ticks at least this often, so it is what an idle fleet
+# pays in script calls: replicas x shards / this, a second.
+_MAX_TICK_SLEEP = 0.25
 _WATCH_END_WAIT_S = 0.5  # most a stop waits for the watch streams it ended to send why
 
 
@@ -109,8 +112,15 @@ class RegistryServer:
 
     async def _run_expiry(self) -> None:
         store, clock = self.store, self.store.clock
-        shortest = self.config.expiry_tick_s
-        longest = max(_MAX_TICK_SLEEP, shortest)
+        cfg = self.config
+        shortest = cfg.expiry_tick_s
+        # Sleeping until the first known deadline misses one that a call sets sooner in the
+        # meantime (another replica's grant, on a shared store). No grant, renewal or
+        # registration sets one sooner than the shortest idle or holder TTL from now, so
+        # waking at least that often expires leases and holders on time. Only a pin (whose
+        # TTL its reader picks) or a restored lease near its end may then expire up to this
+        # late: a reclaim that waits a little longer, never one too early.
+        longest = max(min(_MAX_TICK_SLEEP, cfg.min_idle_ttl_s, cfg.min_holder_ttl_s), shortest)
         # This replica ticks again within `longest` (plus the event loop's lag): its turn at
         # a shared store's ticks lasts one `shortest` longer, so that it keeps it as it ticks.
         turn = longest + shortest
