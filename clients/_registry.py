@@ -19,9 +19,11 @@ import grpc
 from google.protobuf import duration_pb2
 
 from kvbridge.clients._base import AsyncClient, StreamResume, SyncClient
-from kvbridge.errors import KvbridgeError, Unavailable
+from kvbridge.errors import KvbridgeError, RateLimited, Unavailable
 from kvbridge.registry.v1 import registry_pb2 as pb
 from kvbridge.registry.v1 import registry_pb2_grpc as pb_grpc
+
+MAX_PAGE_SIZE = 1000  # ListLeasesRequest.page_size at most (registry.proto): the fewest calls
 
 
 def duration(seconds: float) -> duration_pb2.Duration:
@@ -186,10 +188,25 @@ class RegistryClient(SyncClient):
                                     page_size, page_token, include_blocks)
         return self._call("ListLeases", req, idempotent=True, timeout=timeout)
 
-    def iter_leases(self, **filters: Any) -> Iterator[pb.Lease]:
+    def iter_leases(self, *, page_size: int = MAX_PAGE_SIZE, max_wait: float = 120.0,
+                    **filters: Any) -> Iterator[pb.Lease]:
+        """Every lease matching `filters` (those of `list_leases`), page by page. A broad
+        listing of a large fleet takes many pages, more than the registry's listing rate per
+        caller lets through at once: a page refused for it (RATE_LIMITED) is asked again
+        after the `retry_after_s` the refusal names, up to `max_wait` seconds of waiting in
+        all (then the refusal is raised)."""
         token = ""
+        waited = 0.0
         while True:
-            page = self.list_leases(page_token=token, **filters)
+            try:
+                page = self.list_leases(page_token=token, page_size=page_size, **filters)
+            except RateLimited as err:
+                wait = max(float(err.metadata.get("retry_after_s", 0) or 0), 0.05)
+                if waited + wait > max_wait:
+                    raise
+                time.sleep(wait)
+                waited += wait
+                continue
             yield from page.leases
             token = page.next_page_token
             if not token:

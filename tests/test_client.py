@@ -92,6 +92,41 @@ def test_sync_iterators_walk_every_page(sync_client, kv):
 
 
 @pytest.mark.timeout(60)
+def test_iter_leases_waits_out_the_callers_listing_rate(kv):
+    """A broad listing takes more pages than the caller's listing rate lets through at once:
+    each refused page is asked again after the refusal's retry_after_s, so the walk ends with
+    every lease (it failed with RATE_LIMITED on its second page before); a rate too slow to
+    wait for raises the refusal once max_wait is spent."""
+    from conftest import ThreadedRegistry
+
+    registry = ThreadedRegistry(list_rate_per_principal=10.0, list_burst_per_principal=1)
+    try:
+        with RegistryClient(registry.target) as c:
+            c.register_holder(**kv.holder_args("h1"))
+            ids = sorted(c.grant_lease(**kv.grant_args("h1", "t1", f"c{i}", kv.tokens(4)))
+                         .lease.lease_id for i in range(10))
+            stop = threading.Event()
+
+            def time_passes() -> None:  # the registry's clock, which refills the bucket
+                while not stop.wait(0.02):
+                    registry.call(registry.clock.advance, 0.05)
+
+            mover = threading.Thread(target=time_passes, daemon=True)
+            mover.start()
+            try:
+                walked = [x.lease_id for x in c.iter_leases(page_size=3, tenant="t1")]
+            finally:
+                stop.set()
+                mover.join()
+            assert walked == ids  # 4 pages with a burst of 1
+            with pytest.raises(errors.RateLimited):  # the clock stands still: no refill
+                for _ in range(3):  # (the walk may have left the bucket a call)
+                    list(c.iter_leases(page_size=3, tenant="t1", max_wait=0.3))
+    finally:
+        registry.close()
+
+
+@pytest.mark.timeout(60)
 def test_sync_watch_streams_until_the_caller_stops(sync_client, kv, threaded_registry):
     sync_client.register_holder(**kv.holder_args("h1"))
 

@@ -105,12 +105,12 @@ class RegistryConfig(SecuritySettings):
         16, "concurrent WatchLeases streams of one caller (token); an admin is bounded by "
         "max_watchers only")
     list_rate_per_principal: float = setting(
-        20.0, "ListLeases calls not narrowed to one conversation, and WatchLeases opens, one "
+        10.0, "ListLeases calls not narrowed to one conversation, and WatchLeases opens, one "
         "caller (token) may make per second, with bursts of list_burst_per_principal; past it "
-        "RESOURCE_EXHAUSTED (0: no limit). Lookups of one conversation (gateway, router) are "
-        "not limited")
+        "RESOURCE_EXHAUSTED with retry_after_s (0: no limit). Lookups of one conversation "
+        "(gateway, router) are not limited; `kvbridge leases list` pages at this rate")
     list_burst_per_principal: int = setting(
-        40, "burst of list_rate_per_principal")
+        20, "burst of list_rate_per_principal")
     max_holders_per_principal: int = setting(
         1024, "live holders one caller (token) may register; an admin is not limited")
     max_message_bytes: int = setting(8 * 1024 * 1024, "largest gRPC message accepted")
