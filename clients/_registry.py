@@ -188,13 +188,13 @@ class RegistryClient(SyncClient):
                                     page_size, page_token, include_blocks)
         return self._call("ListLeases", req, idempotent=True, timeout=timeout)
 
-    def iter_leases(self, *, page_size: int = MAX_PAGE_SIZE, max_wait: float = 120.0,
+    def iter_leases(self, *, page_size: int = MAX_PAGE_SIZE, max_wait: float = 30.0,
                     **filters: Any) -> Iterator[pb.Lease]:
         """Every lease matching `filters` (those of `list_leases`), page by page. A broad
         listing of a large fleet takes many pages, more than the registry's listing rate per
         caller lets through at once: a page refused for it (RATE_LIMITED) is asked again
-        after the `retry_after_s` the refusal names, up to `max_wait` seconds of waiting in
-        all (then the refusal is raised)."""
+        after the `retry_after_s` the refusal names, up to `max_wait` seconds of waiting for
+        one page (then the refusal is raised)."""
         token = ""
         waited = 0.0
         while True:
@@ -207,6 +207,7 @@ class RegistryClient(SyncClient):
                 time.sleep(wait)
                 waited += wait
                 continue
+            waited = 0.0
             yield from page.leases
             token = page.next_page_token
             if not token:

@@ -1,10 +1,11 @@
 """`RateLimiter`: token buckets per key (a caller), on an injected clock.
 
 Used where one caller's calls cost the server more than a constant (a listing that walks a
-tenant's leases, a watch stream that receives every event): each caller gets `rate` calls per
-second with bursts of `burst`, so that one caller looping such calls cannot slow every other
-caller's reads. Buckets of callers that have been idle long enough to be full again are
-dropped, so the table holds only recent callers.
+tenant's leases, a watch stream that receives every event): each caller gets `rate` tokens per
+second with bursts of `burst`, a call taking one (and a call that turned out larger, more), so
+that one caller looping such calls cannot slow every other caller's reads. Buckets of callers
+that have been idle long enough to be full again are dropped, so the table holds only recent
+callers.
 """
 
 from __future__ import annotations
@@ -37,7 +38,18 @@ class RateLimiter:
         self._buckets[key] = (tokens - 1.0, now)
         return 0.0
 
+    def charge(self, key: str, tokens: float) -> None:
+        """Take `tokens` more from `key` after a call that turned out to cost more than the
+        one `allow` took (a listing's size is known only once it is built). The bucket may go
+        below empty, by at most `burst`: the caller's next calls wait the debt off."""
+        if not self.rate or tokens <= 0:
+            return
+        now = self.clock.monotonic()
+        have, then = self._buckets.get(key, (self.burst, now))
+        have = min(self.burst, have + (now - then) * self.rate)
+        self._buckets[key] = (max(have - tokens, -self.burst), now)
+
     def _prune(self, now: float) -> None:
         """Drop buckets that are full again (their callers have been idle long enough)."""
-        refill = self.burst / self.rate
-        self._buckets = {k: v for k, v in self._buckets.items() if now - v[1] < refill}
+        self._buckets = {k: v for k, v in self._buckets.items()
+                         if now - v[1] < (self.burst - v[0]) / self.rate}

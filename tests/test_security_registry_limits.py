@@ -90,6 +90,33 @@ async def test_broad_listings_are_rate_limited_per_caller(
     await rate_limited(stub.ListLeases(broad, metadata=md(ACME)))
 
 
+async def test_a_large_page_counts_one_listing_per_250_leases(
+        stub: pb_grpc.RegistryServiceStub, kv: KvKit, clock: FakeClock) -> None:
+    """A listing's cost follows its size: a page of 600 leases takes 2.4 of the caller's
+    listing tokens (burst 3, 5 a second), so its next broad listing waits for the rest to
+    come back, while a page of 100 takes one token, as any call does."""
+    await stub.RegisterHolder(pb.RegisterHolderRequest(**kv.holder_args("dec-1")),
+                              metadata=md(HOLDERS))
+    tokens = kv.tokens(4)
+    for i in range(600):
+        await stub.GrantLease(pb.GrantLeaseRequest(**kv.grant_args("dec-1", "acme", f"c{i}",
+                                                                   tokens)),
+                              metadata=md(HOLDERS))
+    page = await stub.ListLeases(pb.ListLeasesRequest(tenant="acme", page_size=1000),
+                                 metadata=md(ACME))
+    assert len(page.leases) == 600
+    small = pb.ListLeasesRequest(tenant="acme", page_size=100)
+    err = await rate_limited(stub.ListLeases(small, metadata=md(ACME)))
+    info = error_info(err)
+    assert info is not None and float(info.metadata["retry_after_s"]) == pytest.approx(0.08,
+                                                                                      abs=0.005)
+    clock.advance(0.1)  # 0.6 tokens + 0.5 back: one listing of 100
+    assert len((await stub.ListLeases(small, metadata=md(ACME))).leases) == 100
+    await rate_limited(stub.ListLeases(small, metadata=md(ACME)))
+    clock.advance(0.2)  # one token back: another page of 100 costs just that
+    await stub.ListLeases(small, metadata=md(ACME))
+
+
 async def test_a_caller_registers_a_bounded_number_of_live_holders(
         stub: pb_grpc.RegistryServiceStub, kv: KvKit, registry: RegistryServer,
         clock: FakeClock) -> None:

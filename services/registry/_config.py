@@ -106,11 +106,13 @@ class RegistryConfig(SecuritySettings):
         "max_watchers only")
     list_rate_per_principal: float = setting(
         10.0, "ListLeases calls not narrowed to one conversation, and WatchLeases opens, one "
-        "caller (token) may make per second, with bursts of list_burst_per_principal; past it "
-        "RESOURCE_EXHAUSTED with retry_after_s (0: no limit). Lookups of one conversation "
-        "(gateway, router) are not limited; `kvbridge leases list` pages at this rate")
+        "caller (token) may make per second (a listing of more than 250 leases counts one "
+        "call per 250), with bursts of list_burst_per_principal; past it RESOURCE_EXHAUSTED "
+        "with retry_after_s (0: no limit). Lookups of one conversation (gateway, router) are "
+        "not limited; `kvbridge leases list` pages at this rate")
     list_burst_per_principal: int = setting(
-        20, "burst of list_rate_per_principal")
+        40, "burst of list_rate_per_principal (a watcher that reconnects also lists again: "
+        "room for max_watchers_per_principal of them at once)")
     max_holders_per_principal: int = setting(
         1024, "live holders one caller (token) may register; an admin is not limited")
     max_message_bytes: int = setting(8 * 1024 * 1024, "largest gRPC message accepted")

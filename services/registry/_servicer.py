@@ -64,6 +64,10 @@ _DEFAULT_PAGE, _MAX_PAGE = 100, 1000
 # Leases of a listing page turned into messages between two turns of the event loop (each takes
 # some microseconds: a 1,000-lease page at once would hold every other call for milliseconds).
 _LIST_CHUNK = 16
+# A broad listing takes one token of its caller's listing rate per this many leases it returns
+# (at least one): a token is then at most a few milliseconds of the registry's time, whatever
+# the page size, so that pages of 1,000 do not buy ten times the time at the same rate.
+_LEASES_PER_TOKEN = 250
 _WATCH_QUEUE = 10_000
 
 
@@ -368,6 +372,8 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         page: list[Lease] = found[:size]
         out = pb.ListLeasesResponse(next_page_token=page[-1].lease_id if len(found) > size
                                     else "")
+        if not request.conversation_id:
+            self._listing.charge(auth.current().name, len(page) / _LEASES_PER_TOKEN - 1)
         for i in range(0, len(page), _LIST_CHUNK):
             if i:  # a page holds the event loop per lease: other callers' reads go between
                 await asyncio.sleep(0)
