@@ -119,8 +119,9 @@ class RegistryConfig(SecuritySettings):
     expiry_batch: int = setting(20000, "most expirations processed per scheduler tick")
     expiry_tick_s: float = setting(
         0.01, "shortest pause of the expiry scheduler: deadlines falling due within it are "
-        "processed in one tick (pins and leases expire up to this late; longer ticks cost "
-        "less CPU, and on Redis fewer script calls)")
+        "processed in one tick (leases and holders expire up to this late, a pin made since "
+        "the last tick up to a quarter second; longer ticks cost less CPU, and on Redis fewer "
+        "script calls)")
     shutdown_grace_s: float = setting(5.0, "seconds in-flight RPCs get on SIGTERM")
     gc_freeze_interval_s: float = setting(
         5.0, "move objects older than this out of the cyclic GC's reach (0: plain GC); keeps "
