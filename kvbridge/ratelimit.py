@@ -28,8 +28,7 @@ class RateLimiter:
         if not self.rate:
             return 0.0
         now = self.clock.monotonic()
-        tokens, then = self._buckets.get(key, (self.burst, now))
-        tokens = min(self.burst, tokens + (now - then) * self.rate)
+        tokens = self._level(key, now)
         if tokens < 1.0:
             self._buckets[key] = (tokens, now)
             return (1.0 - tokens) / self.rate
@@ -45,9 +44,12 @@ class RateLimiter:
         if not self.rate or tokens <= 0:
             return
         now = self.clock.monotonic()
-        have, then = self._buckets.get(key, (self.burst, now))
-        have = min(self.burst, have + (now - then) * self.rate)
-        self._buckets[key] = (max(have - tokens, -self.burst), now)
+        self._buckets[key] = (max(self._level(key, now) - tokens, -self.burst), now)
+
+    def _level(self, key: str, now: float) -> float:
+        """`key`'s tokens at `now`: what it had, refilled since, up to `burst`."""
+        tokens, then = self._buckets.get(key, (self.burst, now))
+        return min(self.burst, tokens + (now - then) * self.rate)
 
     def _prune(self, now: float) -> None:
         """Drop buckets that are full again (their callers have been idle long enough)."""

@@ -364,7 +364,8 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         size = _page(request.page_size)
         if request.page_token:
             check.identifier("page_token", request.page_token, self.store.config.max_id_length)
-        if not request.conversation_id:  # walks a tenant's leases, a holder's, or everyone's
+        broad = not request.conversation_id  # walks a tenant's leases, a holder's, or all
+        if broad:
             self._limit_listing("ListLeases")
         found = await self.store.list_leases(
             request.tenant, request.conversation_id, request.holder_id,
@@ -372,7 +373,7 @@ class RegistryServicer(pb_grpc.RegistryServiceServicer):
         page: list[Lease] = found[:size]
         out = pb.ListLeasesResponse(next_page_token=page[-1].lease_id if len(found) > size
                                     else "")
-        if not request.conversation_id:
+        if broad:
             self._listing.charge(auth.current().name, len(page) / _LEASES_PER_TOKEN - 1)
         for i in range(0, len(page), _LIST_CHUNK):
             if i:  # a page holds the event loop per lease: other callers' reads go between
