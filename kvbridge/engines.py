@@ -192,7 +192,7 @@ class Engine:
             shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
     def _kill_group(self) -> None:
-        # start_engine put the engine in a session of its own: its group is ours alone.
+        # start_engine put the engine in a process group of its own: ours alone to kill.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
 
@@ -204,8 +204,12 @@ def start_engine(spec: EngineSpec, work_dir: Path) -> Engine:
     # `nice` execs the engine (same PID); a preexec_fn would not be safe in a threaded caller.
     command = ["nice", "-n", str(spec.nice), *spec.command()] if spec.nice else spec.command()
     env = spec.environment(work_dir)
+    # A process group of its own (to stop the whole tree), but not a session of its own:
+    # with the kernel's autogroup scheduling (on by default in most distributions) each
+    # session gets an equal share of a core whatever its threads' nice, so an engine's
+    # demoted poller took half the core from the compute of another engine sharing it.
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)
+                               process_group=0)
     return Engine(spec, process, log_path, Path(env["TMPDIR"]))
 
 
@@ -325,7 +329,7 @@ def _thread_cpu_seconds(root: int) -> dict[int, float]:
     return out
 
 
-def demote_busy_pollers(root: int, sample_s: float = 1.0, busy: float = 0.5) -> list[int]:
+def demote_busy_pollers(root: int, sample_s: float = 1.0, busy: float = 0.2) -> list[int]:
     """Give the engine's busy-polling helper threads the lowest priority (nice 19); returns
     their thread ids.
 
@@ -335,8 +339,10 @@ def demote_busy_pollers(root: int, sample_s: float = 1.0, busy: float = 0.5) -> 
     twice as long, by an amount that varied with the scheduler (a main source of swings from
     one benchmark leg to the next). A thread that is not a process's main thread (vLLM computes
     on the worker's main thread) and burns more than `busy` of a core while the engine is idle
-    is such a poller. At nice 19 it still has the core whenever nothing else wants it, and a
-    small share beside compute, so transfers keep progressing (the idle scheduling class
+    is such a poller: `busy` is well below half a core, since engines that share a core share
+    it among their pollers too (two decodes on one core: half each, until one is demoted).
+    At nice 19 it still has the core whenever nothing else wants it, and a small share beside
+    compute, so transfers keep progressing (the idle scheduling class
     starved them: reads of 6 ms took up to 200 ms). Only priorities change here.
     """
     if not hasattr(os, "setpriority") or not os.path.isdir("/proc"):

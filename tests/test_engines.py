@@ -21,6 +21,7 @@ from kvbridge.engines import (
     demote_busy_pollers,
     freeze_tree,
     pin_to_core,
+    start_engine,
 )
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
@@ -85,6 +86,49 @@ def test_demote_busy_pollers_renices_a_spinning_helper_thread_only() -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def test_demote_busy_pollers_finds_a_poller_that_shares_its_core() -> None:
+    """Engines that share a core share it among their pollers: with two more spinning on the
+    same core, the engine's poller gets about a third of it and is still a poller."""
+    cpu = min(os.sched_getaffinity(0))
+    procs = [subprocess.Popen([sys.executable, "-c", _POLLER], stdout=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    try:
+        spinners = []
+        for proc in procs:
+            assert proc.stdout is not None
+            spinners.append(int(proc.stdout.readline().split()[0]))
+            pin_to_core(proc.pid, cpu)
+        assert demote_busy_pollers(procs[0].pid, sample_s=1.0) == [spinners[0]]
+        assert os.getpriority(os.PRIO_PROCESS, spinners[0]) == POLLER_NICE
+    finally:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+class _SleeperSpec(EngineSpec):
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", "import time; time.sleep(60)"]
+
+
+def test_an_engine_has_its_own_process_group_in_the_callers_session(tmp_path: Path) -> None:
+    """Its own group, so that stopping it stops its whole tree; the caller's session, so that
+    the kernel's autogroup scheduling (one equal share per session) does not override the
+    priorities that keep pollers and engines below the control plane on a shared core."""
+    engine = start_engine(_SleeperSpec("decode", "/m", 1, 2, "d0", nice=10), tmp_path)
+    try:
+        assert os.getpgid(engine.process.pid) == engine.process.pid
+        assert os.getsid(engine.process.pid) == os.getsid(0)
+        deadline = time.monotonic() + 10  # `nice` sets it, then execs the engine
+        while os.getpriority(os.PRIO_PROCESS, engine.process.pid) < 10:
+            assert time.monotonic() < deadline, "the engine was never niced"
+            time.sleep(0.05)
+    finally:
+        engine.stop(timeout=10)
+    assert engine.process.returncode is not None
 
 
 def test_freeze_tree_stops_and_resumes_the_whole_tree() -> None:
