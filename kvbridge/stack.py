@@ -182,7 +182,15 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
         await loop.run_in_executor(None, make_tiny, model, TinyModelSpec())
     name = TINY_MODEL_NAME if opts.model is None else model.name
     urls.model = name
-    engines = []
+    engines: list[tuple[str, Any]] = []
+
+    async def stop_engines() -> None:
+        # All at once: an engine may take its whole stop timeout to exit, and one after the
+        # other they outlasted what a caller waits for `kvbridge up` to stop before killing
+        # it, which left the rest running with no one to stop them.
+        await asyncio.gather(*(loop.run_in_executor(None, e.stop) for _, e in engines))
+
+    cleanups.append(stop_engines)
     for role, index, cpu in engine_cores(opts.prefills, opts.decodes, os.cpu_count() or 1):
         instance = f"{role}-{index}"
         metrics_port = _free_port()
@@ -201,11 +209,6 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
                           else opts.prefill_prefix_caching)
         engine = start_engine(spec, work)
         engines.append((instance, engine))
-
-        async def stop_engine(e: Any = engine) -> None:
-            await loop.run_in_executor(None, e.stop)
-
-        cleanups.append(stop_engine)
         log.info("engine_starting", instance=instance, url=spec.url, log=str(engine.log_path),
                  cpu=cpu)
     for instance, engine in engines:
