@@ -223,8 +223,8 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
         urls.engines[instance] = engine.spec.url
         log.info("engine_ready", instance=instance, url=engine.spec.url)
     # This process (registry, router, gateway, agents) runs at a higher priority than the
-    # engines: off the prefill's core, its RPCs during a prefill (pin release, lease renewal)
-    # never preempt the prefill's compute.
+    # engines (they run niced): on the cores no engine computes on, or with none left on any,
+    # where the kernel wakes it on an idle one (see `control_plane_cpus`).
     cores = control_plane_cpus({e.spec.cpu for _, e in engines})
     pin_own_threads(cores)
     log.info("control_plane_pinned", cpus=sorted(cores))

@@ -18,6 +18,7 @@ from kvbridge.engines import (
     POLLER_NICE,
     Engine,
     EngineSpec,
+    control_plane_cpus,
     demote_busy_pollers,
     freeze_tree,
     pin_to_core,
@@ -107,6 +108,14 @@ def test_demote_busy_pollers_finds_a_poller_that_shares_its_core() -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_the_control_plane_runs_off_the_engine_cores_or_anywhere() -> None:
+    allowed = os.sched_getaffinity(0)
+    assert control_plane_cpus(set(allowed)) == allowed  # no core left: never one engine's
+    if len(allowed) > 1:
+        engine = {min(allowed)}
+        assert control_plane_cpus(engine) == allowed - engine
 
 
 class _SleeperSpec(EngineSpec):
