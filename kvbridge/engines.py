@@ -205,11 +205,13 @@ def start_engine(spec: EngineSpec, work_dir: Path) -> Engine:
     command = ["nice", "-n", str(spec.nice), *spec.command()] if spec.nice else spec.command()
     env = spec.environment(work_dir)
     # A process group of its own (to stop the whole tree), but not a session of its own:
-    # with the kernel's autogroup scheduling (on by default in most distributions) each
-    # session gets an equal share of a core whatever its threads' nice, so an engine's
-    # demoted poller took half the core from the compute of another engine sharing it.
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                               process_group=0)
+    # with the kernel's autogroup scheduling (on by default in most distributions, for
+    # processes outside a CPU-controlled cgroup) each session gets an equal share of a core
+    # whatever its threads' nice, so an engine's demoted poller took half the core from the
+    # compute of another engine sharing it.
+    # No terminal input: in a background process group, a read from it would stop the engine.
+    process = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                               stderr=subprocess.STDOUT, process_group=0)
     return Engine(spec, process, log_path, Path(env["TMPDIR"]))
 
 
@@ -306,9 +308,10 @@ def control_plane_cpus(engine_cpus: set[int]) -> set[int]:
     return (allowed - engine_cpus) or allowed
 
 
-def _thread_cpu_seconds(root: int) -> dict[int, float]:
-    """CPU time (user + system) of every thread of `root`'s process tree, by thread id,
-    leaving out each process's main thread (vLLM computes on the worker's main thread)."""
+def _thread_busy_seconds(root: int) -> dict[int, float]:
+    """How long every thread of `root`'s process tree has been runnable (on a core or waiting
+    for one), by thread id, leaving out each process's main thread (vLLM computes on the
+    worker's main thread). From schedstat where the kernel keeps it; else CPU time only."""
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[int, float] = {}
     for pid in _process_tree(root):
@@ -320,6 +323,13 @@ def _thread_cpu_seconds(root: int) -> dict[int, float]:
             if int(tid) == pid:
                 continue
             try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    ran_ns, waited_ns = f.read().split()[:2]
+                out[int(tid)] = (int(ran_ns) + int(waited_ns)) / 1e9
+                continue
+            except (OSError, ValueError):
+                pass
+            try:
                 with open(f"/proc/{pid}/task/{tid}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
@@ -328,7 +338,7 @@ def _thread_cpu_seconds(root: int) -> dict[int, float]:
     return out
 
 
-def demote_busy_pollers(root: int, sample_s: float = 1.0, busy: float = 0.2) -> list[int]:
+def demote_busy_pollers(root: int, sample_s: float = 1.0, busy: float = 0.5) -> list[int]:
     """Give the engine's busy-polling helper threads the lowest priority (nice 19); returns
     their thread ids.
 
@@ -337,18 +347,19 @@ def demote_busy_pollers(root: int, sample_s: float = 1.0, busy: float = 0.2) -> 
     here, it took 40-65% of the prefill core during prefills, so prefill compute took about
     twice as long, by an amount that varied with the scheduler (a main source of swings from
     one benchmark leg to the next). A thread that is not a process's main thread (vLLM computes
-    on the worker's main thread) and burns more than `busy` of a core while the engine is idle
-    is such a poller: `busy` is well below half a core, since engines that share a core share
-    it among their pollers too (two decodes on one core: half each, until one is demoted).
-    At nice 19 it still has the core whenever nothing else wants it, and a small share beside
-    compute, so transfers keep progressing (the idle scheduling class
-    starved them: reads of 6 ms took up to 200 ms). Only priorities change here.
+    on the worker's main thread) and is runnable for more than `busy` of the sample while the
+    engine is idle is such a poller. Runnable, not running: engines that share a core share it
+    among their pollers too (two decodes on one core: half each, until one is demoted), and
+    a poller that waits for its turn on the core is still a poller. At nice 19 it still has
+    the core whenever nothing else wants it, and a small share beside compute, so transfers
+    keep progressing (the idle scheduling class starved them: reads of 6 ms took up to
+    200 ms). Only priorities change here.
     """
     if not hasattr(os, "setpriority") or not os.path.isdir("/proc"):
         return []
-    before = _thread_cpu_seconds(root)
+    before = _thread_busy_seconds(root)
     time.sleep(sample_s)
-    after = _thread_cpu_seconds(root)
+    after = _thread_busy_seconds(root)
     demoted = []
     for tid, spent in after.items():
         if spent - before.get(tid, spent) >= busy * sample_s:

@@ -188,7 +188,11 @@ async def _start_cpu_engines(opts: UpOptions, registry: str, router: str, urls: 
         # All at once: an engine may take its whole stop timeout to exit, and one after the
         # other they outlasted what a caller waits for `kvbridge up` to stop before killing
         # it, which left the rest running with no one to stop them.
-        await asyncio.gather(*(loop.run_in_executor(None, e.stop) for _, e in engines))
+        stopped = await asyncio.gather(
+            *(loop.run_in_executor(None, e.stop) for _, e in engines), return_exceptions=True)
+        for (instance, _), result in zip(engines, stopped, strict=True):
+            if isinstance(result, BaseException):
+                log.error("engine_stop_failed", instance=instance, error=repr(result))
 
     cleanups.append(stop_engines)
     for role, index, cpu in engine_cores(opts.prefills, opts.decodes, os.cpu_count() or 1):
