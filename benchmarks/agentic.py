@@ -203,6 +203,10 @@ class TurnResult:
     decode: str = ""
     estimated: bool = False  # upstream: TTFT estimated (answers are not streamed)
     error: str = ""
+    # The prefill request's round trip (kvbridge: as the gateway timed it), and what kvbridge's
+    # prefill decided: where a turn's TTFT went, turn by turn.
+    prefill_ms: float | None = None
+    decision: str = ""
 
 
 class Sampler:
@@ -319,6 +323,9 @@ class Runner:
             result.local_tokens = int(headers["x-kvbridge-local-tokens"])
         result.cached_tokens = result.reused_tokens + (result.local_tokens or 0)
         result.decode = headers.get("x-kvbridge-decode-instance", "")
+        result.decision = headers.get("x-kvbridge-decision", "")
+        if "x-kvbridge-prefill-ms" in headers:
+            result.prefill_ms = float(headers["x-kvbridge-prefill-ms"])
         return tokens
 
     def _two_step_turn(self, result: TurnResult, decode: str, prompt: list[int], answer: int,
@@ -330,6 +337,7 @@ class Runner:
         prefill, _, prefill_s = _post(f"{stack.prefill}/v1/completions", {
             "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
             "kv_transfer_params": params}, timeout=timeout)
+        result.prefill_ms = prefill_s * 1000
         details = (prefill.get("usage") or {}).get("prompt_tokens_details") or {}
         result.cached_tokens = int(details.get("cached_tokens") or 0)
         body = {"model": model, "prompt": prompt, "max_tokens": answer, "temperature": 0,

@@ -200,10 +200,11 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                              retries=1, **security) if self.settings.router else client)
             assert reads is not None
             self._step_shapes = _vllm.usable(_vllm.COST)
+            # kvbridge's decision alone says read or recompute, NIXL's threshold included.
+            threshold = _vllm.take_recompute_threshold(scheduler)
             self.prefill = PrefillReuse(
                 self.settings, reads, reader_id=_vllm.engine_id(self), block_size=block_size,
-                fingerprint=fingerprint, threshold=_vllm.recompute_threshold(scheduler),
-                metrics=self.metrics)
+                fingerprint=fingerprint, threshold=threshold, metrics=self.metrics)
             self.prefill.warm()
         log.info("kvbridge_connector_started", role=transfer.kv_role,
                  engine_id=_vllm.engine_id(self),

@@ -320,9 +320,15 @@ def reads_back_itself(scheduler: Any) -> bool:
     return bool(getattr(scheduler, "is_bidirectional_kv_xfer_enabled", False))
 
 
-def recompute_threshold(scheduler: Any) -> int:
-    """Reuse: NIXL's `kv_recompute_threshold` (fewer reusable tokens: recompute)."""
-    return int(scheduler.kv_recompute_threshold)
+def take_recompute_threshold(scheduler: Any) -> int:
+    """Reuse: NIXL's `kv_recompute_threshold` (fewer reusable tokens: recompute), taken over
+    by kvbridge's decision (`_cost`: the threshold until the costs are measured, then the
+    costs). NIXL's own check is turned off, so that one rule decides: left on, it would refuse
+    reads the measured costs chose, such as the few blocks of a turn's answer past what
+    prefill's own cache holds."""
+    threshold = int(scheduler.kv_recompute_threshold)
+    scheduler.kv_recompute_threshold = 0
+    return threshold
 
 
 def side_channel(scheduler: Any) -> tuple[str, int]:

@@ -208,7 +208,8 @@ def diagnose_probe(first: Turn, second: Turn | None, lease_seen: bool) -> list[F
                               "read path work regardless, run prefill with the connector "
                               "setting decision=threshold"),
         "declined_by_engine": (WARN, "prefill's engine declined the read",
-                               "kv_recompute_threshold may be above the reusable tokens"),
+                               "its own prefix cache held all the read would have brought, "
+                               "or the engine's NIXL is older than the connector expects"),
         "pin_margin": (WARN, "the read's pin was about to end",
                        "raise kvbridge.pin_ttl_s or lower pin_margin_s"),
         "pin_margin_when_asked_again": (

@@ -347,3 +347,28 @@ def test_a_worker_that_cannot_take_the_pin_guard_its_class_allows_refuses_to_sta
     del lacking._is_hma_required
     with pytest.raises(RuntimeError, match="unchecked"):
         KVBridgeConnector._guard_reads(lacking, PinGuard(2.0, boot="b"), lambda *_: None)
+
+
+def test_kvbridge_takes_nixls_recompute_threshold_over() -> None:
+    """One rule decides read or recompute: kvbridge's (the threshold until the costs are
+    measured). NIXL's own check, left on, refused reads the measured costs chose: below its
+    threshold, the installed NIXL scheduler brings nothing; with the check taken over, it
+    brings what kvbridge's decision named."""
+    pytest.importorskip("vllm", reason="the engine extra is not installed")
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+        NixlPullConnectorScheduler,
+    )
+
+    scheduler = SimpleNamespace(kv_recompute_threshold=64)
+    request = SimpleNamespace(request_id="r-1", num_prompt_tokens=300,
+                              prompt_token_ids=list(range(300)), kv_transfer_params={
+                                  "do_remote_decode": True, "remote_block_ids": [[7, 8]],
+                                  "remote_engine_id": "decode-0", "remote_request_id": "x",
+                                  "remote_host": "127.0.0.1", "remote_port": 5600,
+                                  "remote_num_tokens": 240})
+    matched = NixlPullConnectorScheduler.get_num_new_matched_tokens
+    assert matched(scheduler, request, 200) == (0, False)  # 40 tokens: below 64
+    assert _vllm.take_recompute_threshold(scheduler) == 64
+    assert scheduler.kv_recompute_threshold == 0
+    assert matched(scheduler, request, 200) == (40, True)
+    assert matched(scheduler, request, 240) == (0, False)  # nothing left past the local hit
