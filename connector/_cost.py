@@ -38,6 +38,10 @@ _AREA = 1024.0 * 1024.0
 # Relative damping of the normal equations: a direction the samples do not tell apart (all
 # prompts of one length, say) is split between the parameters instead of blowing up.
 _DAMPING = 1e-3
+# Every parameter is a time or a rate, never negative. Unconstrained, samples of nearly one
+# size (reads of a turn's answer, a block or two) fit a line as well with a steep slope and a
+# negative intercept as with a flat one, and the steep one, extrapolated to a longer read,
+# estimated seconds for what takes milliseconds (and read nothing more for the rest of a run).
 # Per sample: the weight of older samples (about ten recent requests carry the estimate).
 DECAY = 0.9
 MIN_COMPUTE_SAMPLES = 3
@@ -56,13 +60,15 @@ RECOMPUTE_CHEAPER = "recompute_cheaper"
 
 
 class _Fit:
-    """y = theta . x, by exponentially weighted least squares with a little damping."""
+    """y = theta . x, theta >= 0, by exponentially weighted least squares with a little
+    damping."""
 
     def __init__(self, size: int, decay: float) -> None:
         self.size = size
         self.decay = decay
         self.gram = [[0.0] * size for _ in range(size)]
         self.moment = [0.0] * size
+        self.square = 0.0  # the weighted sum of y squared: the residual of a candidate theta
         self.samples = 0
         self._theta: list[float] | None = None
 
@@ -73,6 +79,7 @@ class _Fit:
             row = self.gram[i]
             for j in range(self.size):
                 row[j] = d * row[j] + x[i] * x[j]
+        self.square = d * self.square + y * y
         self.samples += 1
         self._theta = None
 
@@ -81,15 +88,40 @@ class _Fit:
         for i in range(self.size):
             self.moment[i] *= factor
             self.gram[i] = [v * factor for v in self.gram[i]]
+        self.square *= factor
         self._theta = None
 
     def theta(self) -> list[float]:
+        """Non-negative least squares: of the fits over each subset of the parameters (the
+        others held at 0), the one with no negative parameter that leaves the least residual.
+        That is the constrained optimum (it is the free fit over its own positive set), found
+        exactly by trying all 2^size subsets, which for three parameters is cheaper than an
+        iterative solver."""
         if self._theta is None:
-            a = [row[:] + [self.moment[i]] for i, row in enumerate(self.gram)]
-            for i in range(self.size):
-                a[i][i] += _DAMPING * a[i][i] + 1e-12
-            self._theta = _solve(a)
+            best, best_residual = [0.0] * self.size, self.square
+            for mask in range(1, 1 << self.size):
+                free = [i for i in range(self.size) if mask >> i & 1]
+                a = [[self.gram[i][j] for j in free] + [self.moment[i]] for i in free]
+                for k in range(len(free)):
+                    a[k][k] += _DAMPING * a[k][k] + 1e-12
+                solved = _solve(a)
+                if any(v < 0 for v in solved):
+                    continue
+                theta = [0.0] * self.size
+                for i, v in zip(free, solved, strict=True):
+                    theta[i] = v
+                residual = self._residual(theta)
+                if residual < best_residual:
+                    best, best_residual = theta, residual
+            self._theta = best
         return self._theta
+
+    def _residual(self, theta: list[float]) -> float:
+        """The weighted squared error of `theta` over the samples."""
+        fitted = sum(theta[i] * self.gram[i][j] * theta[j]
+                     for i in range(self.size) for j in range(self.size))
+        return self.square - 2 * sum(t * m for t, m in zip(theta, self.moment, strict=True)) \
+            + fitted
 
 
 def _solve(a: list[list[float]]) -> list[float]:

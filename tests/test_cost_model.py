@@ -248,3 +248,47 @@ def test_one_probe_per_interval_even_when_it_is_never_measured():
     for _ in range(50):  # the probe's read never measured: no more probes this interval
         clock.advance(1.0)
         assert cost.decide(2000, 2048).reason == RECOMPUTE_CHEAPER
+
+
+def test_reads_of_nearly_one_size_do_not_extrapolate_to_seconds():
+    """Reads of a turn's answer past prefill's own cache are a block or two each, and their
+    times on a loaded engine swing by tens of ms. Fitted freely, two such reads made a steep
+    line with a negative intercept: seconds estimated for a longer read, 0 for a shorter one
+    (and every later read refused). The fit keeps both parameters non-negative."""
+    cost = model(FakeClock())
+    for _ in range(MIN_COMPUTE_SAMPLES):
+        cost.computed(256, 256 * 1200, 0.2)
+    cost.read(64, 0.005)
+    cost.read(70, 0.120)
+    slowest_per_token = 0.120 / 64
+    assert 0 < cost.read_s(16) <= 16 * slowest_per_token
+    assert cost.read_s(300) <= 300 * slowest_per_token
+    assert all(v >= 0 for v in cost.estimates().values())
+
+
+def test_steps_of_nearly_one_shape_do_not_inflate_the_compute_rate():
+    """Steps that each compute one prompt of about the same length: tokens and tokens times
+    context move together. Fitted freely, the fixed part went negative (-0.7 s) and the
+    per-token rate four times what the steps took."""
+    cost = model(FakeClock())
+    cost.read(64, 0.01)
+    steps = ((256, 1200, 0.20), (260, 1210, 0.35), (250, 1190, 0.18), (262, 1220, 0.36))
+    for tokens, context, seconds in steps:
+        cost.computed(tokens, tokens * context, seconds)
+    assert cost.estimates()["recompute_fixed"] >= 0
+    assert 0.18 <= cost.recompute_s(256, 1200) <= 0.36
+
+
+def test_the_fit_is_the_free_one_where_that_is_non_negative():
+    """Samples a model with positive parameters made: the constrained fit is the free fit,
+    and recovers them."""
+    cost = model(FakeClock())
+    engine = Engine(noise=0.0)
+    rng = random.Random(3)
+    for _ in range(30):
+        n, context = rng.randint(50, 3000), rng.randint(500, 4000)
+        cost.read(n, engine.read_s(n))
+        cost.computed(n, n * context, engine.compute_s(n, context))
+    for n in (32, 500, 4000):
+        assert cost.read_s(n) == pytest.approx(engine.r0 + engine.r1 * n, rel=0.02)
+        assert cost.recompute_s(n, 2048) == pytest.approx(engine.marginal_s(n, 2048), rel=0.02)
