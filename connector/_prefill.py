@@ -219,7 +219,8 @@ class PrefillReuse:
         future: Future[pb.AcquireReadResponse] = Future()
         future.set_result(read)
         base, exact = routed_pin_base(routed, now)
-        if not exact and not self._rebase_logged:
+        # (A miss carries no pin, and so no time: nothing to say about the gateway's host.)
+        if not exact and read.pin.pin_id and not self._rebase_logged:
             self._rebase_logged = True
             log.info("routed_pins_rebased",
                      hint="the gateway is on another host (or older, or sent no usable "
