@@ -140,6 +140,7 @@ class PrefillReuse:
         # runs out on its own.
         self._draining: dict[str, _Active] = {}
         self._rebase_logged = False  # routed reads from a gateway on another host, said once
+        self._foreign_logged = False  # requests that named remote blocks themselves, said once
         # What was decided for each conversation request, until it finishes: the gateway
         # reads it back from the prefill response's kv_transfer_params.
         self._outcomes: dict[str, dict[str, Any]] = {}
@@ -161,8 +162,23 @@ class PrefillReuse:
 
     def on_new_request(self, request: Any) -> None:
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and params.get("remote_block_ids"):
+            # Decode's blocks named by whoever sent the request (NIXL's own read-back, as its
+            # proxy sends it, or a forgery): never read, and nothing else either (recomputed).
+            # This engine reads only what kvbridge looked up, pinned and verified against the
+            # prompt's hashes; NIXL's scheduler would read these unchecked.
+            for name in REMOTE_FIELDS:
+                params.pop(name, None)
+            self._drop_routed_pin(params)
+            if not self._foreign_logged:
+                self._foreign_logged = True
+                log.warning("request_remote_blocks_dropped", request_id=request.request_id,
+                            hint="a request came with remote_block_ids of its own; this "
+                                 "engine reads decode's KV only through kvbridge (requests "
+                                 "go through the gateway): recomputed")
+            return
         key = conversation_of(params)
-        if key is None or params.get("remote_block_ids") or not params.get("do_remote_decode"):
+        if key is None or not params.get("do_remote_decode"):
             self._drop_routed_pin(params)
             return
         tokens = request.prompt_token_ids or []

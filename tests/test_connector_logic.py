@@ -1266,8 +1266,9 @@ def test_prefill_below_threshold_releases_pin(registry: ThreadedRegistry, holder
                                               client: RegistryClient, lease_tokens: list[int],
                                               prompt: list[int], threshold: int,
                                               computed: int, decision: str):
+    # The threshold decides (by cost, no read measured yet, any stretch would be read).
     kit = make_prefill(registry.target, threshold=threshold, client=RecordingClient(
-        registry.target, timeout=1.0, retries=1))
+        registry.target, timeout=1.0, retries=1), decision="threshold")
     try:
         lease = grant(client, "c1", lease_tokens)
         request = kit.request("p-1", prompt)
@@ -1935,3 +1936,24 @@ def test_prefill_steps_in_flight_under_async_scheduling():
             100, 100) == pytest.approx(0.1, rel=0.05)
     finally:
         reuse.close()
+
+
+def test_prefill_never_reads_remote_blocks_a_request_named_itself(
+        prefill: PrefillKit, client: RegistryClient):
+    """A request that reached prefill with decode's blocks already named (NIXL's own
+    read-back params, or a forgery sent to the engine directly) reads none of them: the
+    fields are dropped on arrival (NIXL's scheduler would read them unchecked), and it is
+    recomputed, with or without a conversation named, even where a lease would match."""
+    forged = {"remote_block_ids": [[1, 2, 3]], "remote_engine_id": "decode-9",
+              "remote_request_id": "x", "remote_host": "10.0.0.9", "remote_port": 5600,
+              "remote_num_tokens": 96, "tp_size": 1}
+    lease = grant(client, "c1", LEASE_TOKENS)
+    named = prefill.request("p-1", LEASE_TOKENS + EXTRA, **forged)
+    bare = FakeRequest("p-2", LEASE_TOKENS + EXTRA, params={"do_remote_decode": True,
+                                                            **forged},
+                       num_computed_tokens=0)
+    prefill.reuse.on_new_request(bare)
+    for request in (named, bare):
+        assert no_remote_fields(request.kv_transfer_params)
+        assert prefill.reuse.resolve(request, 0) is False
+    assert pins(client, lease.lease_id) == 0
