@@ -270,7 +270,12 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             count, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
             req_id = request.request_id
             if decided and not count:
-                self.prefill.decline(request)
+                # NIXL's threshold is kvbridge's (`take_recompute_threshold`): it reads nothing
+                # only when its local hit, grown since the decision (the request waited for
+                # blocks), holds everything the read would have brought.
+                remote = int(request.kv_transfer_params.get("remote_num_tokens") or 0)
+                self.prefill.decline(request, "local_cache" if num_computed_tokens >= remote
+                                     else "declined_by_engine")
             elif count and load_async and (
                     req_id in self._sync_planned  # asked again: no blocks then
                     or (decided and self._may_read_sync(request))):

@@ -19,9 +19,11 @@ so the estimates follow the machine when its speed changes):
   scheduling around the read) and the bytes over the transfer rate (bytes are proportional to
   tokens on one engine: the KV of a token is the same size everywhere in the prompt).
 
-A read is taken when it is expected to be faster by a margin. Until both models have samples the
-fixed threshold decides (reads of at least ``threshold`` tokens), as it does for those who ask
-for it (``decision="threshold"``): reading is how the read model learns. While the estimates say
+A read is taken when it is expected to be faster by a margin. Until a read has been measured,
+every reusable stretch is read, whatever its size: reading is how the read model learns. Then,
+until the compute model has samples too, the fixed threshold decides (reads of at least
+``threshold`` tokens), as it does for those who ask for it (``decision="threshold"``). While the
+estimates say
 recompute, one read now and then (a probe) measures the read again, so that a transfer that got
 faster is noticed; recomputing keeps the compute model current on its own.
 """
@@ -92,10 +94,10 @@ class _Fit:
         self._theta = None
 
     def theta(self) -> list[float]:
-        """Non-negative least squares: of the fits over each subset of the parameters (the
-        others held at 0), the one with no negative parameter that leaves the least residual.
-        That is the constrained optimum (it is the free fit over its own positive set), found
-        exactly by trying all 2^size subsets, which for three parameters is cheaper than an
+        """Non-negative (damped) least squares: of the fits over each subset of the parameters
+        (the others held at 0), the one with no negative parameter that leaves the least
+        damped residual. The constrained optimum is the free fit over its own positive set, so
+        trying all 2^size subsets finds it, which for three parameters is cheaper than an
         iterative solver."""
         if self._theta is None:
             best, best_residual = [0.0] * self.size, self.square
@@ -110,7 +112,9 @@ class _Fit:
                 theta = [0.0] * self.size
                 for i, v in zip(free, solved, strict=True):
                     theta[i] = v
-                residual = self._residual(theta)
+                # The damped objective, as solved (the damping is part of what is minimized).
+                residual = self._residual(theta) + sum(
+                    (_DAMPING * self.gram[i][i] + 1e-12) * theta[i] ** 2 for i in free)
                 if residual < best_residual:
                     best, best_residual = theta, residual
             self._theta = best
@@ -233,7 +237,7 @@ class CostModel:
         `before_lookup`: the most the request could read, asked before the registry lookup
         (whose cost then counts against the read)."""
         if not self.ready():
-            if tokens >= max(self.threshold, 1):
+            if tokens >= max(self.threshold, 1) or (tokens > 0 and self._unmeasured()):
                 return Decision(True, READ)
             return Decision(False, BELOW_THRESHOLD)
         recompute = self.recompute_s(tokens, context)
@@ -249,6 +253,13 @@ class CostModel:
             return Decision(True, PROBE, read, recompute)
         self._declined_since_read += 1
         return Decision(False, RECOMPUTE_CHEAPER, read, recompute)
+
+    def _unmeasured(self) -> bool:
+        """By cost, no read measured yet: every reusable stretch is read, whatever its size.
+        Reading is how the read model learns, and with prefix caching on, what a turn can
+        read past prefill's own cache is often under the threshold (the previous answer, a
+        block or two): gated by it, no read would ever be measured, nor any such stretch read."""
+        return self.by_cost and self._read.samples < MIN_READ_SAMPLES
 
     def _probe_due(self) -> bool:
         return (self.probe_interval_s > 0 and self._declined_since_read >= self.probe_after

@@ -195,19 +195,22 @@ def test_no_probe_while_reads_are_sampled_recently():
         assert off.decide(2000, 2048).reason == RECOMPUTE_CHEAPER  # probes off
 
 
-def test_never_reads_below_the_threshold_while_estimates_are_missing():
+def test_reads_any_size_until_a_read_is_measured_then_the_threshold_until_ready():
+    """Reading is how the read model learns: until a read is measured every stretch is read
+    (with prefill's prefix cache on, what a turn can read is often a block or two, under the
+    threshold: gated by it, no read would ever be measured). Then the threshold decides until
+    the compute model has samples too."""
     clock = FakeClock()
     cost = model(clock)
     assert not cost.ready() and cost.floor() == THRESHOLD
+    assert cost.decide(THRESHOLD - 1, 1000).reason == READ
+    assert cost.decide(1, 1000).read and not cost.decide(0, 1000).read
+    cost.read(40, 0.002)
+    assert not cost.ready()  # compute samples are missing: the fallback, today's threshold
     assert cost.decide(THRESHOLD - 1, 1000).reason == BELOW_THRESHOLD
-    assert not cost.decide(THRESHOLD - 1, 1000).read
-    assert cost.decide(THRESHOLD, 1000).read  # the fallback: today's threshold
-    # Compute samples alone are not enough: a read has not been measured yet.
-    for _ in range(MIN_COMPUTE_SAMPLES + 5):
+    assert cost.decide(THRESHOLD, 1000).read
+    for _ in range(MIN_COMPUTE_SAMPLES):
         cost.computed(1000, 1000 * 1000, 0.5)
-    assert not cost.ready()
-    assert not cost.decide(THRESHOLD - 1, 1000).read
-    cost.read(1000, 0.001)
     assert cost.ready() and cost.floor() == 1
 
 

@@ -375,6 +375,15 @@ def test_an_asynchronous_read_with_nothing_left_to_read_is_declined() -> None:
     assert connector.prefill.calls == [("decline", "r1", "local_cache")]
 
 
+def test_a_local_hit_grown_past_the_read_while_asked_again_is_a_local_cache_decline() -> None:
+    """Asked again after waiting for blocks, the scheduler's local hit now holds everything the
+    read would bring: NIXL counts nothing to read, and the tokens are local, not recomputed."""
+    connector = scheduler_connector()
+    request = read_request("r1", 150, REMOTE)
+    assert connector.get_num_new_matched_tokens(request, 160) == (0, False)
+    assert connector.prefill.calls == [("decline", "r1", "local_cache")]
+
+
 def test_an_asynchronous_read_keeps_nixls_placement() -> None:
     """Asynchronous loads are allocated unhashed (vLLM caches them once loaded): NIXL's own
     choice of blocks is right and stays."""
