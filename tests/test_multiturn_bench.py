@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from kvbridge.benchmarks.multiturn import (
     LEGS,
     NOID,
+    PC,
     GatewayRunner,
     ModelShape,
     Record,
@@ -134,6 +135,46 @@ def test_noid_without_the_id_leg_is_not_evaluated() -> None:
     text = summary_markdown(summary, ModelShape(), Workload((512,)))
     assert ("KVBRIDGE-NOID targets at every length: not evaluated (no KVBRIDGE leg to "
             "compare with).") in text
+
+
+def pc_pair(kvb_ttft: float, pc_ttft: float, length: int = 512) -> list[Record]:
+    """Turns 1 and 2 of the kvbridge leg (prefill's prefix caching off) and the pc leg (on,
+    the history up to its last full block from prefill's cache); the TTFTs are the client's."""
+    out = []
+    for leg, ttft, reused, local in (("kvbridge", kvb_ttft, 480, 0), (PC, pc_ttft, 32, 448)):
+        out += [record(leg, 1, 2000.0, length, client_ttft_ms=2100.0),
+                record(leg, 2, ttft - 5, length, client_ttft_ms=ttft, reused_tokens=reused,
+                       local_tokens=local, recomputed_tokens=length - reused - local,
+                       decision="hit")]
+    return out
+
+
+def test_pc_target_met_within_the_slack_and_tokens_by_source() -> None:
+    summary = summarize(pc_pair(300.0, 305.9))
+    entry = summary[PC]["512"]
+    assert entry["vs_kvb_ttft_allowed_ms"] == 6.0  # +2% of 300 ms, more than 2 ms
+    assert entry["vs_kvb_ttft_diff_ms"] == pytest.approx(5.9)
+    assert entry["vs_kvb_client_ttft"] == 1.0 and entry["vs_kvb_met"] == 1.0
+    assert entry["local_tokens"] == 448.0
+    text = summary_markdown(summary, ModelShape(), Workload((512,)))
+    row = next(line for line in text.splitlines()
+               if line.startswith("| 512 | 300.0 / 305.9 |"))
+    assert row == ("| 512 | 300.0 / 305.9 | +5.9 | 6.0 | 300.0 / 305.9 | 448 / 32 / 32 "
+                   "| hit 1 | met |")
+    assert "KVBRIDGE-PC target at every length: **met**." in text
+
+
+def test_pc_target_not_met_names_the_length() -> None:
+    summary = summarize(pc_pair(100.0, 102.5) + pc_pair(300.0, 301.0, length=1024))
+    assert summary[PC]["512"]["vs_kvb_met"] == 0.0  # the 2 ms floor at 100 ms
+    assert summary[PC]["1024"]["vs_kvb_met"] == 1.0
+    text = summary_markdown(summary, ModelShape(), Workload((512, 1024)))
+    assert ("KVBRIDGE-PC target at every length: **not met** at 512 (+2.5 ms, allowed "
+            "+2.0).") in text
+    alone = summarize([r for r in pc_pair(100.0, 100.0) if r.leg == PC])
+    assert "vs_kvb_met" not in alone[PC]["512"]
+    assert ("KVBRIDGE-PC target: not evaluated (no KVBRIDGE leg to compare with)."
+            in summary_markdown(alone, ModelShape(), Workload((512,))))
 
 
 def test_summary_counts_how_turns_were_found() -> None:
