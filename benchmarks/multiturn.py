@@ -90,6 +90,10 @@ import click
 NOID = "kvbridge-noid"
 PC = "kvbridge-pc"  # prefill's prefix caching on
 LEGS = ("off", "upstream", "kvbridge", NOID, PC, "local", "floor")
+# Run unless --legs says otherwise. The pc leg is asked for by name: a fifth stack side by side
+# keeps the first stack stopped for over 5 minutes while the others start on this machine, and
+# its gateway then found no live prefill (the quick run in CI).
+DEFAULT_LEGS = tuple(leg for leg in LEGS if leg != PC)
 GATEWAY_LEGS = ("kvbridge", NOID)  # through kvbridge's gateway (side by side: one stack)
 # Compared by the targets (KVBRIDGE against UPSTREAM, both against FLOOR, KVBRIDGE-NOID against
 # KVBRIDGE): run side by side.
@@ -1130,7 +1134,7 @@ def _ints(value: str) -> tuple[int, ...]:
               help="new user tokens per turn after the first")
 @click.option("--answer-tokens", default=16, show_default=True, type=click.IntRange(min=1),
               help="tokens generated per answer (greedy, ignoring EOS)")
-@click.option("--legs", default=",".join(LEGS), show_default=True,
+@click.option("--legs", default=",".join(DEFAULT_LEGS), show_default=True,
               help="which legs to run, comma-separated")
 @click.option("--layers", default=8, show_default=True, type=click.IntRange(min=1),
               help="the benchmark model's transformer layers")
