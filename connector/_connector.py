@@ -31,6 +31,7 @@ from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._pin_guard import PIN_ENDS_ATTR, PinEnds, PinGuard, guard_worker
 from kvbridge.connector._prefill import PrefillReuse, ReadClient
 from kvbridge.connector._prom import BridgeProm, BridgeStats, Snapshots
+from kvbridge.connector._quarantine import Quarantine
 from kvbridge.connector._settings import REMOTE_ID_PREFIX, ConnectorSettings, parse_cpus
 from kvbridge.connector._sync_reads import SYNC_READS_ATTR, SyncReadResults, SyncReads
 from kvbridge.connector._version import check_vllm_version, software_version
@@ -112,15 +113,15 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         # The same, per request reading asynchronously (for its reported figures only).
         self._async_local: dict[str, int] = {}
         # With prefix caching, a request not loading asynchronously has its blocks hashed (so
-        # findable by other requests) as they are allocated, before the read fills them. A
-        # read that fails is recomputed, but only as fast as the token budget allows, and the
-        # blocks stay cached meanwhile (under async scheduling the next step is even scheduled
-        # before the failure is known): another request with the same prefix could be
-        # computed over their garbage. So with prefix caching, reads are asynchronous (vLLM
-        # caches an asynchronously loaded request's blocks once they landed) until a failed
-        # read evicts its blocks (`_SYNC_WITH_PREFIX_CACHING`).
+        # findable by other requests) as they are allocated, before the read fills them: a
+        # synchronous read's blocks are then held from other requests until it landed, and
+        # evicted if it did not (`_quarantine`). Under async scheduling the next step is
+        # scheduled before a step's outcome is in: reads stay asynchronous there (vLLM caches
+        # an asynchronously loaded request's blocks once they landed).
         self._prefix_caching = _vllm.prefix_caching(vllm_config.cache_config)
         self._async_scheduling = _vllm.async_scheduling(vllm_config.scheduler_config)
+        self._quarantine: Quarantine | None = None
+        self._whole_block_hashes: bool | None = None
         self.pin_guard: PinGuard | None = None
         self._snapshots = None
         self._step_shapes = False
@@ -192,9 +193,11 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                 raise ValueError("kvbridge needs kv_load_failure_policy 'recompute' on prefill "
                                  "engines, so that a failed read recomputes")
             if self.settings.sync_reads and self._sync_off_by_caching():
-                log.info("kvbridge_sync_reads_off", why="prefix caching: reads are "
-                         "asynchronous, so that a failed read's blocks are never cached (run "
-                         "prefill with --no-enable-prefix-caching for reads within the step)")
+                log.info("kvbridge_sync_reads_off", why="prefix caching with async scheduling, "
+                         "or a KV layout whose prefix cache is not one hash per block: reads "
+                         "are asynchronous, so that a failed read's blocks are never found by "
+                         "another request (run prefill with --no-enable-prefix-caching for "
+                         "reads within the step)")
             reads: ReadClient | None = (
                 RouterClient(self.settings.router, timeout=self.settings.rpc_timeout_s,
                              retries=1, **security) if self.settings.router else client)
@@ -253,6 +256,9 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         super().bind_kv_cache_manager(kv_cache_manager)
         if self.decode is not None:
             self.decode.bind(_vllm.block_pool(kv_cache_manager))
+        if self.prefill is not None and self._prefix_caching:
+            self._quarantine = Quarantine(
+                lambda blocks: _vllm.evict_cached(kv_cache_manager, blocks))
 
     def on_new_request(self, request: Any) -> None:
         super().on_new_request(request)
@@ -264,6 +270,11 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.prefill is not None:
+            if self._quarantine is not None and self._quarantine.reaches(
+                    _vllm.block_hashes(request), num_computed_tokens // self._block_size()):
+                # Its local hit reaches into blocks a read of this step fills: it waits until
+                # the read is known to have landed (or its blocks are evicted).
+                return None, False
             decided = self.prefill.resolve(request, num_computed_tokens)
             if decided is None:
                 return None, False
@@ -337,6 +348,7 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             log.error("sync_read_local_hit_unknown", request_id=req_id)
             if self.prefill is not None:
                 self.prefill.spoil(req_id)
+            self._hold(request, _vllm.request_block_ids(blocks), 0)
             return
         if num_external_tokens == 0:
             # The scheduler kept a local hit ending inside a block (as far as the read would
@@ -371,8 +383,16 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             params["remote_block_ids"] = [list(r[first:first + count]) for r in remote]
         _vllm.place_pending_recv(scheduler, req_id,
                                  [group[first:first + count] for group in groups], first)
+        self._hold(request, groups, first)
         if self.prefill is not None:
             self.prefill.placed(req_id, local=local, reused=num_external_tokens)
+
+    def _hold(self, request: Any, groups: list[list[int]], first: int) -> None:
+        """With prefix caching: hold the blocks from the read's first to the request's last
+        (the read's, and the new tokens' computed over them) until the step reports."""
+        if self._quarantine is not None:
+            self._quarantine.hold(request.request_id, groups[0][first:],
+                                  _vllm.block_hashes(request)[first:])
 
     def _block_size(self) -> int:
         return _vllm.scheduler_block_size(_vllm.nixl_scheduler(self))
@@ -393,6 +413,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                     ends[req_id] = end
             if ends:  # the worker checks them where it posts and where the reads land
                 _vllm.attach(meta, PIN_ENDS_ATTR, PinEnds(self._boot_id, monotonic(), ends))
+        if self._quarantine is not None:
+            self._quarantine.scheduled()
         if self._sync_planned:
             sync = self._sync_planned & set(_vllm.reads_to_recv(meta))
             self._sync_planned -= sync
@@ -410,14 +432,15 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             self._sync_names = _vllm.usable(_vllm.SYNC_READS, {_vllm.SCHEDULER: scheduler})
         return self._sync_names
 
-    # Synchronous reads on a prefill with prefix caching: off until a failed read evicts the
-    # blocks it was placed in (see `_prefix_caching`). The placement itself is built and
-    # tested (`_place_sync_read`).
-    _SYNC_WITH_PREFIX_CACHING = False
-
     def _sync_off_by_caching(self) -> bool:
-        return self._prefix_caching and (self._async_scheduling
-                                         or not self._SYNC_WITH_PREFIX_CACHING)
+        """With prefix caching, reads within the step need the quarantine (`_quarantine`): a
+        step's outcome in before the next is scheduled, and a prefix cache of one hash per
+        block."""
+        if not self._prefix_caching:
+            return False
+        if self._whole_block_hashes is None:
+            self._whole_block_hashes = _vllm.whole_block_hashes(self)
+        return self._async_scheduling or not self._whole_block_hashes
 
     def _may_read_sync(self, request: Any) -> bool:
         """Read within the step (see `_sync_reads`) when this engine already has a NIXL
@@ -425,6 +448,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         this vLLM has every name synchronous reads use (here and in the worker processes)."""
         if not self.settings.sync_reads or self._sync_off_by_caching():
             return False
+        if self._prefix_caching and self._quarantine is None:
+            return False  # no KV cache manager bound: nothing could evict a failed read's blocks
         if not self._sync_usable():
             return False
         scheduler = _vllm.nixl_scheduler(self)
@@ -447,6 +472,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                                                 why=pin_why.get(req_id))
                 if engine and req_id not in failed:
                     self._read_from.add(engine)
+            if isinstance(results, SyncReadResults) and self._quarantine is not None:
+                self._quarantine.reported(results.ok.items())
             if isinstance(results, SyncReadResults):
                 for req_id, ok in results.ok.items():
                     if ok:  # counted when the request finishes

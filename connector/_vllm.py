@@ -47,6 +47,10 @@ INPUT_SCOPE = "input_scope"
 PIN_GUARD = "pin_guard"
 #: Reads within the engine step (`_sync_reads`). Off: NIXL's own asynchronous reads.
 SYNC_READS = "sync_reads"
+#: Synchronous reads on a prefill with prefix caching (`_quarantine`): the blocks a read fills
+#: are kept from other requests until it landed, and evicted from the prefix cache when it did
+#: not. Off: with prefix caching, reads are NIXL's own (asynchronous).
+SYNC_PREFIX_CACHING = "sync_prefix_caching"
 #: Synchronous reads split by layer (`_layerwise`). Off: whole-request synchronous reads.
 LAYERED_READS = "layered_reads"
 #: Read or recompute by measured cost (`_cost`): what each engine step computes, whose time
@@ -75,6 +79,9 @@ NEW_REQ_DATA = "vllm.v1.core.sched.output.NewRequestData"
 CACHED_REQ_DATA = "vllm.v1.core.sched.output.CachedRequestData"
 CACHE_CONFIG = "vllm.config.cache.CacheConfig"
 SCHEDULER_CONFIG = "vllm.config.scheduler.SchedulerConfig"
+KV_CACHE_CONFIG = "vllm.v1.kv_cache_interface.KVCacheConfig"
+KV_CACHE_GROUP = "vllm.v1.kv_cache_interface.KVCacheGroupSpec"
+FULL_ATTENTION = "vllm.v1.kv_cache_interface.FullAttentionSpec"
 VLLM_CONFIG = "vllm.config.vllm.VllmConfig"
 AGENT = "nixl._api.nixl_agent"
 
@@ -108,6 +115,13 @@ NAMES: tuple[Name, ...] = (
     *_names(SCHEDULER_CONFIG, (SYNC_READS,), "async_scheduling"),
     # A request's blocks, in token order: where a synchronous read lands (`place_pending_recv`).
     *_names(KV_CACHE_BLOCKS, (SYNC_READS,), "get_block_ids"),
+    # Prefix caching: a synchronous read's blocks, found by their hashes, evicted if it failed;
+    # only where the prefix cache hashes whole blocks of one full-attention group.
+    *_names(KV_CACHE_MANAGER, (SYNC_PREFIX_CACHING,), "evict_blocks"),
+    *_names(REQUEST, (SYNC_PREFIX_CACHING,), "block_hashes"),
+    *_names(KV_CACHE_CONFIG, (SYNC_PREFIX_CACHING,), "kv_cache_groups", "hash_block_size"),
+    *_names(KV_CACHE_GROUP, (SYNC_PREFIX_CACHING,), "kv_cache_spec"),
+    *_names(FULL_ATTENTION, (SYNC_PREFIX_CACHING,), "block_size"),
     # The block pool: retained blocks hold one reference each.
     *_names(KV_CACHE_MANAGER, (RETENTION,), "block_pool"),
     *_names(BLOCK_POOL, (RETENTION,), "blocks", "touch", "free_blocks", "num_gpu_blocks",
@@ -357,6 +371,38 @@ def request_block_ids(blocks: Any) -> list[list[int]]:
     local prefix hit first, then the external tokens', then the new tokens'), from the
     `KVCacheBlocks` the scheduler hands `update_state_after_alloc`."""
     return [list(group) for group in blocks.get_block_ids()]
+
+
+def whole_block_hashes(connector: Any) -> bool:
+    """Synchronous reads with prefix caching: whether the engine's prefix cache finds whole
+    blocks only, one hash per block (one group of full attention, hashed per block), so that a
+    local hit of n blocks is exactly the first n of a request's block hashes. Unknown: no."""
+    if not usable(SYNC_PREFIX_CACHING):
+        return False
+    try:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+    except ImportError:
+        return False
+    config = connector._kv_cache_config
+    groups = list(config.kv_cache_groups)
+    if len(groups) != 1:
+        return False
+    spec = groups[0].kv_cache_spec
+    # A subclass may cache differently (sliding window, chunked local attention): exact type.
+    return (type(spec) is FullAttentionSpec and config.hash_block_size is not None
+            and int(config.hash_block_size) == int(spec.block_size))
+
+
+def block_hashes(request: Any) -> list[Any]:
+    """Synchronous reads with prefix caching: the hashes of a request's full blocks, in token
+    order (each chained on the ones before it, so equal hashes mean equal prefixes)."""
+    return list(request.block_hashes)
+
+
+def evict_cached(kv_cache_manager: Any, block_ids: set[int]) -> None:
+    """Synchronous reads with prefix caching: take blocks out of the prefix cache (no request
+    finds them again; those that hold them keep them)."""
+    kv_cache_manager.evict_blocks(block_ids)
 
 
 # ---- the block pool --------------------------------------------------------------------------

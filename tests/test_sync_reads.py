@@ -14,6 +14,8 @@ pytest.importorskip("vllm", reason="the engine extra is not installed: pip insta
 
 from nixl_fakes import Meta, Metadata, Remote, WorkerBase
 
+from kvbridge.connector._metrics import ConnectorMetrics
+from kvbridge.connector._quarantine import Quarantine
 from kvbridge.connector._sync_reads import SYNC_READS_ATTR, SyncReadResults, SyncReads
 
 
@@ -195,6 +197,9 @@ class NixlScheduler:
         count = request.kv_transfer_params["remote_num_tokens"] - computed
         return (count, True) if count > 0 else (0, False)
 
+    def update_connector_output(self, output: Any) -> None:
+        pass
+
     def update_state_after_alloc(self, request: Any, blocks: Blocks, external: int) -> None:
         unhashed = blocks.get_unhashed_block_ids_all_groups() if external > 0 else ()
         cached = tuple(sum(b.block_hash is not None for b in g) for g in blocks.blocks)
@@ -228,6 +233,17 @@ class Prefill:
     def spoil(self, request_id: str) -> None:
         self.calls.append(("spoil", request_id))
 
+    # A step's outcome, as `update_connector_output` reports it.
+    def step_done(self, waited_s: float) -> None:
+        pass
+
+    def read_done(self, request_id: str, ok: bool, why: str | None = None) -> str | None:
+        self.calls.append(("done", request_id, ok))
+        return "decode-0"
+
+    def read_measured(self, request_id: str, seconds: float) -> None:
+        pass
+
 
 def scheduler_connector(*, prefix_caching: bool = True, async_scheduling: bool = False,
                         read_from: set[str] | None = None) -> Any:
@@ -240,9 +256,12 @@ def scheduler_connector(*, prefix_caching: bool = True, async_scheduling: bool =
     connector.settings = ConnectorSettings(registry="127.0.0.1:1")
     connector._prefix_caching = prefix_caching
     connector._async_scheduling = async_scheduling
-    # The placement after a local hit is tested here; in engines it waits for failed reads
-    # to evict their blocks (test_sync_reads_with_prefix_caching_stay_off_for_now).
-    connector._SYNC_WITH_PREFIX_CACHING = True
+    # One hash per block of one full-attention group (`_vllm.whole_block_hashes`, tested on
+    # vLLM's own specs below); what a failed read's quarantine evicts is collected here.
+    connector._whole_block_hashes = True
+    evicted: list[set[int]] = []
+    connector.__dict__["evicted"] = evicted
+    connector._quarantine = Quarantine(evicted.append) if prefix_caching else None
     connector.__dict__["connector_scheduler"] = NixlScheduler()
     connector.__dict__["_kv_cache_config"] = SimpleNamespace(kv_cache_groups=[object()])
     connector._read_from = {"decode-0"} if read_from is None else read_from
@@ -251,13 +270,16 @@ def scheduler_connector(*, prefix_caching: bool = True, async_scheduling: bool =
     connector._async_local = {}
     connector.decode = None
     connector.prefill = Prefill()
+    connector.metrics = ConnectorMetrics()
     return connector
 
 
 def read_request(request_id: str, usable: int, remote: list[int], prompt: int = 200) -> Any:
     from types import SimpleNamespace
 
+    # Every request here has the same prompt: the same chained hash per full block.
     return SimpleNamespace(request_id=request_id, prompt_token_ids=list(range(prompt)),
+                           block_hashes=[f"block-{i}".encode() for i in range(prompt // 16)],
                            kv_transfer_params={
                                "do_remote_decode": True, "remote_engine_id": "decode-0",
                                "remote_block_ids": [list(remote)], "remote_num_tokens": usable})
@@ -285,17 +307,94 @@ def test_synchronous_reads_with_prefix_caching_unless_scheduling_is_async(
     assert scheduler_connector(read_from=set())._may_read_sync(request) is False
 
 
-def test_sync_reads_with_prefix_caching_stay_off_for_now() -> None:
-    """A failed synchronous read leaves its blocks hashed until the request recomputes them,
-    and another request with the same prefix could hit them: until such a read evicts its
-    blocks, a prefill with prefix caching reads asynchronously."""
+def test_sync_reads_with_prefix_caching_need_one_hash_per_block() -> None:
+    """The quarantine finds a local hit's blocks by the request's first hashes: only where the
+    prefix cache hashes each block once (one full-attention group). Anything else, or no KV
+    cache manager to evict with, reads asynchronously."""
     request = SimpleNamespace(kv_transfer_params={"remote_engine_id": "decode-0"})
-    cached = scheduler_connector(prefix_caching=True)
-    del cached._SYNC_WITH_PREFIX_CACHING  # the class's setting, as in an engine
-    assert cached._may_read_sync(request) is False
-    cold = scheduler_connector(prefix_caching=False)
-    del cold._SYNC_WITH_PREFIX_CACHING
-    assert cold._may_read_sync(request) is True
+    coarse = scheduler_connector()
+    coarse._whole_block_hashes = False
+    assert coarse._may_read_sync(request) is False
+    unbound = scheduler_connector()
+    unbound._quarantine = None
+    assert unbound._may_read_sync(request) is False
+    assert scheduler_connector()._may_read_sync(request) is True
+
+
+def test_whole_block_hashes_on_vllms_own_kv_cache_specs() -> None:
+    """`_vllm.whole_block_hashes` on the installed vLLM's spec classes: one full-attention
+    group hashed per block only."""
+    torch = pytest.importorskip("torch")
+    kv = pytest.importorskip("vllm.v1.kv_cache_interface")
+    from kvbridge.connector import _vllm
+
+    def connector(specs: list[Any], hash_block_size: int | None) -> Any:
+        groups = [SimpleNamespace(kv_cache_spec=spec) for spec in specs]
+        return SimpleNamespace(_kv_cache_config=SimpleNamespace(
+            kv_cache_groups=groups, hash_block_size=hash_block_size))
+
+    full = kv.FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8,
+                                dtype=torch.float32)
+    window = kv.SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=8,
+                                  dtype=torch.float32, sliding_window=64)
+    assert _vllm.whole_block_hashes(connector([full], 16)) is True
+    assert _vllm.whole_block_hashes(connector([full], 8)) is False  # finer hashes
+    assert _vllm.whole_block_hashes(connector([full], None)) is False  # not resolved
+    assert _vllm.whole_block_hashes(connector([window], 16)) is False
+    assert _vllm.whole_block_hashes(connector([full, full], 16)) is False
+
+
+def step_output(connector: Any, ok: dict[str, bool]) -> None:
+    """What the scheduler hands the connector after a step: its synchronous reads' outcomes."""
+    connector.update_connector_output(SimpleNamespace(
+        failed_recving=set(), finished_recving=set(), kv_connector_worker_meta=SyncReadResults(
+            ok=dict(ok), ms={r: 1.0 for r in ok})))
+
+
+@pytest.mark.parametrize("landed", [True, False])
+def test_a_request_hitting_a_sync_reads_blocks_waits_for_its_outcome(landed: bool) -> None:
+    """r1 reads blocks 4..9 after a local hit of 4; its blocks from 4 on are hashed at once.
+    r2, with the same prompt, finds 8 blocks in the prefix cache: asked again (None) until r1's
+    step reports. A read that landed releases them; one that failed has them evicted first
+    (blocks 5..13: the read's and the new tokens' computed over them)."""
+    connector = scheduler_connector()
+    r1 = read_request("r1", 150, REMOTE)
+    assert plan_and_allocate(connector, r1, local=64, hashed=12) == (86, False)
+    r2 = read_request("r2", 150, REMOTE)
+    assert connector.get_num_new_matched_tokens(r2, 128) == (None, False)
+    # A hit that stops before the read's first block is not held up.
+    r3 = read_request("r3", 150, REMOTE)
+    assert connector.get_num_new_matched_tokens(r3, 64)[0] == 86
+    connector._quarantine.scheduled()  # the step's metadata is built
+    assert connector.get_num_new_matched_tokens(r2, 128) == (None, False)  # still unknown
+    step_output(connector, {"r1": landed})
+    assert connector.evicted == ([] if landed else [set(MINE[4:])])
+    assert len(connector._quarantine) == 0
+    assert connector.get_num_new_matched_tokens(r2, 128)[0] == 22
+    assert connector._quarantine.deferred == 2
+
+
+def test_a_sync_read_never_reported_is_evicted_at_the_next_schedule() -> None:
+    """Without async scheduling a step reports before the next is scheduled: a read still
+    held when the next schedule completes never will be (an empty connector output), and its
+    blocks are evicted then. Requests scheduled meanwhile were held up."""
+    connector = scheduler_connector()
+    r1 = read_request("r1", 150, REMOTE)
+    plan_and_allocate(connector, r1, local=0, hashed=12)
+    connector._quarantine.scheduled()
+    assert connector.get_num_new_matched_tokens(read_request("r2", 150, REMOTE), 16) == (
+        None, False)
+    assert connector.evicted == []
+    connector._quarantine.scheduled()
+    assert connector.evicted == [set(MINE)] and len(connector._quarantine) == 0
+
+
+def test_no_quarantine_without_prefix_caching() -> None:
+    """Prefix caching off: nothing is hashed at allocation and nothing is held."""
+    connector = scheduler_connector(prefix_caching=False)
+    plan_and_allocate(connector, read_request("r1", 150, REMOTE), local=0, hashed=0)
+    assert connector._quarantine is None
+    assert connector.get_num_new_matched_tokens(read_request("r2", 150, REMOTE), 0)[0] == 150
 
 
 def plan_and_allocate(connector: Any, request: Any, local: int, hashed: int,

@@ -1,8 +1,8 @@
 """kvbridge on a prefill engine that has prefix caching on (vLLM's default, and kvbridge's):
 reads bring the right KV, and a request takes its leading blocks from prefill's own cache and
-the rest from decode. Reads there are asynchronous: vLLM hashes all the full blocks of a
-request that is not loading asynchronously as it allocates them, before a read fills them, and
-a failed read's blocks would stay cached (`KVBridgeConnector._SYNC_WITH_PREFIX_CACHING`).
+the rest from decode. Once prefill has read from decode (the NIXL handshake), reads land within
+the engine step, as with prefix caching off: the blocks a read fills are held from other
+requests until it landed (`connector/_quarantine.py`).
 
 Each turn's reference is computed first, with a cache salt of its own (no prefix cache entry
 of any other request can serve it, and no conversation key: nothing is read from decode);
@@ -83,8 +83,9 @@ def test_reads_on_a_prefill_with_prefix_caching_match_recompute(
         history = history + output + [rng.randrange(10, 1000) for _ in range(40)]
     counters = metrics(prefill_metrics)
     assert reused[0] == 0 and all(r > 0 for r in reused[2:]), reused
+    # The first read from decode handshakes (asynchronous); the later ones are synchronous.
     assert sum(v for k, v in counters.items()
-               if k.startswith("kvbridge_connector_sync_reads_total")) == 0, counters
+               if k.startswith("kvbridge_connector_sync_reads_total")) >= 2, counters
     assert counters.get("kvbridge_connector_local_tokens_total", 0.0) > 0, counters
 
 
@@ -124,6 +125,6 @@ def test_a_shared_prefix_from_prefill_and_a_history_from_decode_in_one_request(
     assert second["kvbridge_decision"] == "hit", second
     assert second["kvbridge_local_tokens"] >= len(system), second
     assert second["kvbridge_reused_tokens"] > 0, second
-    assert second.get("kvbridge_load") != "sync", second
+    assert second.get("kvbridge_load") == "sync", second
     assert (second["kvbridge_local_tokens"] + second["kvbridge_reused_tokens"]
             + second["kvbridge_recomputed_tokens"]) == len(history), second
