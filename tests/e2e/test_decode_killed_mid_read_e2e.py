@@ -16,6 +16,7 @@ import random
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ class Stack:
     victim: Engine  # holds the conversation's KV; killed mid-read
     survivor: Engine
     ports: dict[str, int]  # connector metrics ports, by engine
+    prefix_caching: bool  # prefill's
 
     def counters(self, engine: str) -> dict[str, float]:
         return metrics(self.ports[engine])
@@ -74,9 +76,12 @@ class Stack:
         return self.counters("prefill").get("kvbridge_connector_reused_tokens_total", 0.0)
 
     def turn(self, decode: Engine, prompt: list[int], conversation: str | None) -> list[int]:
+        """A turn; with no conversation, the reference: a cache salt of its own keeps it off
+        any prefix cache entry of the turns it is compared with."""
         key = (TENANT, conversation) if conversation else None
+        salt = None if conversation else f"ref-{uuid.uuid4().hex}"
         result = two_step(self.prefill.spec.url, decode.spec.url, self.model, prompt,
-                          MAX_TOKENS, key)
+                          MAX_TOKENS, key, cache_salt=salt)
         assert result.output_ids, "decode returned no tokens"
         return result.output_ids
 
@@ -87,8 +92,10 @@ class Stack:
         return output
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
+@pytest.fixture(params=[PREFILL_PREFIX_CACHING, True], ids=["prefill-cache-off",
+                                                             "prefill-cache-on"])
+def stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
+    prefix_caching = bool(request.param)
     model = make_tiny(tmp_path / "tiny-model", TinyModelSpec())
     registry = Registry(free_port(), tmp_path / "registry.log")
     registry.start()
@@ -103,7 +110,10 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
 
     prefill = start_engine(EngineSpec(
         "prefill", str(model), free_port(), free_port(), "kill-prefill", registry.address,
-        cpu=0, extra_args=EAGER, prefix_caching=PREFILL_PREFIX_CACHING,
+        cpu=0, extra_args=EAGER, prefix_caching=prefix_caching,
+        # With its cache on, prefill holds each turn's prompt: what is left to read is the
+        # previous answer and a block's tail, under the default threshold.
+        recompute_threshold=16 if prefix_caching else 64,
         kvbridge={**READ_BY_THRESHOLD, "metrics_port": ports["prefill"],
                   "read_deadline_s": 10.0,
                   "rpc_timeout_s": 5.0}), tmp_path)
@@ -113,7 +123,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     try:
         for engine in engines:
             wait_ready(engine, timeout=400)
-        yield Stack(str(model), registry, prefill, victim, survivor, ports)
+        yield Stack(str(model), registry, prefill, victim, survivor, ports, prefix_caching)
     finally:
         for engine in engines:
             with_signal(engine, signal.SIGCONT)  # a stopped engine cannot stop itself
@@ -202,7 +212,24 @@ def test_decode_killed_mid_read_recomputes_and_leaks_nothing(stack: Stack) -> No
     assert stack.reused() == reused
     assert params["kvbridge_decision"] == "transfer_failed", params
     assert params["kvbridge_reused_tokens"] == 0
-    assert params["kvbridge_recomputed_tokens"] == len(history)
+    local = int(params.get("kvbridge_local_tokens") or 0)
+    assert params["kvbridge_recomputed_tokens"] + local == len(history), params
+    if stack.prefix_caching:
+        # The failed read was within the step, its blocks hashed since their allocation: they
+        # were evicted, so the same prompt finds prefill's own cache only as far as the failed
+        # turn did (not the blocks that turn then recomputed: no longer findable).
+        assert params.get("kvbridge_load") == "sync", params
+        assert 0 < local < len(history) - 16, params
+        probe = post_json(f"{stack.prefill.spec.url}/v1/completions", {
+            "model": stack.model, "prompt": history, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                                   CONVERSATION_KEY: {"tenant": TENANT,
+                                                      "conversation_id": "probe"}}})
+        found = probe["kv_transfer_params"]
+        assert found.get("kvbridge_local_tokens") == local, (found, params)
+        evicted = [line for line in stack.prefill.log_path.read_text(
+            errors="replace").splitlines() if "sync_read_blocks_evicted" in line]
+        assert len(evicted) == 1, evicted
     # The turn goes on: the surviving decode reads prefill's (recomputed) KV and answers as a
     # turn without reuse does.
     decode = post_json(f"{stack.survivor.spec.url}/v1/completions", {
