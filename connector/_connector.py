@@ -257,8 +257,11 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         if self.decode is not None:
             self.decode.bind(_vllm.block_pool(kv_cache_manager))
         if self.prefill is not None and self._prefix_caching:
-            self._quarantine = Quarantine(
-                lambda blocks: _vllm.evict_cached(kv_cache_manager, blocks))
+            def evict(blocks: set[int]) -> None:
+                _vllm.evict_cached(kv_cache_manager, blocks)
+                self.metrics.read_blocks_evicted.inc(len(blocks))
+
+            self._quarantine = Quarantine(evict)
 
     def on_new_request(self, request: Any) -> None:
         super().on_new_request(request)
@@ -274,6 +277,7 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                     _vllm.block_hashes(request), num_computed_tokens // self._block_size()):
                 # Its local hit reaches into blocks a read of this step fills: it waits until
                 # the read is known to have landed (or its blocks are evicted).
+                self.metrics.held_for_reads.inc()
                 return None, False
             decided = self.prefill.resolve(request, num_computed_tokens)
             if decided is None:

@@ -48,12 +48,18 @@ _DAMPING = 1e-3
 DECAY = 0.9
 MIN_COMPUTE_SAMPLES = 3
 MIN_READ_SAMPLES = 1
-# A read this far off its estimate (either way) means the transfer changed (another path, a
-# loaded network): what was learned before weighs this much from then on. Reads are sampled
+# A read this far off its estimate means the transfer changed (another path, a loaded
+# network): what was learned before weighs this much from then on (at once for a faster read,
+# from the second in a row for a slower one, see _CLIP). Reads are sampled
 # seldom while the estimates say recompute (a probe a minute), so waiting for the decay alone
 # would take many probes.
 _SURPRISE = 2.0
 _FORGET = 0.1
+# A sample slower than this many times its estimate counts as this many times, and a read
+# that slow changes the regime only when the next read is too: one stall (a step that opened a
+# NIXL connection, a read that waited for one) had carried both estimates to seconds for the
+# next few dozen requests. A real slow-down is followed within a few samples all the same.
+_CLIP = 4.0
 
 READ = "hit"
 PROBE = "probe"
@@ -167,6 +173,8 @@ class CostModel:
         self._lookup_s: float | None = None
         self._last_read = now()
         self._declined_since_read = 0
+        self._read_slow = False  # the last read was surprisingly slow
+        self.clipped = 0  # samples taken as _CLIP times their estimate
 
     # ---- what was measured -------------------------------------------------------------------
 
@@ -174,15 +182,27 @@ class CostModel:
         """A step computed `tokens` tokens in `seconds`; `area`: the sum over its requests of
         their tokens times their context (a single request: tokens * its prompt's length)."""
         if tokens > 0 and seconds > 0:
-            self._compute.add([1.0, tokens / _TOKENS, area / _AREA], seconds)
+            x = [1.0, tokens / _TOKENS, area / _AREA]
+            if self._compute.samples >= MIN_COMPUTE_SAMPLES:
+                expected = sum(t * v for t, v in zip(self._compute.theta(), x, strict=True))
+                if expected > 0 and seconds > _CLIP * expected:
+                    seconds = _CLIP * expected
+                    self.clipped += 1
+            self._compute.add(x, seconds)
 
     def read(self, tokens: int, seconds: float) -> None:
         """A read of `tokens` tokens added `seconds` to its request."""
         if tokens > 0 and seconds >= 0:
+            slow = False
             if self._read.samples >= MIN_READ_SAMPLES:
                 expected = self.read_s(tokens)
-                if not expected / _SURPRISE <= seconds <= expected * _SURPRISE:
+                slow = seconds > expected * _SURPRISE
+                if seconds < expected / _SURPRISE or (slow and self._read_slow):
                     self._read.forget(_FORGET)
+                if expected > 0 and seconds > _CLIP * expected:
+                    seconds = _CLIP * expected
+                    self.clipped += 1
+            self._read_slow = slow
             self._read.add([1.0, tokens / _TOKENS], seconds)
             self._last_read = self._now()
             self._declined_since_read = 0

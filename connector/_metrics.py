@@ -38,6 +38,15 @@ class ConnectorMetrics:
             "kvbridge_connector_layered_copy_seconds",
             "Layered reads: first layer posted to last layer landed (overlaps the forward pass)",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0), registry=r)
+        self.held_for_reads = Counter(
+            "kvbridge_connector_held_for_reads",
+            "Prefill with prefix caching: times a request was asked to wait a step because its "
+            "local prefix hit reached into blocks a synchronous read of that step fills",
+            registry=r)
+        self.read_blocks_evicted = Counter(
+            "kvbridge_connector_read_blocks_evicted",
+            "Prefill with prefix caching: blocks of failed synchronous reads taken out of the "
+            "prefix cache (recomputed by their request, found by no other)", registry=r)
         self.leases_granted = Counter(
             "kvbridge_connector_leases_granted", "Leases granted over retained decode KV",
             registry=r)

@@ -119,9 +119,10 @@ class PrefillReuse:
         self.cost = CostModel(threshold=threshold, by_cost=settings.decision == "cost",
                               margin=settings.read_margin,
                               probe_interval_s=settings.probe_interval_s, now=self._now)
-        # Decode engines read from: a first read opens NIXL's connection (a one-off cost the
-        # read model must not learn).
-        self._engines_read: set[str] = set()
+        # Decode engines read from, and when their first read finished: that read opened
+        # NIXL's connection, a one-off cost the read model must not learn, nor the time other
+        # reads started before it spent waiting for the connection.
+        self._engines_read: dict[str, float] = {}
         # Finished requests whose synchronous read's time is still to come from the worker
         # (it reports after the step, which may have finished the request).
         self._awaiting_read: dict[str, _Active] = {}
@@ -538,9 +539,12 @@ class PrefillReuse:
 
     def _learn_read(self, active: _Active, seconds: float) -> None:
         engine = active.params.get("remote_engine_id")
-        if engine not in self._engines_read:  # the first read opened NIXL's connection
+        opened = self._engines_read.get(engine) if isinstance(engine, str) else None
+        if opened is None:  # the first read opened NIXL's connection
             if isinstance(engine, str) and len(self._engines_read) < 4096:
-                self._engines_read.add(engine)
+                self._engines_read[engine] = self._now()
+            return
+        if active.started < opened:  # it waited for the connection the first one opened
             return
         self.cost.read(active.tokens, seconds)
         self._show_estimates(None)

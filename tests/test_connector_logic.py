@@ -1144,6 +1144,26 @@ def test_prefill_releases_a_routed_pin_it_will_not_read_for(prefill: PrefillKit,
     assert prefill.decision("short_prompt") == 1
 
 
+def test_reads_that_waited_for_the_connection_are_not_learned(prefill: PrefillKit,
+                                                              client: RegistryClient):
+    """The first read from a decode engine opens NIXL's connection to it; a read that started
+    before that one finished waited for the connection too: neither is what a read costs. A
+    read started after is learned."""
+    grant(client, "c1", LEASE_TOKENS)
+    grant(client, "c2", LEASE_TOKENS, first_block=201)
+    grant(client, "c3", LEASE_TOKENS, first_block=301)
+    first = prefill.request("p-1", LEASE_TOKENS + EXTRA, conversation="c1")
+    waiting = prefill.request("p-2", LEASE_TOKENS + EXTRA, conversation="c2")
+    assert prefill.resolve(first) is True and prefill.resolve(waiting) is True
+    assert prefill.reuse.read_done("p-1", ok=True) == HOLDER
+    assert prefill.reuse.read_done("p-2", ok=True) == HOLDER
+    assert prefill.reuse.cost._read.samples == 0
+    later = prefill.request("p-3", LEASE_TOKENS + EXTRA, conversation="c3")
+    assert prefill.resolve(later) is True
+    prefill.reuse.read_done("p-3", ok=True)
+    assert prefill.reuse.cost._read.samples == 1
+
+
 def test_prefill_read_done_ok_releases_and_counts(prefill: PrefillKit, client: RegistryClient):
     lease = grant(client, "c1", LEASE_TOKENS)
     prompt = LEASE_TOKENS + EXTRA

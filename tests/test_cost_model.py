@@ -295,3 +295,24 @@ def test_the_fit_is_the_free_one_where_that_is_non_negative():
     for n in (32, 500, 4000):
         assert cost.read_s(n) == pytest.approx(engine.r0 + engine.r1 * n, rel=0.02)
         assert cost.recompute_s(n, 2048) == pytest.approx(engine.marginal_s(n, 2048), rel=0.02)
+
+
+def test_one_stall_does_not_carry_the_estimates_off():
+    """A step that opened a NIXL connection took seconds, and so did a read that waited for
+    it: each is taken as at most four times its estimate, and one slow read alone does not
+    make the model forget what it learned. Reads of a turn's answer stay the faster choice."""
+    clock = FakeClock()
+    cost = model(clock)
+    engine = Engine()
+    turns(cost, engine, random.Random(5), 40, clock)
+    before_read, before_compute = cost.read_s(64), cost.recompute_s(64, 1500)
+    cost.computed(300, 300 * 1500, 3.0)  # the stalled step
+    cost.read(64, 4.0)  # the read that waited
+    assert cost.clipped == 2
+    # Taken whole, these two samples had moved the estimates to hundreds of ms.
+    assert cost.read_s(64) < 4 * before_read < 0.1
+    assert cost.recompute_s(64, 1500) < 4 * before_compute < 0.1
+    # A second slow read in a row is a new regime: the model follows it.
+    cost.read(64, 4.0)
+    cost.read(64, 4.0)
+    assert cost.read_s(64) > 4 * before_read
