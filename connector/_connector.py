@@ -92,6 +92,10 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
     # of kvbridge's metrics for vLLM's /metrics (None: no control plane). Set in __init__.
     _step_shapes: bool = False
     _snapshots: Snapshots | None = None
+    # Prefill with prefix caching: the blocks of synchronous reads in flight (set once the
+    # scheduler binds its KV cache manager), and whether the cache hashes whole blocks.
+    _quarantine: Quarantine | None = None
+    _whole_block_hashes: bool | None = None
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any) -> None:
