@@ -96,6 +96,7 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
     # scheduler binds its KV cache manager), and whether the cache hashes whole blocks.
     _quarantine: Quarantine | None = None
     _whole_block_hashes: bool | None = None
+    _overlapped_steps: bool = False
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: Any) -> None:
@@ -119,11 +120,14 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         # With prefix caching, a request not loading asynchronously has its blocks hashed (so
         # findable by other requests) as they are allocated, before the read fills them: a
         # synchronous read's blocks are then held from other requests until it landed, and
-        # evicted if it did not (`_quarantine`). Under async scheduling the next step is
-        # scheduled before a step's outcome is in: reads stay asynchronous there (vLLM caches
-        # an asynchronously loaded request's blocks once they landed).
+        # evicted if it did not (`_quarantine`). Under async scheduling or pipeline
+        # parallelism the next step is scheduled before a step's outcome is in: reads stay
+        # asynchronous there (vLLM caches an asynchronously loaded request's blocks once they
+        # landed).
         self._prefix_caching = _vllm.prefix_caching(vllm_config.cache_config)
         self._async_scheduling = _vllm.async_scheduling(vllm_config.scheduler_config)
+        self._overlapped_steps = (self._prefix_caching
+                                  and _vllm.concurrent_batches(vllm_config) > 1)
         self._quarantine: Quarantine | None = None
         self._whole_block_hashes: bool | None = None
         self.pin_guard: PinGuard | None = None
@@ -197,7 +201,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                 raise ValueError("kvbridge needs kv_load_failure_policy 'recompute' on prefill "
                                  "engines, so that a failed read recomputes")
             if self.settings.sync_reads and self._sync_off_by_caching():
-                log.info("kvbridge_sync_reads_off", why="prefix caching with async scheduling, "
+                log.info("kvbridge_sync_reads_off", why="prefix caching with async scheduling "
+                         "or pipeline parallelism, "
                          "or a KV layout whose prefix cache is not one hash per block: reads "
                          "are asynchronous, so that a failed read's blocks are never found by "
                          "another request (run prefill with --no-enable-prefix-caching for "
@@ -277,7 +282,7 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.prefill is not None:
-            if self._quarantine is not None and self._quarantine.reaches(
+            if self._quarantine and self._quarantine.reaches(
                     _vllm.block_hashes(request), num_computed_tokens // self._block_size()):
                 # Its local hit reaches into blocks a read of this step fills: it waits until
                 # the read is known to have landed (or its blocks are evicted).
@@ -448,7 +453,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             return False
         if self._whole_block_hashes is None:
             self._whole_block_hashes = _vllm.whole_block_hashes(self)
-        return self._async_scheduling or not self._whole_block_hashes
+        return (self._async_scheduling or self._overlapped_steps
+                or not self._whole_block_hashes)
 
     def _may_read_sync(self, request: Any) -> bool:
         """Read within the step (see `_sync_reads`) when this engine already has a NIXL

@@ -122,6 +122,7 @@ NAMES: tuple[Name, ...] = (
     *_names(KV_CACHE_CONFIG, (SYNC_PREFIX_CACHING,), "kv_cache_groups", "hash_block_size"),
     *_names(KV_CACHE_GROUP, (SYNC_PREFIX_CACHING,), "kv_cache_spec"),
     *_names(FULL_ATTENTION, (SYNC_PREFIX_CACHING,), "block_size"),
+    *_names(VLLM_CONFIG, (SYNC_PREFIX_CACHING,), "max_concurrent_batches"),
     # The block pool: retained blocks hold one reference each.
     *_names(KV_CACHE_MANAGER, (RETENTION,), "block_pool"),
     *_names(BLOCK_POOL, (RETENTION,), "blocks", "touch", "free_blocks", "num_gpu_blocks",
@@ -391,6 +392,15 @@ def whole_block_hashes(connector: Any) -> bool:
     # A subclass may cache differently (sliding window, chunked local attention): exact type.
     return (type(spec) is FullAttentionSpec and config.hash_block_size is not None
             and int(config.hash_block_size) == int(spec.block_size))
+
+
+def concurrent_batches(vllm_config: Any) -> int:
+    """Synchronous reads with prefix caching: how many steps the engine keeps in flight (more
+    than one with async scheduling or pipeline parallelism: a step is scheduled before the
+    previous one reports). Unknown: 2."""
+    if not usable(SYNC_PREFIX_CACHING, {VLLM_CONFIG: vllm_config}, owners=[VLLM_CONFIG]):
+        return 2
+    return int(vllm_config.max_concurrent_batches)
 
 
 def block_hashes(request: Any) -> list[Any]:

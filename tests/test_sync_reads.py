@@ -318,6 +318,11 @@ def test_sync_reads_with_prefix_caching_need_one_hash_per_block() -> None:
     unbound = scheduler_connector()
     unbound._quarantine = None
     assert unbound._may_read_sync(request) is False
+    # Pipeline parallelism keeps several steps in flight (as async scheduling does): a step's
+    # outcome comes after the next is scheduled.
+    pipelined = scheduler_connector()
+    pipelined._overlapped_steps = True
+    assert pipelined._may_read_sync(request) is False
     assert scheduler_connector()._may_read_sync(request) is True
 
 
