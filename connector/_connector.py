@@ -128,8 +128,6 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
         self._async_scheduling = _vllm.async_scheduling(vllm_config.scheduler_config)
         self._overlapped_steps = (self._prefix_caching
                                   and _vllm.concurrent_batches(vllm_config) > 1)
-        self._quarantine: Quarantine | None = None
-        self._whole_block_hashes: bool | None = None
         self.pin_guard: PinGuard | None = None
         self._snapshots = None
         self._step_shapes = False
@@ -486,9 +484,9 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
                                                 why=pin_why.get(req_id))
                 if engine and req_id not in failed:
                     self._read_from.add(engine)
-            if isinstance(results, SyncReadResults) and self._quarantine is not None:
-                self._quarantine.reported(results.ok.items())
             if isinstance(results, SyncReadResults):
+                if self._quarantine is not None:
+                    self._quarantine.reported(results.ok.items())
                 for req_id, ok in results.ok.items():
                     if ok:  # counted when the request finishes
                         read_ms = results.ms.get(req_id)

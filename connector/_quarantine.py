@@ -42,7 +42,6 @@ class Quarantine:
         self._held: dict[str, _Held] = {}
         self._hashes: dict[bytes, int] = {}  # hash -> how many held reads have it
         self._step = 0
-        self.deferred = 0  # requests asked to wait a step (for tests and the log)
 
     def __len__(self) -> int:
         return len(self._held)
@@ -61,10 +60,7 @@ class Quarantine:
         `hashes`) reaches into a held read's blocks: the request must then wait a step."""
         if not self._hashes or local_blocks <= 0:
             return False
-        if any(h in self._hashes for h in hashes[:local_blocks]):
-            self.deferred += 1
-            return True
-        return False
+        return any(h in self._hashes for h in hashes[:local_blocks])
 
     def scheduled(self) -> None:
         """The schedule is complete (its metadata is built). Reads held since an earlier

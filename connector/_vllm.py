@@ -19,7 +19,7 @@ kvbridge.connector._vllm_check SRC` checks them against another release's source
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -403,10 +403,12 @@ def concurrent_batches(vllm_config: Any) -> int:
     return int(vllm_config.max_concurrent_batches)
 
 
-def block_hashes(request: Any) -> list[Any]:
+def block_hashes(request: Any) -> Sequence[Any]:
     """Synchronous reads with prefix caching: the hashes of a request's full blocks, in token
-    order (each chained on the ones before it, so equal hashes mean equal prefixes)."""
-    return list(request.block_hashes)
+    order (each chained on the ones before it, so equal hashes mean equal prefixes); vLLM's own
+    list, not a copy (read on the scheduler's path)."""
+    hashes: Sequence[Any] = request.block_hashes
+    return hashes
 
 
 def evict_cached(kv_cache_manager: Any, block_ids: set[int]) -> None:
