@@ -121,8 +121,9 @@ def test_noid_targets_not_met_at_one_length_fail_the_sweep() -> None:
 def test_noid_targets_fall_back_to_engine_ttft_and_zero_reuse() -> None:
     # Without the client's TTFT (older records) the targets use prefill + decode; an id leg
     # that reused nothing cannot be fallen short of.
-    got = noid_targets({"ttft_ms": 150.0, "reused_tokens": 0.0},
-                       {"ttft_ms": 150.0, "client_ttft_ms": 140.0, "reused_tokens": 0.0})
+    got = noid_targets({"ttft_median_ms": 150.0, "reused_tokens": 0.0},
+                       {"ttft_median_ms": 150.0, "client_ttft_median_ms": 140.0,
+                        "reused_tokens": 0.0})
     assert got["vs_id_client_ttft"] == 0.0
     assert got["vs_id_ttft_diff_ms"] == 0.0
     assert got["vs_id_reused_ratio"] == 1.0 and got["vs_id_met"] == 1.0
@@ -162,6 +163,28 @@ def test_pc_target_met_within_the_slack_and_tokens_by_source() -> None:
     assert row == ("| 512 | 300.0 / 305.9 | +5.9 | 6.0 | 300.0 / 305.9 | 448 / 32 / 32 "
                    "| hit 1 | met |")
     assert "KVBRIDGE-PC target at every length: **met**." in text
+
+
+def test_ttft_targets_compare_medians_not_means() -> None:
+    # Four turns 2+ a leg at 512 tokens. The pc leg's turns are 1 ms faster but one of them
+    # stalled for a second (as decode's first token does now and then here, in every leg):
+    # its mean is 250 ms above, its median 1 ms below. The other way round, a kvbridge-leg
+    # stall does not hide a pc leg slower in every turn.
+    def leg(name: str, ttfts: list[float], length: int = 512) -> list[Record]:
+        return [record(name, 1, 2000.0, length, client_ttft_ms=2100.0)] + [
+            record(name, turn, t - 5, length, client_ttft_ms=t, reused_tokens=32,
+                   local_tokens=448 if name == PC else 0)
+            for turn, t in enumerate(ttfts, start=2)]
+
+    summary = summarize(leg("kvbridge", [300.0, 301.0, 302.0, 303.0])
+                        + leg(PC, [299.0, 300.0, 301.0, 1302.0])
+                        + leg("kvbridge", [300.0, 301.0, 302.0, 1303.0], 1024)
+                        + leg(PC, [310.0, 311.0, 312.0, 313.0], 1024))
+    stalled, slower = summary[PC]["512"], summary[PC]["1024"]
+    assert stalled["client_ttft_ms"] - summary["kvbridge"]["512"]["client_ttft_ms"] == 249.0
+    assert stalled["vs_kvb_ttft_diff_ms"] == -1.0 and stalled["vs_kvb_met"] == 1.0
+    assert slower["vs_kvb_ttft_diff_ms"] == 10.0 and slower["vs_kvb_met"] == 0.0
+    assert slower["vs_kvb_ttft_allowed_ms"] == pytest.approx(6.03)
 
 
 def test_pc_target_not_met_names_the_length() -> None:
