@@ -3,10 +3,10 @@ prefill and two decodes whose KV pools are smaller than the history idle convers
 behind.
 
 The trace (seeded, the same for every leg): conversations arrive over the run; each starts
-with one shared system prompt with tool definitions, then takes turns, each adding a tool
-result or a user message and an answer. Between turns a conversation pauses: a tool call
-(short) or a person thinking (heavy-tailed), scaled to fit the run. Legs, each on a fresh
-stack of identical engines:
+with one shared system prompt (an agent's instructions and its tool definitions), then takes
+turns, each adding a tool result or a user message and an answer. Between turns a
+conversation pauses: a tool call (short) or a person thinking (heavy-tailed), scaled to fit
+the run. Legs, each on a fresh stack of identical engines:
 
 - ``off``: no reuse; vLLM's stock NIXL connector, P→D only. Each turn goes to the decode with
   the fewest turns in flight.
@@ -100,10 +100,68 @@ class ConversationPlan:
     turns: tuple[TurnPlan, ...]
 
 
-def make_trace(spec: TraceSpec) -> tuple[tuple[int, ...], list[ConversationPlan]]:
-    """The system prompt and every conversation: the same for a seed, whatever the leg."""
+# The tools an agent of the kind described here is given: (name, what it does, parameters).
+_TOOLS = (
+    ("read_file", "Read a file of the workspace and return its text, numbered by line.",
+     {"path": "string", "start_line": "integer", "end_line": "integer"}),
+    ("write_file", "Replace a file's whole text, creating it and its folders if needed.",
+     {"path": "string", "text": "string"}),
+    ("edit_file", "Replace one exact span of a file's text with another; fails unless the "
+     "span occurs exactly once.", {"path": "string", "old_text": "string",
+                                   "new_text": "string"}),
+    ("list_files", "List the files under a folder, matching a glob pattern.",
+     {"folder": "string", "pattern": "string", "max_results": "integer"}),
+    ("search_code", "Search the workspace for a regular expression; returns matching lines "
+     "with their paths and line numbers.", {"pattern": "string", "path": "string",
+                                            "case_sensitive": "boolean"}),
+    ("run_command", "Run a shell command in the workspace and return its exit status and "
+     "output; long output is truncated.", {"command": "string", "timeout_s": "number"}),
+    ("run_tests", "Run the project's tests, or those matching a selection, and report the "
+     "failures.", {"selection": "string", "fail_fast": "boolean"}),
+    ("web_search", "Search the web and return the top results' titles, links and snippets.",
+     {"query": "string", "max_results": "integer"}),
+    ("fetch_url", "Fetch a web page and return its main text.",
+     {"url": "string", "max_chars": "integer"}),
+    ("ask_user", "Ask the person a question and wait for the answer.",
+     {"question": "string"}),
+)
+
+
+def tool_definitions(rounds: int = 1) -> str:
+    """The system prompt's text: an agent's instructions and its tools as JSON function
+    definitions (the OpenAI `tools` format), the list taken `rounds` times (later rounds
+    under numbered names) to reach a length."""
+    tools = []
+    for round_ in range(rounds):
+        for name, description, parameters in _TOOLS:
+            tools.append({"type": "function", "function": {
+                "name": name if round_ == 0 else f"{name}_{round_ + 1}",
+                "description": description,
+                "parameters": {"type": "object", "properties": {
+                    key: {"type": kind, "description": f"the {key.replace('_', ' ')}"}
+                    for key, kind in parameters.items()}, "required": [next(iter(parameters))]}}})
+    return ("You are a software engineering agent working in the user's repository. Work in "
+            "small steps: call one tool at a time, read its result, and say what you found "
+            "before the next call. Never guess a file's contents: read it first.\n\n# Tools\n"
+            + json.dumps(tools))
+
+
+def system_prompt(encode: Callable[[str], list[int]], tokens: int) -> tuple[int, ...]:
+    """`tokens` tokens of `tool_definitions` as the model's tokenizer (`encode`) splits it:
+    enough rounds of the tool list, cut at `tokens`."""
+    rounds = 1
+    while len(ids := encode(tool_definitions(rounds))) < tokens:
+        rounds += 1
+    return tuple(ids[:tokens])
+
+
+def make_trace(spec: TraceSpec, encode: Callable[[str], list[int]]
+               ) -> tuple[tuple[int, ...], list[ConversationPlan]]:
+    """The system prompt (tool definitions, tokenized by `encode`) and every conversation:
+    the same for a seed, whatever the leg. What turns add (tool results, user messages) are
+    random tokens: with random weights, what the tokens say changes no figure here."""
     rng = random.Random(f"agentic-{spec.seed}")
-    system = tuple(rng.randrange(10, 1000) for _ in range(spec.system_tokens))
+    system = system_prompt(encode, spec.system_tokens)
     plans = []
     for index in range(spec.conversations):
         arrive = rng.uniform(0.0, spec.arrival_s)
@@ -121,6 +179,14 @@ def make_trace(spec: TraceSpec) -> tuple[tuple[int, ...], list[ConversationPlan]
         plans.append(ConversationPlan(index, arrive, tuple(turns)))
     plans.sort(key=lambda p: p.arrive_s)
     return system, plans
+
+
+def model_encoder(model: Path) -> Callable[[str], list[int]]:
+    """The benchmark model's tokenizer (its tokenizer.json), as text -> token ids."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    return lambda text: list(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
 # ---- talking to engines ----------------------------------------------------------------------
@@ -516,6 +582,12 @@ def summarize(results: list[TurnResult], delta: dict[str, dict[str, float]],
     new_by_decode: dict[str, int] = {}
     for r in firsts:
         new_by_decode[r.decode] = new_by_decode.get(r.decode, 0) + 1
+    turns_by_decode: dict[str, int] = {}
+    for r in done:
+        turns_by_decode[r.decode] = turns_by_decode.get(r.decode, 0) + 1
+    # Where the leg says, turn by turn, what was read back from decode (kvbridge's gateway
+    # does; vLLM's usage gives only the sum of local and read-back tokens).
+    told = [r for r in later if r.reused_tokens is not None or r.ttft_ms is None]
     prefill = delta.get("prefill-0", {})
     warm = [r for r in firsts if r.local_tokens is not None][1:]  # the first one warms up
     return {
@@ -531,9 +603,18 @@ def summarize(results: list[TurnResult], delta: dict[str, dict[str, float]],
         "ttft_estimated": any(r.estimated for r in done),
         # Waited in a decode's queue for at least WAIT_S, or never answered within the leg.
         "turns_waited_1s": round(waited) + unanswered,
+        # Turns 2+ that did not recompute their history: found in prefill's own cache or
+        # read back from decode (see _found_history). With prefix caching on (vLLM's default,
+        # every leg here), what prefill's cache still holds is not read back: counting reads
+        # alone would call a turn that reused its whole history locally a miss.
         "reuse_hit_rate": (round(sum(1 for r in later if r.ttft_ms is not None
                                      and _found_history(r)) / len(later), 3)
                            if later else None),
+        # Turns 2+ that read at least part of their history back from decode, where the leg
+        # says so turn by turn (None where it does not: upstream, off).
+        "read_back_rate": (round(sum(1 for r in told if (r.reused_tokens or 0) > 0)
+                                 / len(later), 3) if later and len(told) == len(later)
+                           else None),
         # kvbridge's prefill: each request's read-or-recompute decision (a turn 2+ whose
         # answer tail was cheaper to recompute than to read counts as recompute_cheaper, and
         # is not a reuse hit above).
@@ -551,6 +632,7 @@ def summarize(results: list[TurnResult], delta: dict[str, dict[str, float]],
         "retained_block_seconds": round(block_seconds, 1),
         "turns_per_minute": round(len(done) / elapsed * 60, 2) if elapsed else None,
         "new_conversations_by_decode": dict(sorted(new_by_decode.items())),
+        "turns_by_decode": dict(sorted(turns_by_decode.items())),
         "elapsed_s": round(elapsed, 1),
     }
 
@@ -609,13 +691,17 @@ def table(summary: dict[str, dict[str, Any]]) -> str:
             ("decode engines' mean TPOT ms", lambda s: str(s["decode_engine_tpot_ms"])),
             ("turns answered / all", lambda s: f"{s['turns_answered']} / {s['turns']}"),
             ("turns waited >= 1 s", lambda s: str(s["turns_waited_1s"])),
-            ("reuse hit rate (turns 2+)", lambda s: str(s["reuse_hit_rate"])),
+            ("reuse hit rate: turns 2+ with their history cached (local or read back)",
+             lambda s: str(s["reuse_hit_rate"])),
+            ("turns 2+ that read back from decode", lambda s: str(s.get("read_back_rate"))),
             ("tokens local / read / computed", lambda s: f"{s['tokens_local_cache']} / "
              f"{s['tokens_read_back']} / {s['tokens_computed']}"),
             ("retained block-seconds", lambda s: str(s["retained_block_seconds"])),
             ("turns per minute", lambda s: str(s["turns_per_minute"])),
             ("new conversations by decode", lambda s: " ".join(
                 f"{k}:{v}" for k, v in s["new_conversations_by_decode"].items())),
+            ("turns by decode", lambda s: " ".join(
+                f"{k}:{v}" for k, v in s.get("turns_by_decode", {}).items())),
             ("kvbridge prefill's decisions", lambda s: " ".join(
                 f"{k}:{v}" for k, v in s.get("connector_decisions", {}).items()) or "-")]
     legs = list(summary)
@@ -719,7 +805,7 @@ def agentic_bench(out_dir: Path, quick: bool, legs: str, conversations: int, arr
     blocks = kv_blocks or 2 * longest_blocks
     setup = Setup(model, model.name, shape.max_len, blocks,
                   max(math.ceil(blocks * block_bytes / 2**20), 1), work, engine_timeout_s)
-    system, plans = make_trace(spec)
+    system, plans = make_trace(spec, model_encoder(model))
     trace_s = max(p.arrive_s + sum(t.pause_s for t in p.turns) for p in plans)
     leg_limit_s = trace_s * 1.5 + 30
     click.echo(f"trace: {len(plans)} conversations, {sum(len(p.turns) for p in plans)} turns, "

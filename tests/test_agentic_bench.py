@@ -3,6 +3,8 @@ benchmark itself runs in CI as `--quick`)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from click.testing import CliRunner
 
@@ -12,15 +14,21 @@ from kvbridge.benchmarks.agentic import (
     check_targets,
     make_trace,
     summarize,
+    tool_definitions,
 )
 from kvbridge.cli import main
 
 
+def _bytes(text: str) -> list[int]:
+    """A stand-in tokenizer: one token per UTF-8 byte."""
+    return list(text.encode())
+
+
 def test_trace_is_seeded_and_shares_one_system_prompt() -> None:
     spec = TraceSpec(conversations=12, arrival_s=60.0, time_scale=0.5, seed=3)
-    system, plans = make_trace(spec)
-    assert (system, plans) == make_trace(spec)
-    assert make_trace(TraceSpec(conversations=12, seed=4))[1] != plans
+    system, plans = make_trace(spec, _bytes)
+    assert (system, plans) == make_trace(spec, _bytes)
+    assert make_trace(TraceSpec(conversations=12, seed=4), _bytes)[1] != plans
     assert len(system) == spec.system_tokens and len(plans) == 12
     assert [p.arrive_s for p in plans] == sorted(p.arrive_s for p in plans)
     for plan in plans:
@@ -34,6 +42,22 @@ def test_trace_is_seeded_and_shares_one_system_prompt() -> None:
     # Tool calls (short) and think times (heavy-tailed) both occur.
     pauses = [t.pause_s for p in plans for t in p.turns[1:]]
     assert min(pauses) < 1.0 and max(pauses) >= spec.think_pause_s * 0.5
+
+
+def test_system_prompt_is_tool_definitions_cut_at_its_length() -> None:
+    # The instructions, then the tools as JSON function definitions; taken as many times as
+    # the length needs (the second time under numbered names), cut at the length.
+    one = tool_definitions()
+    assert one.startswith("You are a software engineering agent")
+    tools = json.loads(one[one.index("["):])
+    assert [t["function"]["name"] for t in tools][:3] == ["read_file", "write_file",
+                                                          "edit_file"]
+    assert tools[0]["function"]["parameters"]["required"] == ["path"]
+    spec = TraceSpec(conversations=1, system_tokens=len(one) + 500)
+    system, _ = make_trace(spec, _bytes)
+    assert len(system) == spec.system_tokens
+    assert bytes(system).decode() == tool_definitions(2)[:spec.system_tokens]
+    assert '"name": "read_file_2"' in bytes(system).decode()
 
 
 def _turn(conversation: int, turn: int, ttft: float | None, decode: str, reused: int = 0,
@@ -63,6 +87,15 @@ def test_summary_counts_waits_reuse_blocks_and_balance() -> None:
     assert s["reuse_hit_rate"] == 0.5
     assert s["retained_block_seconds"] == 10 * 2 + 30 * 1 + 5 * 4
     assert s["new_conversations_by_decode"] == {"decode-0": 1, "decode-1": 1}
+    assert s["turns_by_decode"] == {"decode-0": 2, "decode-1": 2}
+    # Of the two turns 2+, one read 900 tokens back, the other nothing.
+    assert s["read_back_rate"] == 0.5
+    # A leg that does not say, turn by turn, what was read back (upstream, off): not known.
+    untold = [TurnResult("upstream", 0, turn, float(turn), 1000, 900 if turn > 1 else 0,
+                         ttft_ms=50.0, cached_tokens=900, decode="decode-0")
+              for turn in (1, 2)]
+    upstream = summarize(untold, {}, [], 30.0, [])
+    assert upstream["read_back_rate"] is None and upstream["reuse_hit_rate"] == 1.0
     assert s["tokens_local_cache"] == 1024 and s["tokens_read_back"] == 900
     assert s["first_turns_from_local_cache"] == 1.0  # the second first turn (after warm-up)
     assert s["turns_local_and_read_back"] == 0
