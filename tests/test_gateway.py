@@ -40,6 +40,7 @@ class FakeEngine:
     reused: int = 0
     local: int = 0  # prompt tokens from prefill's own prefix cache (reported when > 0)
     received: list[dict[str, Any]] = field(default_factory=list)
+    peers: list[Any] = field(default_factory=list)  # each request's client address (connection)
     # Failures to play, one per request, first first: "disconnect" (the engine dies with the
     # request: connection lost, no answer), or an HTTP status to answer with. Engines may
     # share one list: then the first request to reach any of them fails.
@@ -69,6 +70,8 @@ class FakeEngine:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received.append(body)
+        assert request.transport is not None
+        self.peers.append(request.transport.get_extra_info("peername"))
         if self.faults:
             fault = self.faults.pop(0)
             if fault == "disconnect":
@@ -377,6 +380,31 @@ async def test_unreachable_engine_is_retried_on_another(registry_server: Registr
         assert f'kvbridge_gateway_retries_total{{model="{MODEL}",role="decode"}} 1.0' in text
     finally:
         await close(s)
+
+
+@pytest.mark.parametrize("keepalive", [0.2, 30.0])
+async def test_idle_engine_connections_are_not_reused_past_engine_keepalive(
+        registry_server: RegistryServer, tmp_path: Path, keepalive: float) -> None:
+    # vLLM closes a connection idle for 5 s: one reused as it does fails the turn. The gateway
+    # opens a new one when its own, shorter, keep-alive has passed, and reuses it before.
+    s = await make_stack(registry_server, tmp_path, engine_keepalive_s=keepalive)
+    try:
+        for _ in range(2):
+            raw = await client(s).completions.with_raw_response.create(
+                model=MODEL, prompt="hi", max_tokens=2)
+            assert raw.parse().choices[0].text == "Hello from d0"
+            await asyncio.sleep(0.5)
+        for engine in ("p0", "d0"):
+            peers = s.engines[engine].peers
+            assert len(peers) == 2
+            assert (peers[0] != peers[1]) == (keepalive < 0.5), (engine, peers)
+    finally:
+        await close(s)
+
+
+def test_engine_keepalive_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="engine_keepalive_s must be positive"):
+        GatewayConfig(engine_keepalive_s=0)
 
 
 async def _metric(s: Stack, needle: str) -> bool:

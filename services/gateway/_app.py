@@ -436,8 +436,12 @@ class Gateway:
         return app
 
     async def _start(self, app: web.Application) -> None:
+        # Idle connections are dropped before the engines would close them: a request written
+        # to a connection the engine is closing at that moment fails ("Can not write request
+        # body"), and the turn then goes to another instance, or fails where there is none.
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(resolver=EngineResolver()),
+            connector=aiohttp.TCPConnector(resolver=EngineResolver(),
+                                           keepalive_timeout=self.config.engine_keepalive_s),
             timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s,
                                           connect=self.config.connect_timeout_s))
 

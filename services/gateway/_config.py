@@ -31,6 +31,11 @@ class GatewayConfig:
     request_timeout_s: float = setting(600.0, "longest a prefill or decode request may take")
     connect_timeout_s: float = setting(
         10.0, "longest to wait for a connection to an engine before trying another instance")
+    engine_keepalive_s: float = setting(
+        3.0, "idle time after which a kept-alive connection to an engine is not reused. Keep it "
+        "below the engines' own keep-alive (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by "
+        "default): past that the engine closes the connection, and a request sent on it as "
+        "it does fails and is retried elsewhere, or refused where no other instance serves")
     max_body_bytes: int = setting(8 * 1024 * 1024, "largest request body accepted")
     header_timeout_s: float = setting(
         10.0, "longest a client may take to send a request's headers (from connecting, or from "
@@ -85,8 +90,8 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         for name in ("route_timeout_s", "request_timeout_s", "connect_timeout_s",
-                     "max_body_bytes", "pin_ttl_s", "header_timeout_s", "body_timeout_s",
-                     "keepalive_timeout_s", "max_connections"):
+                     "engine_keepalive_s", "max_body_bytes", "pin_ttl_s", "header_timeout_s",
+                     "body_timeout_s", "keepalive_timeout_s", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0.0 <= self.lease_wait_s <= 5.0:
