@@ -1,9 +1,17 @@
 """Two decode engines: `kvbridge up --cpu-engines --decodes 2` (tiny model in float32).
 
 New conversations spread over both decodes; a conversation whose holder is overloaded moves to
-the other decode and still reads its history back from the old holder, and moves back when
-that one is free again: every turn 2+ reuses, and its output equals a recompute of the same
-prompt (no id, lookup off: prefill computes everything).
+the other decode and still reuses its history, and moves back when that one is free again:
+every turn 2+ reuses, and its output equals a recompute of the same prompt (no id, lookup off,
+a cache salt of its own: prefill and decode compute everything).
+
+Two configurations, a stack each:
+- ``prefill-cache-off``: prefill without prefix caching, reads whenever 64 tokens are
+  reusable: every turn 2+ reads its whole history back from the old holder.
+- ``default``: ``kvbridge up`` as a user runs it (prefill's prefix cache on, read or recompute
+  by measured cost): a turn takes its history up to the last full block from prefill's own
+  cache and the rest (the previous answer) from the old holder, read within the engine step,
+  or recomputes that rest where the measured costs say it is cheaper.
 
 Overload is what the router hears: the test heartbeats the holder's instance with a full
 queue just before the turn (insecure local mode: every caller is an admin), as an instance
@@ -37,6 +45,9 @@ pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 16
 RECOMPUTE = {"X-Kvbridge-Conversation-Lookup": "off"}
+BLOCK_TOKENS = 32  # the CPU engines' block size
+CONFIGS = {"prefill-cache-off": ["--no-prefill-prefix-caching", "--decision", "threshold"],
+           "default": []}
 
 
 @dataclass
@@ -44,6 +55,8 @@ class Stack:
     gateway: str
     router: str
     model: str
+    config: str
+    recomputes: int = 0
 
     def complete(self, prompt: list[int], conversation: str | None
                  ) -> tuple[list[int], dict[str, str]]:
@@ -52,6 +65,9 @@ class Stack:
         extra: dict[str, Any] = {"return_token_ids": True}
         if conversation:
             extra["conversation_id"] = conversation
+        else:  # a recompute: no cache of either engine may serve it
+            self.recomputes += 1
+            extra["cache_salt"] = f"recompute-{self.recomputes}"
         raw = client.completions.with_raw_response.create(
             model=self.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
             extra_body=extra, extra_headers={} if conversation else RECOMPUTE)
@@ -60,15 +76,16 @@ class Stack:
         return list(ids), dict(raw.headers)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[Stack]:
     work = tmp_path_factory.mktemp("up2")
     ready = work / "ready.json"
     log = (work / "up.log").open("wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "kvbridge.cli", "up", "--cpu-engines", "--decodes", "2",
-         "--no-prefill-prefix-caching", "--decision", "threshold",
-         "--work-dir", str(work), "--registry-listen", f"127.0.0.1:{free_port()}",
+         *CONFIGS[request.param], "--work-dir", str(work),
+         "--registry-listen", f"127.0.0.1:{free_port()}",
          "--router-listen", f"127.0.0.1:{free_port()}",
          "--gateway-listen", f"127.0.0.1:{free_port()}", "--idle-ttl-s", "60",
          "--ready-json", str(ready)],
@@ -81,7 +98,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             time.sleep(0.5)
         urls = json.loads(ready.read_text())
         assert sorted(urls["engines"]) == ["decode-0", "decode-1", "prefill-0"], urls
-        yield Stack(urls["gateway"], urls["router"], urls["model"])
+        yield Stack(urls["gateway"], urls["router"], urls["model"], request.param)
     finally:
         stop(process, signal.SIGINT, 120)
         log.close()
@@ -142,7 +159,17 @@ def test_turns_follow_the_holder_and_move_when_it_is_overloaded(stack: Stack) ->
             assert headers["x-kvbridge-decode-instance"] == expected, headers
             reason = "holder_overloaded" if overloaded else "holds_lease"
             assert headers["x-kvbridge-decode-reason"].lower().endswith(reason), headers
-            assert int(headers["x-kvbridge-reused-tokens"]) > 0, headers
+            reused = int(headers["x-kvbridge-reused-tokens"])
+            if stack.config == "prefill-cache-off":
+                assert reused > 0, headers
+            else:
+                # The history up to its last full block from prefill's cache; the rest read
+                # back from the old holder or recomputed, as the measured costs said.
+                local = int(headers["x-kvbridge-local-tokens"])
+                assert local >= len(history) - len(answer) - 90 - BLOCK_TOKENS, headers
+                decision = headers["x-kvbridge-decision"].lower()
+                assert decision in ("hit", "recompute_cheaper"), headers
+                assert (reused > 0) == (decision == "hit"), headers
             assert answer == stack.complete(history, None)[0], f"turn {turn} differs"
             if overloaded:
                 router.heartbeat(overloaded)  # free again
