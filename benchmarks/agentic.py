@@ -40,6 +40,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -579,12 +580,8 @@ def summarize(results: list[TurnResult], delta: dict[str, dict[str, float]],
         points = [(t, blocks) for t, name, blocks in samples if name == decode]
         block_seconds += sum((t1 - t0) * b0 for (t0, b0), (t1, _) in itertools.pairwise(points))
     firsts = [r for r in done if r.turn == 1]
-    new_by_decode: dict[str, int] = {}
-    for r in firsts:
-        new_by_decode[r.decode] = new_by_decode.get(r.decode, 0) + 1
-    turns_by_decode: dict[str, int] = {}
-    for r in done:
-        turns_by_decode[r.decode] = turns_by_decode.get(r.decode, 0) + 1
+    new_by_decode = Counter(r.decode for r in firsts)
+    turns_by_decode = Counter(r.decode for r in done)
     # Where the leg says, turn by turn, what was read back from decode (kvbridge's gateway
     # does; vLLM's usage gives only the sum of local and read-back tokens).
     told = [r for r in later if r.reused_tokens is not None or r.ttft_ms is None]
