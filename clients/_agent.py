@@ -1,13 +1,13 @@
 """The instance agent: registers a vLLM engine with the router and heartbeats its load.
 
-Load comes from the engine's own Prometheus endpoint (`/metrics`: running and waiting
-requests, KV cache usage). An engine that does not answer is reported with its last load until
-its heartbeat TTL runs out: the agent then stops heartbeating, so the router drops it, and
-registers it again once it answers. When the agent runs beside the engine process (`alive`),
-a slow answer from a live process (a CPU engine busy-polling its own cores) is not taken for
-a dead engine: heartbeats go on with the last load while the process runs. A refusal (the
-token, the engine id, the URL) is final: the agent stops and raises it, rather than retrying
-what will be refused again.
+Load comes from the engine's own Prometheus endpoint (`/metrics`: running and waiting requests,
+KV cache usage, and the KV cache's size from its cache configuration). An engine that does not
+answer is reported with its last load until its heartbeat TTL runs out: the agent then stops
+heartbeating, so the router drops it, and registers it again once it answers. When the agent
+runs beside the engine process (`alive`), a slow answer from a live process (a CPU engine
+busy-polling its own cores) is not taken for a dead engine: heartbeats go on with the last load
+while the process runs. A refusal (the token, the engine id, the URL) is final: the agent stops
+and raises it, rather than retrying what will be refused again.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ REFUSALS = (PermissionDenied, Unauthenticated, InvalidArgument)
 log = structlog.get_logger("kvbridge.agent")
 
 _METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+|NaN)$", re.MULTILINE)
+# vLLM's cache configuration, an info gauge per engine: its labels carry the pool's size.
+_CACHE_INFO = re.compile(r"^vllm:cache_config_info\{([^}]*)\} ", re.MULTILINE)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
 @dataclass
@@ -43,17 +46,28 @@ class EngineLoad:
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
+    kv_capacity_tokens: int = 0  # 0: not reported
 
 
 def parse_vllm_metrics(text: str) -> EngineLoad:
-    """Sum vLLM's gauges over their label sets (one per engine/model)."""
+    """Sum vLLM's gauges over their label sets (one per engine/model); the KV capacity from
+    each engine's cache configuration (blocks times block size), 0 if any is unreadable."""
     values: dict[str, float] = {}
     for name, value in _METRIC.findall(text):
         if value != "NaN":
             values[name] = values.get(name, 0.0) + float(value)
+    capacity = 0
+    for labels in _CACHE_INFO.findall(text):
+        fields = dict(_LABEL.findall(labels))
+        blocks, block_size = fields.get("num_gpu_blocks", ""), fields.get("block_size", "")
+        if not (blocks.isdigit() and block_size.isdigit()):
+            capacity = 0
+            break
+        capacity += int(blocks) * int(block_size)
     return EngineLoad(int(values.get("vllm:num_requests_running", 0)),
                       int(values.get("vllm:num_requests_waiting", 0)),
-                      min(max(values.get("vllm:kv_cache_usage_perc", 0.0), 0.0), 1.0))
+                      min(max(values.get("vllm:kv_cache_usage_perc", 0.0), 0.0), 1.0),
+                      capacity)
 
 
 @dataclass
@@ -99,7 +113,8 @@ class InstanceAgent:
                         await self.register()
                         registered = True
                     await self.router.heartbeat(
-                        self.instance_id, load.running, load.waiting, load.kv_usage)
+                        self.instance_id, load.running, load.waiting, load.kv_usage,
+                        kv_capacity_tokens=load.kv_capacity_tokens)
                 except InstanceNotFound:
                     registered = False
                     continue

@@ -33,10 +33,11 @@ class RouterClient(SyncClient):
 
     def heartbeat(self, instance_id: str, running: int = 0, waiting: int = 0,
                   kv_usage: float = 0.0, tokens_in_flight: int = 0, *,
+                  kv_capacity_tokens: int = 0,
                   timeout: float | None = None) -> pb.HeartbeatInstanceResponse:
         req = pb.HeartbeatInstanceRequest(instance_id=instance_id, load=pb.Load(
             running_requests=running, waiting_requests=waiting, kv_usage=kv_usage,
-            tokens_in_flight=tokens_in_flight))
+            tokens_in_flight=tokens_in_flight, kv_capacity_tokens=kv_capacity_tokens))
         return self._call("HeartbeatInstance", req, timeout=timeout)
 
     def deregister_instance(self, instance_id: str, *, timeout: float | None = None) -> bool:
@@ -115,10 +116,11 @@ class AsyncRouterClient(AsyncClient):
 
     async def heartbeat(self, instance_id: str, running: int = 0, waiting: int = 0,
                         kv_usage: float = 0.0, tokens_in_flight: int = 0, *,
+                        kv_capacity_tokens: int = 0,
                         timeout: float | None = None) -> pb.HeartbeatInstanceResponse:
         req = pb.HeartbeatInstanceRequest(instance_id=instance_id, load=pb.Load(
             running_requests=running, waiting_requests=waiting, kv_usage=kv_usage,
-            tokens_in_flight=tokens_in_flight))
+            tokens_in_flight=tokens_in_flight, kv_capacity_tokens=kv_capacity_tokens))
         return await self._call("HeartbeatInstance", req, timeout=timeout)
 
     async def deregister_instance(self, instance_id: str, *,

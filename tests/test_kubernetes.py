@@ -35,6 +35,7 @@ from cli_procs import parse_kvbridge, run_until_logged
 from click.testing import CliRunner
 
 from kvbridge.cli import main
+from kvbridge.clients._agent import EngineLoad, parse_vllm_metrics
 from kvbridge.router.v1 import router_pb2 as pb
 from kvbridge.router.v1 import router_pb2_grpc as pb_grpc
 
@@ -58,6 +59,8 @@ VLLM_METRICS = """\
 vllm:num_requests_running{engine="0",model_name="m"} 2.0
 vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
 vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:cache_config_info{block_size="32",cache_dtype="auto",enable_prefix_caching="True",\
+engine="0",num_cpu_blocks="None",num_gpu_blocks="500"} 1.0
 """
 
 
@@ -128,6 +131,19 @@ def _attach_args(router: str, url: str, role: str = "decode",
             "--model", "kvbridge-tiny", "--router", router, "--instance-ttl-s", "3"]
 
 
+def test_engine_load_from_vllm_metrics() -> None:
+    load = parse_vllm_metrics(VLLM_METRICS)
+    assert load == EngineLoad(running=2, waiting=1, kv_usage=0.25, kv_capacity_tokens=16000)
+    # Two engines behind one server (data parallel): their pools add up.
+    second = VLLM_METRICS.replace('engine="0"', 'engine="1"')
+    assert parse_vllm_metrics(VLLM_METRICS + second).kv_capacity_tokens == 32000
+    # A pool size that is not a number (an engine still profiling): capacity unknown, so the
+    # router uses the reported usage alone.
+    unknown = VLLM_METRICS.replace('num_gpu_blocks="500"', 'num_gpu_blocks="None"')
+    assert parse_vllm_metrics(unknown).kv_capacity_tokens == 0
+    assert parse_vllm_metrics("").kv_capacity_tokens == 0
+
+
 @pytest.mark.slow
 def test_engine_attach_registers_heartbeats_and_deregisters(router: str,
                                                             fake_engine: str) -> None:
@@ -150,6 +166,7 @@ def test_engine_attach_registers_heartbeats_and_deregisters(router: str,
         assert (instance.nixl_host, instance.nixl_port) == ("127.0.0.1", 5600)
         assert instance.load.waiting_requests == 1
         assert instance.load.kv_usage == pytest.approx(0.25)
+        assert instance.load.kv_capacity_tokens == 500 * 32
     finally:
         assert _stop(proc) == 0  # SIGTERM: deregistered, exit status 0
     assert "kvbridge-decode-abc12" not in _instances(router)

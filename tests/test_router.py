@@ -66,14 +66,57 @@ def test_least_loaded_prefill_and_decode_when_no_lease(rtable: InstanceTable) ->
     rtable.heartbeat("p0", Load(running=2, waiting=3))
     rtable.heartbeat("p1", Load(running=1, waiting=0, tokens_in_flight=900))
     rtable.heartbeat("p2", Load(running=1, waiting=0, tokens_in_flight=100))
-    rtable.heartbeat("d0", Load(running=5))
+    rtable.heartbeat("d0", Load(running=6))  # queue 6 > 1 + 4: too busy, however empty
     rtable.heartbeat("d1", Load(running=1, kv_usage=0.5))
     rtable.heartbeat("d2", Load(running=1, kv_usage=0.2))
     decision = rtable.route(300, MODEL, "")
     assert decision.prefill.instance_id == "p2"  # equal queues: fewer tokens in flight
-    assert decision.decode.instance_id == "d2"  # equal queues: less KV in use
+    assert decision.decode.instance_id == "d2"  # less KV in use
     assert decision.decode_reason is DecodeReason.NO_LEASE
-    assert "least loaded" in decision.explanation
+    assert "least KV in use" in decision.explanation
+    assert "least loaded" in decision.explanation  # prefill's reason
+
+
+def test_new_conversations_go_where_kv_is_free_within_the_margin(
+        rtable: InstanceTable) -> None:
+    """A conversation stays where it starts and is retained there between turns: among decodes
+    with queues within the margin, memory decides, not a snapshot of seconds-long requests."""
+    fleet(rtable, 1, 2)
+    rtable.heartbeat("d0", Load(running=0, kv_usage=0.8))  # idle now, full of leases
+    rtable.heartbeat("d1", Load(running=2, kv_usage=0.3))  # busier now, emptier
+    decision = rtable.route(1200, MODEL, "")
+    assert decision.decode.instance_id == "d1"
+    assert decision.decode_reason is DecodeReason.NO_LEASE
+    # Turns of d1's own conversations raise its queue, still within the margin of 4.
+    rtable.route(200, MODEL, "engine-d1")
+    assert rtable.route(1200, MODEL, None).decode.instance_id == "d1"  # registry down: same
+    # Past the margin, the queue wins: d1 has 2 running + 3 routed = 5 > 0 + 4.
+    assert rtable.route(1200, MODEL, "").decode.instance_id == "d0"
+
+
+def test_burst_of_new_conversations_counts_what_it_placed(rtable: InstanceTable) -> None:
+    """Between two reports, each placed prompt counts at the capacity the decode reported, so
+    a burst fills the emptier decode up to the other's level and then alternates."""
+    fleet(rtable, 1, 2)
+    rtable.heartbeat("d0", Load(kv_usage=0.5, kv_capacity_tokens=10_000))
+    rtable.heartbeat("d1", Load(kv_usage=0.1, kv_capacity_tokens=10_000))
+    picks = [rtable.route(1000, MODEL, "").decode.instance_id for _ in range(8)]
+    # d1 takes four (0.1 to 0.5); then they alternate (at equal usage the shorter queue).
+    assert picks[:4] == ["d1"] * 4
+    assert picks.count("d0") == 2 and picks.count("d1") == 6
+    d0, d1 = rtable.instances(Role.DECODE)
+    assert (d0.kv_usage, d1.kv_usage) == (pytest.approx(0.7), pytest.approx(0.7))
+    # Turns to a lease holder add to its queue but not to what is placed (their history is
+    # held there already); a heartbeat replaces the estimate by the engine's own figure.
+    rtable.route(3000, MODEL, "engine-d0")
+    assert d0.kv_usage == pytest.approx(0.7)
+    rtable.heartbeat("d0", Load(kv_usage=0.6, kv_capacity_tokens=10_000))
+    assert d0.kv_usage == pytest.approx(0.6) and d0.placed_tokens == 0
+    # A decode that reports no capacity counts by its reported usage alone.
+    rtable.heartbeat("d1", Load(kv_usage=0.2))
+    for _ in range(3):
+        rtable.route(5000, MODEL, "")
+    assert d1.kv_usage == pytest.approx(0.2) and d1.placed_tokens == 15_000
 
 
 def test_burst_between_heartbeats_spreads_over_equal_instances(rtable: InstanceTable) -> None:
@@ -207,9 +250,11 @@ def test_many_instances_route_matches_brute_force(rtable: InstanceTable) -> None
         decodes = rtable.instances(Role.DECODE)
         prefills = rtable.instances(Role.PREFILL)
         holder = rng.choice(decodes)
-        least = min(decodes, key=lambda i: (i.queue, i.load.kv_usage, i.instance_id))
+        shortest = min(i.queue for i in decodes)
+        least = min((i for i in decodes if i.queue <= shortest + 4),
+                    key=lambda i: (i.load.kv_usage, i.queue, i.instance_id))
         best_prefill = min(prefills, key=lambda i: (i.queue, i.tokens, i.instance_id))
-        expect_holder = (holder.queue - least.queue <= 4 and holder.load.kv_usage < 0.95)
+        expect_holder = (holder.queue - shortest <= 4 and holder.load.kv_usage < 0.95)
         decision = rtable.route(rng.randrange(4000), MODEL, holder.spec.engine_id)
         assert decision.prefill is best_prefill, round_
         assert decision.decode is (holder if expect_holder else least), round_

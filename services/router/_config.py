@@ -30,7 +30,9 @@ class RouterConfig(SecuritySettings):
     max_instance_ttl_s: float = setting(300.0, "longest instance TTL accepted")
     decode_load_margin: int = setting(
         4, "route a turn away from the decode instance holding its lease when that instance "
-        "has more than this many requests (running + waiting) over the least loaded one")
+        "has more than this many requests (running + waiting) over the shortest queue; a turn "
+        "with no lease goes to the decode with the least KV in use among those within this "
+        "many requests of the shortest queue")
     decode_max_kv_usage: float = setting(
         0.95, "route away from a lease holder whose KV cache usage is at or above this")
     registry_timeout_s: float = setting(

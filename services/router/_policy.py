@@ -5,6 +5,15 @@ Load is what an instance last reported (running and waiting requests, KV usage, 
 flight) plus the turns routed to it since that report, so that a burst between two heartbeats
 does not all land on the instance that looked idlest.
 
+Where a turn with no usable lease goes (a new conversation, or one whose lease is gone): its
+conversation stays on that decode for its later turns, and decode retains its KV between them,
+so memory decides among the decodes that can serve it now. Of the decodes whose queue is within
+`decode_load_margin` of the shortest (the same tolerance that keeps a turn on its lease
+holder), the one with the least KV in use, counting the prompts of turns placed there since its
+report at the KV capacity it reported; then the shorter queue, then the name. Queue alone
+would place conversations by a snapshot of requests that finish in seconds, while what they
+leave behind stays for minutes: one decode fills and revokes while the other idles.
+
 Ownership (with authentication; in insecure local mode every caller is the same admin, and
 nothing below changes anything):
 - An instance belongs to the principal (token) that registered it. Only that principal, or an
@@ -74,6 +83,7 @@ class Load:
     waiting: int = 0
     kv_usage: float = 0.0
     tokens_in_flight: int = 0
+    kv_capacity_tokens: int = 0  # 0: unknown
 
 
 @dataclass(slots=True)
@@ -96,6 +106,7 @@ class Instance:
     load: Load = field(default_factory=Load)
     routed: int = 0  # turns routed here since the last heartbeat
     routed_tokens: int = 0
+    placed_tokens: int = 0  # prompts of turns placed here without a lease since the heartbeat
     owner: Principal = LOCAL_ADMIN  # who registered it
 
     def managed_by(self, caller: Principal) -> bool:
@@ -121,6 +132,14 @@ class Instance:
     @property
     def tokens(self) -> int:
         return self.load.tokens_in_flight + self.routed_tokens
+
+    @property
+    def kv_usage(self) -> float:
+        """KV usage as reported, plus the turns placed here since (when the capacity is known):
+        a burst of new conversations between two reports does not all land on one decode."""
+        capacity = self.load.kv_capacity_tokens
+        placed = self.placed_tokens / capacity if capacity else 0.0
+        return self.load.kv_usage + placed
 
 
 @dataclass(slots=True)
@@ -219,7 +238,7 @@ class InstanceTable:
         if not caller.is_admin:
             instance.owner = caller  # its scopes as they are now (routing reads them)
         instance.load = load
-        instance.routed = instance.routed_tokens = 0
+        instance.routed = instance.routed_tokens = instance.placed_tokens = 0
         instance.expire_at = self.clock.monotonic() + instance.ttl
         return instance
 
@@ -295,27 +314,33 @@ class InstanceTable:
                                                                 else ""),
                              role=missing, model=model)
         prefill = min(prefills, key=lambda i: (i.queue, i.tokens, i.instance_id))
-        least = min(decodes, key=lambda i: (i.queue, i.load.kv_usage, i.instance_id))
-        decode, reason, why = least, DecodeReason.NO_LEASE, "no lease: least loaded"
+        margin = self.config.decode_load_margin
+        shortest = min(i.queue for i in decodes)
+        least = min((i for i in decodes if i.queue - shortest <= margin),
+                    key=lambda i: (i.kv_usage, i.queue, i.instance_id))
+        decode, reason, why = least, DecodeReason.NO_LEASE, "no lease: least KV in use"
         if lease_holder is None:
-            reason, why = DecodeReason.REGISTRY_UNAVAILABLE, "registry unavailable: least loaded"
+            reason = DecodeReason.REGISTRY_UNAVAILABLE
+            why = "registry unavailable: least KV in use"
         elif lease_holder:
             holder = next((i for i in decodes if i.spec.engine_id == lease_holder), None)
             if holder is None:
                 reason = DecodeReason.HOLDER_UNAVAILABLE
-                why = f"lease holder {lease_holder} is not a live instance: least loaded"
-            elif (holder.queue - least.queue > self.config.decode_load_margin
+                why = f"lease holder {lease_holder} is not a live instance: least KV in use"
+            elif (holder.queue - shortest > margin
                   or holder.load.kv_usage >= self.config.decode_max_kv_usage):
                 reason = DecodeReason.HOLDER_OVERLOADED
                 why = (f"lease holder {holder.instance_id} is overloaded (queue {holder.queue}, "
-                       f"KV {holder.load.kv_usage:.0%}; least {least.queue}): least loaded")
+                       f"KV {holder.load.kv_usage:.0%}; shortest {shortest}): least KV in use")
             else:
                 decode, reason = holder, DecodeReason.HOLDS_LEASE
-                why = (f"{holder.instance_id} holds the lease (queue {holder.queue}, least "
-                       f"{least.queue})")
+                why = (f"{holder.instance_id} holds the lease (queue {holder.queue}, shortest "
+                       f"{shortest})")
         prefill.routed += 1
         prefill.routed_tokens += prompt_tokens
         decode.routed += 1
+        if reason is not DecodeReason.HOLDS_LEASE:
+            decode.placed_tokens += prompt_tokens
         return Decision(prefill, decode, reason, lease_holder or "",
                         f"decode {decode.instance_id}: {why}; prefill {prefill.instance_id}: "
                         f"least loaded (queue {prefill.queue - 1})")

@@ -112,7 +112,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             http_url=s.http_url, engine_id=s.engine_id, nixl_host=s.nixl_host,
             nixl_port=s.nixl_port, model=s.model,
             load=pb.Load(running_requests=i.load.running, waiting_requests=i.load.waiting,
-                         kv_usage=i.load.kv_usage, tokens_in_flight=i.load.tokens_in_flight),
+                         kv_usage=i.load.kv_usage, tokens_in_flight=i.load.tokens_in_flight,
+                         kv_capacity_tokens=i.load.kv_capacity_tokens),
             routed_since_heartbeat=i.routed, expires_in=_duration(self.table.time_left(i)))
 
     # ---- membership -------------------------------------------------------------------------
@@ -137,7 +138,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                                 context: Ctx) -> pb.HeartbeatInstanceResponse:
         load = request.load
         instance = self.table.heartbeat(request.instance_id, Load(
-            load.running_requests, load.waiting_requests, load.kv_usage, load.tokens_in_flight),
+            load.running_requests, load.waiting_requests, load.kv_usage, load.tokens_in_flight,
+            load.kv_capacity_tokens),
             auth.current())
         return pb.HeartbeatInstanceResponse(expires_in=_duration(self.table.time_left(instance)))
 

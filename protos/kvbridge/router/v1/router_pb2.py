@@ -27,47 +27,47 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from kvbridge.registry.v1 import registry_pb2 as kvbridge_dot_registry_dot_v1_dot_registry__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fkvbridge/router/v1/router.proto\x12\x12kvbridge.router.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a#kvbridge/registry/v1/registry.proto\"f\n\x04Load\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x18\n\x10tokens_in_flight\x18\x04 \x01(\x04\"\x98\x02\n\x08Instance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.kvbridge.router.v1.Role\x12\x10\n\x08http_url\x18\x03 \x01(\t\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x11\n\tnixl_host\x18\x05 \x01(\t\x12\x11\n\tnixl_port\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12&\n\x04load\x18\x08 \x01(\x0b\x32\x18.kvbridge.router.v1.Load\x12\x1e\n\x16routed_since_heartbeat\x18\t \x01(\r\x12-\n\nexpires_in\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\"\xd8\x01\n\x17RegisterInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.kvbridge.router.v1.Role\x12\x10\n\x08http_url\x18\x03 \x01(\t\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x11\n\tnixl_host\x18\x05 \x01(\t\x12\x11\n\tnixl_port\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12&\n\x03ttl\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x81\x01\n\x18RegisterInstanceResponse\x12.\n\x08instance\x18\x01 \x01(\x0b\x32\x1c.kvbridge.router.v1.Instance\x12\x35\n\x12heartbeat_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"W\n\x18HeartbeatInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12&\n\x04load\x18\x02 \x01(\x0b\x32\x18.kvbridge.router.v1.Load\"J\n\x19HeartbeatInstanceResponse\x12-\n\nexpires_in\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"0\n\x19\x44\x65registerInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"-\n\x1a\x44\x65registerInstanceResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"M\n\x14ListInstancesRequest\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.kvbridge.router.v1.Role\x12\r\n\x05model\x18\x02 \x01(\t\"H\n\x15ListInstancesResponse\x12/\n\tinstances\x18\x01 \x03(\x0b\x32\x1c.kvbridge.router.v1.Instance\"\xcf\x01\n\x0cRouteRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12\x1c\n\x14\x65xclude_instance_ids\x18\x05 \x03(\t\x12\x10\n\x08pin_read\x18\x06 \x01(\x08\x12*\n\x07pin_ttl\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0chistory_keys\x18\x08 \x01(\x0c\"\xc4\x02\n\rRouteResponse\x12-\n\x07prefill\x18\x01 \x01(\x0b\x32\x1c.kvbridge.router.v1.Instance\x12,\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x1c.kvbridge.router.v1.Instance\x12\x39\n\x0eprefill_reason\x18\x03 \x01(\x0e\x32!.kvbridge.router.v1.PrefillReason\x12\x37\n\rdecode_reason\x18\x04 \x01(\x0e\x32 .kvbridge.router.v1.DecodeReason\x12\x17\n\x0flease_holder_id\x18\x05 \x01(\t\x12\x13\n\x0b\x65xplanation\x18\x06 \x01(\t\x12\x34\n\x04read\x18\x07 \x01(\x0b\x32&.kvbridge.registry.v1.PinLeaseResponse\"\x16\n\x14GetServerInfoRequest\"\x85\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x30\n\x0c\x63urrent_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x06uptime\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*\xdb\x01\n\x0c\x44\x65\x63odeReason\x12\x1d\n\x19\x44\x45\x43ODE_REASON_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x44\x45\x43ODE_REASON_HOLDS_LEASE\x10\x01\x12\x1a\n\x16\x44\x45\x43ODE_REASON_NO_LEASE\x10\x02\x12#\n\x1f\x44\x45\x43ODE_REASON_HOLDER_OVERLOADED\x10\x03\x12$\n DECODE_REASON_HOLDER_UNAVAILABLE\x10\x04\x12&\n\"DECODE_REASON_REGISTRY_UNAVAILABLE\x10\x05*P\n\rPrefillReason\x12\x1e\n\x1aPREFILL_REASON_UNSPECIFIED\x10\x00\x12\x1f\n\x1bPREFILL_REASON_LEAST_LOADED\x10\x01\x32\xc7\x06\n\rRouterService\x12m\n\x10RegisterInstance\x12+.kvbridge.router.v1.RegisterInstanceRequest\x1a,.kvbridge.router.v1.RegisterInstanceResponse\x12p\n\x11HeartbeatInstance\x12,.kvbridge.router.v1.HeartbeatInstanceRequest\x1a-.kvbridge.router.v1.HeartbeatInstanceResponse\x12s\n\x12\x44\x65registerInstance\x12-.kvbridge.router.v1.DeregisterInstanceRequest\x1a..kvbridge.router.v1.DeregisterInstanceResponse\x12\x64\n\rListInstances\x12(.kvbridge.router.v1.ListInstancesRequest\x1a).kvbridge.router.v1.ListInstancesResponse\x12L\n\x05Route\x12 .kvbridge.router.v1.RouteRequest\x1a!.kvbridge.router.v1.RouteResponse\x12\x64\n\rGetServerInfo\x12(.kvbridge.router.v1.GetServerInfoRequest\x1a).kvbridge.router.v1.GetServerInfoResponse\x12\x62\n\x0b\x41\x63quireRead\x12(.kvbridge.registry.v1.AcquireReadRequest\x1a).kvbridge.registry.v1.AcquireReadResponse\x12\x62\n\x0bReleaseRead\x12(.kvbridge.registry.v1.ReleaseReadRequest\x1a).kvbridge.registry.v1.ReleaseReadResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fkvbridge/router/v1/router.proto\x12\x12kvbridge.router.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a#kvbridge/registry/v1/registry.proto\"\x82\x01\n\x04Load\x12\x18\n\x10running_requests\x18\x01 \x01(\r\x12\x18\n\x10waiting_requests\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x18\n\x10tokens_in_flight\x18\x04 \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x05 \x01(\x04\"\x98\x02\n\x08Instance\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.kvbridge.router.v1.Role\x12\x10\n\x08http_url\x18\x03 \x01(\t\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x11\n\tnixl_host\x18\x05 \x01(\t\x12\x11\n\tnixl_port\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12&\n\x04load\x18\x08 \x01(\x0b\x32\x18.kvbridge.router.v1.Load\x12\x1e\n\x16routed_since_heartbeat\x18\t \x01(\r\x12-\n\nexpires_in\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\"\xd8\x01\n\x17RegisterInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12&\n\x04role\x18\x02 \x01(\x0e\x32\x18.kvbridge.router.v1.Role\x12\x10\n\x08http_url\x18\x03 \x01(\t\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x11\n\tnixl_host\x18\x05 \x01(\t\x12\x11\n\tnixl_port\x18\x06 \x01(\r\x12\r\n\x05model\x18\x07 \x01(\t\x12&\n\x03ttl\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x81\x01\n\x18RegisterInstanceResponse\x12.\n\x08instance\x18\x01 \x01(\x0b\x32\x1c.kvbridge.router.v1.Instance\x12\x35\n\x12heartbeat_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"W\n\x18HeartbeatInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12&\n\x04load\x18\x02 \x01(\x0b\x32\x18.kvbridge.router.v1.Load\"J\n\x19HeartbeatInstanceResponse\x12-\n\nexpires_in\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\"0\n\x19\x44\x65registerInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"-\n\x1a\x44\x65registerInstanceResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\"M\n\x14ListInstancesRequest\x12&\n\x04role\x18\x01 \x01(\x0e\x32\x18.kvbridge.router.v1.Role\x12\r\n\x05model\x18\x02 \x01(\t\"H\n\x15ListInstancesResponse\x12/\n\tinstances\x18\x01 \x03(\x0b\x32\x1c.kvbridge.router.v1.Instance\"\xcf\x01\n\x0cRouteRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x17\n\x0f\x63onversation_id\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\r\n\x05model\x18\x04 \x01(\t\x12\x1c\n\x14\x65xclude_instance_ids\x18\x05 \x03(\t\x12\x10\n\x08pin_read\x18\x06 \x01(\x08\x12*\n\x07pin_ttl\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x14\n\x0chistory_keys\x18\x08 \x01(\x0c\"\xc4\x02\n\rRouteResponse\x12-\n\x07prefill\x18\x01 \x01(\x0b\x32\x1c.kvbridge.router.v1.Instance\x12,\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x1c.kvbridge.router.v1.Instance\x12\x39\n\x0eprefill_reason\x18\x03 \x01(\x0e\x32!.kvbridge.router.v1.PrefillReason\x12\x37\n\rdecode_reason\x18\x04 \x01(\x0e\x32 .kvbridge.router.v1.DecodeReason\x12\x17\n\x0flease_holder_id\x18\x05 \x01(\t\x12\x13\n\x0b\x65xplanation\x18\x06 \x01(\t\x12\x34\n\x04read\x18\x07 \x01(\x0b\x32&.kvbridge.registry.v1.PinLeaseResponse\"\x16\n\x14GetServerInfoRequest\"\x85\x01\n\x15GetServerInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x30\n\x0c\x63urrent_time\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12)\n\x06uptime\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*\xdb\x01\n\x0c\x44\x65\x63odeReason\x12\x1d\n\x19\x44\x45\x43ODE_REASON_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x44\x45\x43ODE_REASON_HOLDS_LEASE\x10\x01\x12\x1a\n\x16\x44\x45\x43ODE_REASON_NO_LEASE\x10\x02\x12#\n\x1f\x44\x45\x43ODE_REASON_HOLDER_OVERLOADED\x10\x03\x12$\n DECODE_REASON_HOLDER_UNAVAILABLE\x10\x04\x12&\n\"DECODE_REASON_REGISTRY_UNAVAILABLE\x10\x05*P\n\rPrefillReason\x12\x1e\n\x1aPREFILL_REASON_UNSPECIFIED\x10\x00\x12\x1f\n\x1bPREFILL_REASON_LEAST_LOADED\x10\x01\x32\xc7\x06\n\rRouterService\x12m\n\x10RegisterInstance\x12+.kvbridge.router.v1.RegisterInstanceRequest\x1a,.kvbridge.router.v1.RegisterInstanceResponse\x12p\n\x11HeartbeatInstance\x12,.kvbridge.router.v1.HeartbeatInstanceRequest\x1a-.kvbridge.router.v1.HeartbeatInstanceResponse\x12s\n\x12\x44\x65registerInstance\x12-.kvbridge.router.v1.DeregisterInstanceRequest\x1a..kvbridge.router.v1.DeregisterInstanceResponse\x12\x64\n\rListInstances\x12(.kvbridge.router.v1.ListInstancesRequest\x1a).kvbridge.router.v1.ListInstancesResponse\x12L\n\x05Route\x12 .kvbridge.router.v1.RouteRequest\x1a!.kvbridge.router.v1.RouteResponse\x12\x64\n\rGetServerInfo\x12(.kvbridge.router.v1.GetServerInfoRequest\x1a).kvbridge.router.v1.GetServerInfoResponse\x12\x62\n\x0b\x41\x63quireRead\x12(.kvbridge.registry.v1.AcquireReadRequest\x1a).kvbridge.registry.v1.AcquireReadResponse\x12\x62\n\x0bReleaseRead\x12(.kvbridge.registry.v1.ReleaseReadRequest\x1a).kvbridge.registry.v1.ReleaseReadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbridge.router.v1.router_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=2007
-  _globals['_ROLE']._serialized_end=2070
-  _globals['_DECODEREASON']._serialized_start=2073
-  _globals['_DECODEREASON']._serialized_end=2292
-  _globals['_PREFILLREASON']._serialized_start=2294
-  _globals['_PREFILLREASON']._serialized_end=2374
-  _globals['_LOAD']._serialized_start=157
-  _globals['_LOAD']._serialized_end=259
-  _globals['_INSTANCE']._serialized_start=262
-  _globals['_INSTANCE']._serialized_end=542
-  _globals['_REGISTERINSTANCEREQUEST']._serialized_start=545
-  _globals['_REGISTERINSTANCEREQUEST']._serialized_end=761
-  _globals['_REGISTERINSTANCERESPONSE']._serialized_start=764
-  _globals['_REGISTERINSTANCERESPONSE']._serialized_end=893
-  _globals['_HEARTBEATINSTANCEREQUEST']._serialized_start=895
-  _globals['_HEARTBEATINSTANCEREQUEST']._serialized_end=982
-  _globals['_HEARTBEATINSTANCERESPONSE']._serialized_start=984
-  _globals['_HEARTBEATINSTANCERESPONSE']._serialized_end=1058
-  _globals['_DEREGISTERINSTANCEREQUEST']._serialized_start=1060
-  _globals['_DEREGISTERINSTANCEREQUEST']._serialized_end=1108
-  _globals['_DEREGISTERINSTANCERESPONSE']._serialized_start=1110
-  _globals['_DEREGISTERINSTANCERESPONSE']._serialized_end=1155
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=1157
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=1234
-  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1236
-  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1308
-  _globals['_ROUTEREQUEST']._serialized_start=1311
-  _globals['_ROUTEREQUEST']._serialized_end=1518
-  _globals['_ROUTERESPONSE']._serialized_start=1521
-  _globals['_ROUTERESPONSE']._serialized_end=1845
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1847
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1869
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=1872
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=2005
-  _globals['_ROUTERSERVICE']._serialized_start=2377
-  _globals['_ROUTERSERVICE']._serialized_end=3216
+  _globals['_ROLE']._serialized_start=2036
+  _globals['_ROLE']._serialized_end=2099
+  _globals['_DECODEREASON']._serialized_start=2102
+  _globals['_DECODEREASON']._serialized_end=2321
+  _globals['_PREFILLREASON']._serialized_start=2323
+  _globals['_PREFILLREASON']._serialized_end=2403
+  _globals['_LOAD']._serialized_start=158
+  _globals['_LOAD']._serialized_end=288
+  _globals['_INSTANCE']._serialized_start=291
+  _globals['_INSTANCE']._serialized_end=571
+  _globals['_REGISTERINSTANCEREQUEST']._serialized_start=574
+  _globals['_REGISTERINSTANCEREQUEST']._serialized_end=790
+  _globals['_REGISTERINSTANCERESPONSE']._serialized_start=793
+  _globals['_REGISTERINSTANCERESPONSE']._serialized_end=922
+  _globals['_HEARTBEATINSTANCEREQUEST']._serialized_start=924
+  _globals['_HEARTBEATINSTANCEREQUEST']._serialized_end=1011
+  _globals['_HEARTBEATINSTANCERESPONSE']._serialized_start=1013
+  _globals['_HEARTBEATINSTANCERESPONSE']._serialized_end=1087
+  _globals['_DEREGISTERINSTANCEREQUEST']._serialized_start=1089
+  _globals['_DEREGISTERINSTANCEREQUEST']._serialized_end=1137
+  _globals['_DEREGISTERINSTANCERESPONSE']._serialized_start=1139
+  _globals['_DEREGISTERINSTANCERESPONSE']._serialized_end=1184
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=1186
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=1263
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=1265
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1337
+  _globals['_ROUTEREQUEST']._serialized_start=1340
+  _globals['_ROUTEREQUEST']._serialized_end=1547
+  _globals['_ROUTERESPONSE']._serialized_start=1550
+  _globals['_ROUTERESPONSE']._serialized_end=1874
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1876
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1898
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=1901
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=2034
+  _globals['_ROUTERSERVICE']._serialized_start=2406
+  _globals['_ROUTERSERVICE']._serialized_end=3245
 # @@protoc_insertion_point(module_scope)

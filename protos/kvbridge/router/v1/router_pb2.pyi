@@ -119,6 +119,7 @@ class Load(_message.Message):
     WAITING_REQUESTS_FIELD_NUMBER: _builtins.int
     KV_USAGE_FIELD_NUMBER: _builtins.int
     TOKENS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    KV_CAPACITY_TOKENS_FIELD_NUMBER: _builtins.int
     running_requests: _builtins.int
     """Requests running and waiting in the engine's scheduler."""
     waiting_requests: _builtins.int
@@ -126,6 +127,10 @@ class Load(_message.Message):
     """Fraction of KV cache blocks in use, in [0, 1]."""
     tokens_in_flight: _builtins.int
     """Prompt tokens admitted but not yet computed (prefill's queue depth in tokens)."""
+    kv_capacity_tokens: _builtins.int
+    """The KV cache's size in tokens (blocks times tokens per block); 0 when unknown. Lets the
+    router count the conversations it placed since this report in kv_usage's terms.
+    """
     def __init__(
         self,
         *,
@@ -133,10 +138,11 @@ class Load(_message.Message):
         waiting_requests: _builtins.int = ...,
         kv_usage: _builtins.float = ...,
         tokens_in_flight: _builtins.int = ...,
+        kv_capacity_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_usage", b"kv_usage", "running_requests", b"running_requests", "tokens_in_flight", b"tokens_in_flight", "waiting_requests", b"waiting_requests"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_capacity_tokens", b"kv_capacity_tokens", "kv_usage", b"kv_usage", "running_requests", b"running_requests", "tokens_in_flight", b"tokens_in_flight", "waiting_requests", b"waiting_requests"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
