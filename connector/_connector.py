@@ -563,6 +563,8 @@ class KVBridgeConnector(NixlPullConnector):  # type: ignore[misc]
             outcome = self.prefill.finished(request.request_id)
             if outcome and params is not None:
                 params = {**params, **outcome}
+        if self.decode is not None and delay:
+            self.decode.request_done(request.request_id)
         if self.decode is not None and not delay:
             extra = self.decode.on_finished(request, block_ids)
             if extra:

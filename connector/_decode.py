@@ -47,6 +47,7 @@ class _Retained:
     since: float
     lease_id: str = ""
     grant_request_id: str = ""  # set while the grant's outcome is unknown
+    conversation: tuple[str, str] | None = None  # (tenant, conversation id)
 
 
 class DecodeRetention:
@@ -89,6 +90,10 @@ class DecodeRetention:
         # Blocks that arrived requests still need before they can be scheduled: retention
         # gives way to them at once instead of making them wait for leases to expire.
         self._demand: dict[str, tuple[int, float]] = {}  # request id: (blocks, arrived at)
+        # The conversations of requests here (arrived, not finished): their own retained turns
+        # are the prefix those requests reuse, so revoking them frees nothing for them.
+        self._active: dict[str, tuple[str, str]] = {}  # request id: conversation
+        self._by_conversation: dict[tuple[str, str], set[str]] = {}  # retained turns' keys
         # Headroom: the peak of that demand over a recent window, kept free ahead of the next
         # arrivals. A monotonic queue of (arrived at, demand): values decrease front to back,
         # so the front is the window's maximum.
@@ -113,11 +118,30 @@ class DecodeRetention:
         """A request arrived: free what was reclaimed, and make room for it if retained turns
         hold the blocks it needs."""
         self.drain()
+        conversation = conversation_of(request.kv_transfer_params)
         need = -(-request.num_tokens // self.block_size) + 1
+        if conversation is not None:
+            # A later turn of a conversation retained here finds its history in decode's
+            # prefix cache: it needs new blocks only past the full blocks held.
+            need -= min(self._held_tokens(conversation), request.num_tokens) // self.block_size
+            self._active[request.request_id] = conversation
         now = self._now()
         self._demand[request.request_id] = (need, now)
         self._note_demand(sum(n for n, _ in self._demand.values()), now)
         self.check_watermark()
+
+    def _held_tokens(self, conversation: tuple[str, str]) -> int:
+        """Tokens of the longest turn of `conversation` retained here (0: none). An estimate
+        of the request's cached prefix, for making room: a request that needs more than it
+        says still gets room as vLLM asks for it (`make_room`)."""
+        with self._lock:
+            keys = self._by_conversation.get(conversation, ())
+            return max((self._by_key[k].tokens for k in keys if k in self._by_key), default=0)
+
+    def request_done(self, request_id: str) -> None:
+        """A request left the scheduler (finished, aborted, or handed to a remote reader)."""
+        self._demand.pop(request_id, None)
+        self._active.pop(request_id, None)
 
     def allocated(self, request_id: str) -> None:
         """The scheduler gave the request its blocks: no demand left."""
@@ -128,7 +152,7 @@ class DecodeRetention:
     def on_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> dict[str, Any] | None:
         """Retain a normally finished conversation turn's blocks and grant a lease over them in
         the background. Returns extra kv_transfer_params for the response, or None."""
-        self._demand.pop(request.request_id, None)
+        self.request_done(request.request_id)
         key = conversation_of(request.kv_transfer_params)
         if (key is None or self._pool is None
                 or not _vllm.finished_normally(request)):
@@ -157,9 +181,10 @@ class DecodeRetention:
         hashes = blockhash.block_hashes(tokens, self.block_size, *scope, include_partial=True)
         _vllm.hold_blocks(self._pool, blocks)
         retained = _Retained(f"{REMOTE_ID_PREFIX}{request.request_id}", blocks, computed,
-                             self._now())
+                             self._now(), conversation=key)
         with self._lock:
             self._by_key[retained.key] = retained
+            self._by_conversation.setdefault(key, set()).add(retained.key)
         self.metrics.retained_blocks.inc(len(blocks))
         self.metrics.retained_turns.inc()
         tenant, conversation = key
@@ -179,6 +204,12 @@ class DecodeRetention:
                 break
             with self._lock:
                 retained = self._by_key.pop(key, None)
+                if retained is not None and retained.conversation is not None:
+                    turns = self._by_conversation.get(retained.conversation)
+                    if turns is not None:
+                        turns.discard(key)
+                        if not turns:
+                            del self._by_conversation[retained.conversation]
                 if retained is not None and retained.lease_id:
                     self._by_lease.pop(retained.lease_id, None)
                     self._revoked.discard(retained.lease_id)
@@ -254,6 +285,7 @@ class DecodeRetention:
         watermark = int(total * self.settings.free_watermark)
         try:  # may run off the scheduler thread: a snapshot of the waiting requests' need
             waiting = sum(need for need, _ in tuple(self._demand.values()))
+            busy = set(tuple(self._active.values()))
         except RuntimeError:  # changed while copied: the scheduler thread checks again
             return
         headroom = self.headroom()
@@ -269,9 +301,12 @@ class DecodeRetention:
             if deficit <= 0:
                 return
             cause = "demand" if watermark + waiting > available else "headroom"
-            # Revoked but pinned: a reader is copying them; freed when the pin ends.
+            # Revoked but pinned: a reader is copying them; freed when the pin ends. A
+            # conversation with a request here is not a victim: that request reuses its
+            # retained turn, so revoking it frees no room and costs the next turn its read.
             leased = sorted((r for r in self._by_key.values()
-                             if r.lease_id and r.lease_id not in self._revoked),
+                             if r.lease_id and r.lease_id not in self._revoked
+                             and r.conversation not in busy),
                             key=lambda r: r.since)
             victims: list[str] = []
             for retained in leased:

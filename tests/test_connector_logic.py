@@ -850,6 +850,56 @@ def test_decode_headroom_follows_recent_demand(registry: ThreadedRegistry) -> No
         assert sample(decode.metrics, "kvbridge_connector_headroom_blocks") == 0
 
 
+def test_decode_later_turn_demands_only_what_it_adds(decode: DecodeKit,
+                                                     client: RegistryClient) -> None:
+    """A later turn of a conversation retained here finds its history in decode's prefix
+    cache: its demand (and so the headroom kept for such arrivals) counts only the blocks past
+    the full blocks held, not its whole prompt."""
+    history = list(range(38))
+    decode.finish("req-1", "ca", history, [1, 2], list(range(1, 11)))  # 39 computed: 10 blocks
+    decode.wait_granted(1)
+    later = history + [1, 2] + list(range(100, 120))  # 60 tokens: 15 blocks, 9 of them held
+    params = {"kvbridge": conv_key("ca")}
+    decode.retention.on_new_request(FakeRequest("req-2", later, params=params))
+    assert decode.retention.headroom() == cdiv(60, BS) + 1 - 39 // BS  # 7, not 16
+    decode.retention.request_done("req-2")
+    # Another conversation's turn of the same length holds nothing here: all of it counts.
+    decode.retention.on_new_request(FakeRequest("req-3", later,
+                                                params={"kvbridge": conv_key("cb")}))
+    assert decode.retention.headroom() == cdiv(60, BS) + 1
+    decode.retention.request_done("req-3")
+    assert decode.retention._demand == {} and decode.retention._active == {}
+
+
+def test_decode_watermark_spares_a_conversation_with_a_request_here(
+        decode: DecodeKit, client: RegistryClient) -> None:
+    """The oldest lease's conversation has its next turn on decode: that turn reuses the
+    retained blocks, so revoking them frees nothing. The next oldest goes instead, and the
+    spared one is a victim again once its request has left."""
+    a, b, c = [1, 2, 3], [4, 5, 6], [7, 8]
+    decode.finish("req-a", "ca", list(range(10)), [50, 51], a)
+    decode.finish("req-b", "cb", list(range(10)), [60, 61], b)
+    decode.finish("req-c", "cc", list(range(6)), [70, 71], c)
+    decode.wait_granted(3)
+    ids = {conv: only_lease(client, conv).lease_id for conv in ("ca", "cb", "cc")}
+    decode.retention.on_new_request(FakeRequest("req-a2", list(range(12)),
+                                                params={"kvbridge": conv_key("ca")}))
+    decode.retention.allocated("req-a2")  # running: still "here" until it finishes
+    # Watermark 6 + headroom 2 (req-a2's demand: 4 blocks, 2 held) - 5 free: a deficit of 3.
+    assert decode.retention.headroom() == 2
+    decode.pool.reported_free = 5
+    decode.retention.check_watermark()
+    wait_for(lambda: decode.retention.drain() == 3, "the next oldest lease to be freed")
+    assert decode.pool.refs(b) == [0, 0, 0] and decode.pool.refs(a) == [1, 1, 1]
+    assert client.get_lease(ids["cb"]).state == pb.LEASE_STATE_REVOKED
+    assert client.get_lease(ids["ca"]).state == pb.LEASE_STATE_ACTIVE
+    decode.retention.request_done("req-a2")
+    decode.retention.check_watermark()  # still short: now "ca" is the oldest victim
+    wait_for(lambda: decode.retention.drain() == 3, "the spared lease to be freed")
+    assert client.get_lease(ids["ca"]).state == pb.LEASE_STATE_REVOKED
+    assert client.get_lease(ids["cc"]).state == pb.LEASE_STATE_ACTIVE
+
+
 def test_decode_pinned_victim_is_not_picked_twice(decode: DecodeKit, client: RegistryClient):
     """A revoked lease under a pin stays until the pin ends; the next pass picks another."""
     a, b = [1, 2, 3], [4, 5, 6]
