@@ -84,7 +84,13 @@ def test_summary_counts_waits_reuse_blocks_and_balance() -> None:
     s = summarize(results, delta, samples, 30.0, [])
     assert s["turns"] == 5 and s["turns_answered"] == 4 and s["turns_unanswered"] == 1
     assert s["turns_waited_1s"] == 2  # one queued past 1 s, one never answered
-    assert s["reuse_hit_rate"] == 0.5
+    assert s["reuse_hit_rate"] == 0.5 and s["reuse_or_cheaper_rate"] == 0.5
+    # Conversation 1's turn 2 found 100 of its 900 history tokens: a miss, unless prefill had
+    # the history under a lease and recomputed it because that was measured faster.
+    results[3].decision = "recompute_cheaper"
+    declined = summarize(results, delta, samples, 30.0, [])
+    assert declined["reuse_hit_rate"] == 0.5 and declined["reuse_or_cheaper_rate"] == 1.0
+    results[3].decision = ""
     assert s["retained_block_seconds"] == 10 * 2 + 30 * 1 + 5 * 4
     assert s["new_conversations_by_decode"] == {"decode-0": 1, "decode-1": 1}
     assert s["turns_by_decode"] == {"decode-0": 2, "decode-1": 2}
