@@ -608,9 +608,9 @@ def summarize(results: list[TurnResult], delta: dict[str, dict[str, float]],
                                      and _found_history(r)) / len(later), 3)
                            if later else None),
         # The same, counting also the turns whose prefill had the history under a lease and
-        # recomputed the rest (the last answer's few blocks) because its measured cost said
-        # that was faster than reading them: reuse declined, not lost. The target above stays
-        # on the strict count.
+        # recomputed what its own cache lacked because its measured cost said that was faster
+        # than the read: reuse declined by cost, not lost. The target above stays on the
+        # strict count.
         "reuse_or_cheaper_rate": (round(sum(1 for r in later if r.ttft_ms is not None and (
             _found_history(r) or r.decision == "recompute_cheaper")) / len(later), 3)
                                   if later else None),

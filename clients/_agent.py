@@ -50,12 +50,16 @@ class EngineLoad:
 
 
 def parse_vllm_metrics(text: str) -> EngineLoad:
-    """Sum vLLM's gauges over their label sets (one per engine/model); the KV capacity from
-    each engine's cache configuration (blocks times block size), 0 if any is unreadable."""
+    """Sum vLLM's request gauges over their label sets (one per engine: data parallel), average
+    their KV usage (each engine's pool is the same size), and add up their KV capacities from
+    each engine's cache configuration (blocks times block size; 0 if any is unreadable)."""
     values: dict[str, float] = {}
+    usages: list[float] = []
     for name, value in _METRIC.findall(text):
         if value != "NaN":
             values[name] = values.get(name, 0.0) + float(value)
+            if name == "vllm:kv_cache_usage_perc":
+                usages.append(float(value))
     capacity = 0
     for labels in _CACHE_INFO.findall(text):
         fields = dict(_LABEL.findall(labels))
@@ -66,7 +70,7 @@ def parse_vllm_metrics(text: str) -> EngineLoad:
         capacity += int(blocks) * int(block_size)
     return EngineLoad(int(values.get("vllm:num_requests_running", 0)),
                       int(values.get("vllm:num_requests_waiting", 0)),
-                      min(max(values.get("vllm:kv_cache_usage_perc", 0.0), 0.0), 1.0),
+                      min(max(sum(usages) / len(usages) if usages else 0.0, 0.0), 1.0),
                       capacity)
 
 

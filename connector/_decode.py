@@ -122,26 +122,32 @@ class DecodeRetention:
         need = -(-request.num_tokens // self.block_size) + 1
         if conversation is not None:
             # A later turn of a conversation retained here finds its history in decode's
-            # prefix cache: it needs new blocks only past the full blocks held.
-            need -= min(self._held_tokens(conversation), request.num_tokens) // self.block_size
-            self._active[request.request_id] = conversation
+            # prefix cache: it needs new blocks only past the full blocks held (vLLM computes
+            # at least the last token, so at most the blocks before it are found).
+            held = min(self._held_tokens(conversation), request.num_tokens - 1)
+            need -= held // self.block_size
+            with self._lock:
+                self._active[request.request_id] = conversation
         now = self._now()
         self._demand[request.request_id] = (need, now)
         self._note_demand(sum(n for n, _ in self._demand.values()), now)
         self.check_watermark()
 
     def _held_tokens(self, conversation: tuple[str, str]) -> int:
-        """Tokens of the longest turn of `conversation` retained here (0: none). An estimate
-        of the request's cached prefix, for making room: a request that needs more than it
-        says still gets room as vLLM asks for it (`make_room`)."""
+        """Tokens of the longest turn of `conversation` retained here and not revoked (0:
+        none). An estimate of the request's cached prefix, for making room: a request that
+        needs more than it says (its history edited) still gets room as vLLM asks for it
+        (`make_room`)."""
         with self._lock:
-            keys = self._by_conversation.get(conversation, ())
-            return max((self._by_key[k].tokens for k in keys if k in self._by_key), default=0)
+            held = (self._by_key[k] for k in self._by_conversation.get(conversation, ())
+                    if k in self._by_key)
+            return max((r.tokens for r in held if r.lease_id not in self._revoked), default=0)
 
     def request_done(self, request_id: str) -> None:
         """A request left the scheduler (finished, aborted, or handed to a remote reader)."""
         self._demand.pop(request_id, None)
-        self._active.pop(request_id, None)
+        with self._lock:
+            self._active.pop(request_id, None)
 
     def allocated(self, request_id: str) -> None:
         """The scheduler gave the request its blocks: no demand left."""
@@ -285,7 +291,6 @@ class DecodeRetention:
         watermark = int(total * self.settings.free_watermark)
         try:  # may run off the scheduler thread: a snapshot of the waiting requests' need
             waiting = sum(need for need, _ in tuple(self._demand.values()))
-            busy = set(tuple(self._active.values()))
         except RuntimeError:  # changed while copied: the scheduler thread checks again
             return
         headroom = self.headroom()
@@ -301,6 +306,7 @@ class DecodeRetention:
             if deficit <= 0:
                 return
             cause = "demand" if watermark + waiting > available else "headroom"
+            busy = set(self._active.values())
             # Revoked but pinned: a reader is copying them; freed when the pin ends. A
             # conversation with a request here is not a victim: that request reuses its
             # retained turn, so revoking it frees no room and costs the next turn its read.

@@ -302,7 +302,7 @@ def _print_ready(urls: Urls) -> None:
                    "while cores last)")
 @click.option("--decodes", default=1, show_default=True, type=click.IntRange(1, 8),
               help="with --cpu-engines: how many decode engines (they share the cores the "
-                   "prefills left; the router spreads new conversations over them by load)")
+                   "prefills left; the router places new conversations by free KV and load)")
 @click.option("--kv-cache-mb", default=0, show_default=True, type=click.IntRange(min=0),
               help="with --cpu-engines: each engine's KV cache in MiB (0: vLLM's default, "
                    "VLLM_CPU_KVCACHE_SPACE); small pools show retention under memory pressure")

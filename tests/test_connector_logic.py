@@ -869,6 +869,21 @@ def test_decode_later_turn_demands_only_what_it_adds(decode: DecodeKit,
     assert decode.retention.headroom() == cdiv(60, BS) + 1
     decode.retention.request_done("req-3")
     assert decode.retention._demand == {} and decode.retention._active == {}
+    # Once its lease is revoked for memory, the retained turn is on its way out: not counted.
+    decode.pool.reported_free = 0
+    decode.retention.check_watermark()
+    wait_for(lambda: lease_state(client, "ca") == pb.LEASE_STATE_REVOKED, "the revocation")
+    decode.retention.on_new_request(FakeRequest("req-4", later, params=params))
+    assert decode.retention._demand["req-4"][0] == cdiv(60, BS) + 1
+    decode.retention.request_done("req-4")
+    decode.pool.reported_free = None  # the pressure is over
+    # A prompt of exactly nine full blocks, all held: vLLM computes its last token, so the
+    # last of them is not taken from the cache (8 found, 10 needed).
+    decode.finish("req-d", "cd", history, [1, 2], list(range(20, 30)))
+    decode.wait_granted(2)
+    decode.retention.on_new_request(FakeRequest("req-5", history[:36],
+                                                params={"kvbridge": conv_key("cd")}))
+    assert decode.retention._demand["req-5"][0] == 9 + 1 - 8
 
 
 def test_decode_watermark_spares_a_conversation_with_a_request_here(

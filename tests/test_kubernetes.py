@@ -134,9 +134,11 @@ def _attach_args(router: str, url: str, role: str = "decode",
 def test_engine_load_from_vllm_metrics() -> None:
     load = parse_vllm_metrics(VLLM_METRICS)
     assert load == EngineLoad(running=2, waiting=1, kv_usage=0.25, kv_capacity_tokens=16000)
-    # Two engines behind one server (data parallel): their pools add up.
-    second = VLLM_METRICS.replace('engine="0"', 'engine="1"')
-    assert parse_vllm_metrics(VLLM_METRICS + second).kv_capacity_tokens == 32000
+    # Two engines behind one server (data parallel): requests and pools add up, the usage is
+    # their average (one at 25 %, the other at 75 %: half the server's KV in use).
+    second = VLLM_METRICS.replace('engine="0"', 'engine="1"').replace("0.25", "0.75")
+    assert parse_vllm_metrics(VLLM_METRICS + second) == EngineLoad(
+        running=4, waiting=2, kv_usage=0.5, kv_capacity_tokens=32000)
     # A pool size that is not a number (an engine still profiling): capacity unknown, so the
     # router uses the reported usage alone.
     unknown = VLLM_METRICS.replace('num_gpu_blocks="500"', 'num_gpu_blocks="None"')

@@ -28,6 +28,7 @@ from kvbridge.router.v1 import router_pb2_grpc as pb_grpc
 from kvbridge.services.registry import RegistryServer
 from kvbridge.services.router import (
     DecodeReason,
+    Instance,
     InstanceSpec,
     InstanceTable,
     Load,
@@ -44,6 +45,9 @@ def spec(instance_id: str, role: Role, *, engine_id: str | None = None, model: s
          ttl: float = 0.0) -> InstanceSpec:
     return InstanceSpec(instance_id, role, f"http://127.0.0.1:8{len(instance_id)}00",
                         engine_id or f"engine-{instance_id}", model, "127.0.0.1", 5600, ttl)
+
+
+CAP = 8192  # KV capacity (tokens) of the decodes that report one: exact binary fractions
 
 
 @pytest.fixture
@@ -66,9 +70,9 @@ def test_least_loaded_prefill_and_decode_when_no_lease(rtable: InstanceTable) ->
     rtable.heartbeat("p0", Load(running=2, waiting=3))
     rtable.heartbeat("p1", Load(running=1, waiting=0, tokens_in_flight=900))
     rtable.heartbeat("p2", Load(running=1, waiting=0, tokens_in_flight=100))
-    rtable.heartbeat("d0", Load(running=6))  # queue 6 > 1 + 4: too busy, however empty
-    rtable.heartbeat("d1", Load(running=1, kv_usage=0.5))
-    rtable.heartbeat("d2", Load(running=1, kv_usage=0.2))
+    rtable.heartbeat("d0", Load(running=6, kv_capacity_tokens=CAP))  # 6 > 1 + 4: too busy
+    rtable.heartbeat("d1", Load(running=1, kv_usage=0.5, kv_capacity_tokens=CAP))
+    rtable.heartbeat("d2", Load(running=1, kv_usage=0.2, kv_capacity_tokens=CAP))
     decision = rtable.route(300, MODEL, "")
     assert decision.prefill.instance_id == "p2"  # equal queues: fewer tokens in flight
     assert decision.decode.instance_id == "d2"  # less KV in use
@@ -82,8 +86,8 @@ def test_new_conversations_go_where_kv_is_free_within_the_margin(
     """A conversation stays where it starts and is retained there between turns: among decodes
     with queues within the margin, memory decides, not a snapshot of seconds-long requests."""
     fleet(rtable, 1, 2)
-    rtable.heartbeat("d0", Load(running=0, kv_usage=0.8))  # idle now, full of leases
-    rtable.heartbeat("d1", Load(running=2, kv_usage=0.3))  # busier now, emptier
+    rtable.heartbeat("d0", Load(running=0, kv_usage=0.8, kv_capacity_tokens=CAP))  # idle now,
+    rtable.heartbeat("d1", Load(running=2, kv_usage=0.3, kv_capacity_tokens=CAP))  # busier now
     decision = rtable.route(1200, MODEL, "")
     assert decision.decode.instance_id == "d1"
     assert decision.decode_reason is DecodeReason.NO_LEASE
@@ -98,25 +102,49 @@ def test_burst_of_new_conversations_counts_what_it_placed(rtable: InstanceTable)
     """Between two reports, each placed prompt counts at the capacity the decode reported, so
     a burst fills the emptier decode up to the other's level and then alternates."""
     fleet(rtable, 1, 2)
-    rtable.heartbeat("d0", Load(kv_usage=0.5, kv_capacity_tokens=10_000))
-    rtable.heartbeat("d1", Load(kv_usage=0.1, kv_capacity_tokens=10_000))
-    picks = [rtable.route(1000, MODEL, "").decode.instance_id for _ in range(8)]
-    # d1 takes four (0.1 to 0.5); then they alternate (at equal usage the shorter queue).
-    assert picks[:4] == ["d1"] * 4
-    assert picks.count("d0") == 2 and picks.count("d1") == 6
+    rtable.heartbeat("d0", Load(kv_usage=0.5, kv_capacity_tokens=CAP))
+    rtable.heartbeat("d1", Load(kv_usage=0.125, kv_capacity_tokens=CAP))
+    picks = [rtable.route(CAP // 8, MODEL, "").decode.instance_id for _ in range(8)]
+    # d1 takes three (0.125 to 0.5); then they alternate (at equal usage the shorter queue).
+    assert picks == ["d1"] * 3 + ["d0", "d1"] * 2 + ["d0"]
     d0, d1 = rtable.instances(Role.DECODE)
-    assert (d0.kv_usage, d1.kv_usage) == (pytest.approx(0.7), pytest.approx(0.7))
+    assert (d0.kv_usage(), d1.kv_usage()) == (0.875, 0.75)
     # Turns to a lease holder add to its queue but not to what is placed (their history is
     # held there already); a heartbeat replaces the estimate by the engine's own figure.
     rtable.route(3000, MODEL, "engine-d0")
-    assert d0.kv_usage == pytest.approx(0.7)
-    rtable.heartbeat("d0", Load(kv_usage=0.6, kv_capacity_tokens=10_000))
-    assert d0.kv_usage == pytest.approx(0.6) and d0.placed_tokens == 0
-    # A decode that reports no capacity counts by its reported usage alone.
-    rtable.heartbeat("d1", Load(kv_usage=0.2))
-    for _ in range(3):
-        rtable.route(5000, MODEL, "")
-    assert d1.kv_usage == pytest.approx(0.2) and d1.placed_tokens == 15_000
+    assert d0.kv_usage() == 0.875 and d0.queue == 4
+    rtable.heartbeat("d0", Load(kv_usage=0.625, kv_capacity_tokens=CAP))
+    assert d0.kv_usage() == 0.625 and d0.placed_tokens == 0
+
+
+def test_placement_without_capacities(rtable: InstanceTable) -> None:
+    """A decode that reports no capacity counts its placements at the median of its peers';
+    where none reports one, the queue (which counts placements) comes first."""
+    fleet(rtable, 1, 3)
+    rtable.heartbeat("d0", Load(kv_usage=0.5, kv_capacity_tokens=CAP))
+    rtable.heartbeat("d1", Load(kv_usage=0.5, kv_capacity_tokens=3 * CAP))
+    rtable.heartbeat("d2", Load(kv_usage=0.25))  # an older agent: no capacity
+    d2 = rtable.instances(Role.DECODE)[2]
+    for _ in range(2):
+        assert rtable.route(CAP // 2, MODEL, "").decode is d2
+    assert d2.kv_usage() == 0.25 and d2.kv_usage(3 * CAP) == 0.25 + 1 / 3
+    # At d1's capacity (the median of CAP and 3 CAP) d2 is at 0.58: d0 and d1 are ahead.
+    assert {rtable.route(1, MODEL, "").decode.instance_id for _ in range(2)} == {"d0", "d1"}
+    # No capacity anywhere: the queue first, then the reported usage.
+    for name in ("d0", "d1", "d2"):
+        rtable.heartbeat(name, Load(kv_usage=0.5 if name == "d0" else 0.9))
+    assert [rtable.route(CAP, MODEL, "").decode.instance_id for _ in range(4)] == [
+        "d0", "d1", "d2", "d0"]
+
+
+def test_kv_usages_within_a_step_are_equal_and_the_queue_decides(
+        rtable: InstanceTable) -> None:
+    fleet(rtable, 1, 2)
+    rtable.heartbeat("d0", Load(running=3, kv_usage=0.30, kv_capacity_tokens=CAP))
+    rtable.heartbeat("d1", Load(running=0, kv_usage=0.31, kv_capacity_tokens=CAP))
+    assert rtable.route(1, MODEL, "").decode.instance_id == "d1"
+    rtable.heartbeat("d1", Load(running=0, kv_usage=0.36, kv_capacity_tokens=CAP))
+    assert rtable.route(1, MODEL, "").decode.instance_id == "d0"  # a step apart: d0's KV wins
 
 
 def test_burst_between_heartbeats_spreads_over_equal_instances(rtable: InstanceTable) -> None:
@@ -230,7 +258,7 @@ def test_bad_registration_is_refused_and_changes_nothing(
 
 
 @pytest.mark.parametrize("load", [Load(running=-1), Load(kv_usage=1.5), Load(kv_usage=math.nan),
-                                  Load(tokens_in_flight=-5)])
+                                  Load(tokens_in_flight=-5), Load(kv_capacity_tokens=-1)])
 def test_bad_load_is_refused(rtable: InstanceTable, load: Load) -> None:
     rtable.register(spec("d0", Role.DECODE))
     rtable.heartbeat("d0", Load(running=2))
@@ -246,20 +274,37 @@ def test_many_instances_route_matches_brute_force(rtable: InstanceTable) -> None
         for instance in rtable.instances():
             rtable.heartbeat(instance.instance_id, Load(
                 running=rng.randrange(8), waiting=rng.randrange(4),
-                kv_usage=rng.random() * 0.99, tokens_in_flight=rng.randrange(5000)))
-        decodes = rtable.instances(Role.DECODE)
-        prefills = rtable.instances(Role.PREFILL)
-        holder = rng.choice(decodes)
-        shortest = min(i.queue for i in decodes)
-        least = min((i for i in decodes if i.queue <= shortest + 4),
-                    key=lambda i: (i.load.kv_usage, i.queue, i.instance_id))
-        best_prefill = min(prefills, key=lambda i: (i.queue, i.tokens, i.instance_id))
-        expect_holder = (holder.queue - shortest <= 4 and holder.load.kv_usage < 0.95)
-        decision = rtable.route(rng.randrange(4000), MODEL, holder.spec.engine_id)
-        assert decision.prefill is best_prefill, round_
-        assert decision.decode is (holder if expect_holder else least), round_
-        assert decision.decode_reason is (DecodeReason.HOLDS_LEASE if expect_holder
-                                          else DecodeReason.HOLDER_OVERLOADED)
+                kv_usage=rng.random() * 0.99, tokens_in_flight=rng.randrange(5000),
+                kv_capacity_tokens=rng.choice([0, 0, 4096, 8192, 65536]) if round_ % 5 else 0))
+        placed = {i.instance_id: 0 for i in rtable.instances(Role.DECODE)}
+        for _turn in range(8):  # turns between two heartbeats
+            decodes = rtable.instances(Role.DECODE)
+            prefills = rtable.instances(Role.PREFILL)
+            holder = rng.choice(decodes) if rng.random() < 0.7 else None
+            shortest = min(i.queue for i in decodes)
+            capacities = sorted(c for i in decodes if (c := i.load.kv_capacity_tokens))
+
+            def key(i: Instance, capacities: list[int] = capacities,
+                    placed: dict[str, int] = placed) -> tuple[Any, ...]:
+                if not capacities:
+                    return (i.queue, i.load.kv_usage, i.instance_id)
+                capacity = i.load.kv_capacity_tokens or capacities[len(capacities) // 2]
+                usage = i.load.kv_usage + placed[i.instance_id] / capacity
+                return (math.floor(usage * 20 + 1e-9), i.queue, i.instance_id)
+
+            least = min((i for i in decodes if i.queue <= shortest + 4), key=key)
+            best_prefill = min(prefills, key=lambda i: (i.queue, i.tokens, i.instance_id))
+            expect_holder = holder is not None and (holder.queue - shortest <= 4
+                                                    and holder.load.kv_usage < 0.95)
+            prompt = rng.randrange(4000)
+            decision = rtable.route(prompt, MODEL, holder.spec.engine_id if holder else "")
+            assert decision.prefill is best_prefill, round_
+            assert decision.decode is (holder if expect_holder else least), round_
+            assert decision.decode_reason is (
+                DecodeReason.HOLDS_LEASE if expect_holder else
+                DecodeReason.HOLDER_OVERLOADED if holder else DecodeReason.NO_LEASE)
+            if decision.decode is not holder:
+                placed[decision.decode.instance_id] += prompt
 
 
 # ==== the service, over gRPC with a real registry ==============================================

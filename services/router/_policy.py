@@ -9,10 +9,14 @@ Where a turn with no usable lease goes (a new conversation, or one whose lease i
 conversation stays on that decode for its later turns, and decode retains its KV between them,
 so memory decides among the decodes that can serve it now. Of the decodes whose queue is within
 `decode_load_margin` of the shortest (the same tolerance that keeps a turn on its lease
-holder), the one with the least KV in use, counting the prompts of turns placed there since its
-report at the KV capacity it reported; then the shorter queue, then the name. Queue alone
-would place conversations by a snapshot of requests that finish in seconds, while what they
-leave behind stays for minutes: one decode fills and revokes while the other idles.
+holder), the one with the least KV in use, in steps of KV_USAGE_STEP of its pool (closer than
+that is noise, and the shorter queue decides), counting the prompts of turns placed there
+since its report at the KV capacity it reported (a decode that reports none: at the median of
+those that do); then the shorter queue, then the name. Queue alone would place conversations
+by a snapshot of requests that finish in seconds, while what they leave behind stays for
+minutes: one decode fills and revokes while the other idles. Where no decode reports its
+capacity, placements between reports cannot be counted, and the queue (which counts them)
+comes first, as it did before capacities were reported.
 
 Ownership (with authentication; in insecure local mode every caller is the same admin, and
 nothing below changes anything):
@@ -31,8 +35,10 @@ nothing below changes anything):
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection
+import math
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -43,6 +49,10 @@ from kvbridge.services.registry import _validate as check
 from kvbridge.services.router._config import RouterConfig
 
 log = structlog.get_logger("kvbridge.router")
+
+# KV usages closer than this fraction of a pool are equal for placement: the shorter queue
+# decides between them.
+KV_USAGE_STEP = 0.05
 
 
 class InstanceOwned(PermissionDenied):
@@ -133,11 +143,11 @@ class Instance:
     def tokens(self) -> int:
         return self.load.tokens_in_flight + self.routed_tokens
 
-    @property
-    def kv_usage(self) -> float:
-        """KV usage as reported, plus the turns placed here since (when the capacity is known):
-        a burst of new conversations between two reports does not all land on one decode."""
-        capacity = self.load.kv_capacity_tokens
+    def kv_usage(self, fallback_capacity: int = 0) -> float:
+        """KV usage as reported, plus the prompts placed here since, at the capacity reported
+        (else `fallback_capacity`; neither: not counted): a burst of new conversations between
+        two reports does not all land on one decode."""
+        capacity = self.load.kv_capacity_tokens or fallback_capacity
         placed = self.placed_tokens / capacity if capacity else 0.0
         return self.load.kv_usage + placed
 
@@ -229,6 +239,8 @@ class InstanceTable:
             raise InvalidArgument("load", "counts must not be negative")
         if not 0.0 <= load.kv_usage <= 1.0:  # also rejects NaN
             raise InvalidArgument("load.kv_usage", "must be between 0 and 1")
+        if load.kv_capacity_tokens < 0:
+            raise InvalidArgument("load.kv_capacity_tokens", "must not be negative")
         self.expire()
         instance = self._instances.get(instance_id)
         if instance is None:
@@ -317,7 +329,7 @@ class InstanceTable:
         margin = self.config.decode_load_margin
         shortest = min(i.queue for i in decodes)
         least = min((i for i in decodes if i.queue - shortest <= margin),
-                    key=lambda i: (i.kv_usage, i.queue, i.instance_id))
+                    key=_placement_key(decodes))
         decode, reason, why = least, DecodeReason.NO_LEASE, "no lease: least KV in use"
         if lease_holder is None:
             reason = DecodeReason.REGISTRY_UNAVAILABLE
@@ -339,8 +351,18 @@ class InstanceTable:
         prefill.routed += 1
         prefill.routed_tokens += prompt_tokens
         decode.routed += 1
-        if reason is not DecodeReason.HOLDS_LEASE:
+        if decode.spec.engine_id != lease_holder:  # a holder has this history already
             decode.placed_tokens += prompt_tokens
         return Decision(prefill, decode, reason, lease_holder or "",
                         f"decode {decode.instance_id}: {why}; prefill {prefill.instance_id}: "
                         f"least loaded (queue {prefill.queue - 1})")
+
+
+def _placement_key(decodes: list[Instance]) -> Callable[[Instance], tuple[Any, ...]]:
+    """How decodes are ordered for a turn with no usable lease (see the module docstring)."""
+    capacities = sorted(i.load.kv_capacity_tokens for i in decodes if i.load.kv_capacity_tokens)
+    if not capacities:
+        return lambda i: (i.queue, i.load.kv_usage, i.instance_id)
+    median = capacities[len(capacities) // 2]
+    return lambda i: (math.floor(i.kv_usage(median) / KV_USAGE_STEP + 1e-9), i.queue,
+                      i.instance_id)
