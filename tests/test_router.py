@@ -145,6 +145,10 @@ def test_kv_usages_within_a_step_are_equal_and_the_queue_decides(
     assert rtable.route(1, MODEL, "").decode.instance_id == "d1"
     rtable.heartbeat("d1", Load(running=0, kv_usage=0.36, kv_capacity_tokens=CAP))
     assert rtable.route(1, MODEL, "").decode.instance_id == "d0"  # a step apart: d0's KV wins
+    # Within a step and with equal queues, the exact usage still decides (not the name).
+    rtable.heartbeat("d0", Load(running=0, kv_usage=0.02, kv_capacity_tokens=CAP))
+    rtable.heartbeat("d1", Load(running=0, kv_usage=0.01, kv_capacity_tokens=CAP))
+    assert rtable.route(1, MODEL, "").decode.instance_id == "d1"
 
 
 def test_burst_between_heartbeats_spreads_over_equal_instances(rtable: InstanceTable) -> None:
@@ -290,7 +294,7 @@ def test_many_instances_route_matches_brute_force(rtable: InstanceTable) -> None
                     return (i.queue, i.load.kv_usage, i.instance_id)
                 capacity = i.load.kv_capacity_tokens or capacities[len(capacities) // 2]
                 usage = i.load.kv_usage + placed[i.instance_id] / capacity
-                return (math.floor(usage * 20 + 1e-9), i.queue, i.instance_id)
+                return (math.floor(usage * 20 + 1e-9), i.queue, usage, i.instance_id)
 
             least = min((i for i in decodes if i.queue <= shortest + 4), key=key)
             best_prefill = min(prefills, key=lambda i: (i.queue, i.tokens, i.instance_id))

@@ -10,13 +10,13 @@ conversation stays on that decode for its later turns, and decode retains its KV
 so memory decides among the decodes that can serve it now. Of the decodes whose queue is within
 `decode_load_margin` of the shortest (the same tolerance that keeps a turn on its lease
 holder), the one with the least KV in use, in steps of KV_USAGE_STEP of its pool (closer than
-that is noise, and the shorter queue decides), counting the prompts of turns placed there
-since its report at the KV capacity it reported (a decode that reports none: at the median of
-those that do); then the shorter queue, then the name. Queue alone would place conversations
-by a snapshot of requests that finish in seconds, while what they leave behind stays for
-minutes: one decode fills and revokes while the other idles. Where no decode reports its
-capacity, placements between reports cannot be counted, and the queue (which counts them)
-comes first, as it did before capacities were reported.
+that is noise, and the shorter queue decides), counting the prompts of turns placed there since
+its report at the KV capacity it reported (a decode that reports none: at the median of those
+that do); then the shorter queue, then the exact KV in use, then the name. Queue alone would
+place conversations by a snapshot of requests that finish in seconds, while what they leave
+behind stays for minutes: one decode fills and revokes while the other idles. Where no decode
+reports its capacity, placements between reports cannot be counted, and the queue (which counts
+them) comes first, as it did before capacities were reported.
 
 Ownership (with authentication; in insecure local mode every caller is the same admin, and
 nothing below changes anything):
@@ -364,5 +364,8 @@ def _placement_key(decodes: list[Instance]) -> Callable[[Instance], tuple[Any, .
     if not capacities:
         return lambda i: (i.queue, i.load.kv_usage, i.instance_id)
     median = capacities[len(capacities) // 2]
-    return lambda i: (math.floor(i.kv_usage(median) / KV_USAGE_STEP + 1e-9), i.queue,
-                      i.instance_id)
+
+    def key(i: Instance) -> tuple[Any, ...]:
+        usage = i.kv_usage(median)
+        return (math.floor(usage / KV_USAGE_STEP + 1e-9), i.queue, usage, i.instance_id)
+    return key
