@@ -51,15 +51,19 @@ class RouterClient(SyncClient):
 
     def route(self, tenant: str, conversation_id: str, prompt_tokens: int, model: str = "",
               exclude: Sequence[str] = (), *, pin_read: bool = False, pin_ttl: float = 0.0,
-              history_keys: bytes = b"", timeout: float | None = None) -> pb.RouteResponse:
+              history_keys: bytes = b"", lease_wait: float = 0.0,
+              timeout: float | None = None) -> pb.RouteResponse:
         """Pick a prefill and a decode instance for a turn. With `pin_read`, also pin the
         conversation's lease for the prefill (the response's `read`); not retried, so that a
         retry cannot leave a second pin behind. With `history_keys` and no conversation id,
-        the conversation is found by content (`kvbridge.history`)."""
+        the conversation is found by content (`kvbridge.history`). With `lease_wait`, wait up
+        to that long for the conversation's lease while it has none (the timeout must cover
+        it)."""
         req = pb.RouteRequest(tenant=tenant, conversation_id=conversation_id,
                               prompt_tokens=prompt_tokens, model=model,
                               exclude_instance_ids=list(exclude), pin_read=pin_read,
-                              pin_ttl=duration_pb(pin_ttl), history_keys=history_keys)
+                              pin_ttl=duration_pb(pin_ttl), history_keys=history_keys,
+                              lease_wait=duration_pb(lease_wait))
         resp: pb.RouteResponse = self._call("Route", req, timeout=timeout)
         return resp
 
@@ -92,11 +96,12 @@ class AsyncRouterClient(AsyncClient):
     async def route(self, tenant: str, conversation_id: str, prompt_tokens: int,
                     model: str = "", exclude: Sequence[str] = (), *, pin_read: bool = False,
                     pin_ttl: float = 0.0, history_keys: bytes = b"",
-                    timeout: float | None = None) -> pb.RouteResponse:
+                    lease_wait: float = 0.0, timeout: float | None = None) -> pb.RouteResponse:
         req = pb.RouteRequest(tenant=tenant, conversation_id=conversation_id,
                               prompt_tokens=prompt_tokens, model=model,
                               exclude_instance_ids=list(exclude), pin_read=pin_read,
-                              pin_ttl=duration_pb(pin_ttl), history_keys=history_keys)
+                              pin_ttl=duration_pb(pin_ttl), history_keys=history_keys,
+                              lease_wait=duration_pb(lease_wait))
         return await self._call("Route", req, timeout=timeout)
 
     async def list_instances(self, role: str = "", model: str = "", *,

@@ -20,6 +20,7 @@ from aiohttp import web
 from conftest import serve_http
 
 from kvbridge.clients import AsyncRegistryClient
+from kvbridge.clients._registry import seconds
 from kvbridge.clock import FakeClock, boot_id, monotonic
 from kvbridge.registry.v1 import registry_pb2 as reg_pb
 from kvbridge.services.gateway import GatewayConfig, GatewayServer, start_gateway
@@ -664,6 +665,46 @@ async def test_health_without_router(unused_tcp_port: int) -> None:
                 assert resp.status == 501
     finally:
         await server.stop()
+
+
+@pytest.mark.parametrize("pin_at_route", [True, False])
+async def test_a_turn_keeps_its_conversations_lease(
+        registry_server: RegistryServer, registry_clock: FakeClock, tmp_path: Path, kv: Any,
+        pin_at_route: bool) -> None:
+    """A turn is conversation activity: its lease's idle TTL starts again. The read pinned at
+    route renews it in the same call (the gateway makes no call of its own); with pins at
+    route off, the gateway renews it."""
+    s = await make_stack(registry_server, tmp_path, pin_at_route=pin_at_route, lease_wait_s=0)
+
+    def renewals() -> float:
+        value = registry_server.metrics.registry.get_sample_value(
+            "kvbridge_registry_rpc_duration_seconds_count", {"method": "RenewLeases"})
+        return value or 0.0
+
+    try:
+        await client(s).completions.create(model=MODEL, prompt="hi", max_tokens=1,
+                                           extra_body={"conversation_id": "c-keep"})
+        tenant = s.engines["p0"].received[0]["kv_transfer_params"]["kvbridge"]["tenant"]
+        reg = s.registry_client
+        await reg.register_holder("engine-d0", "127.0.0.1", 5600, kv.block_size,
+                                  kv.fingerprint, ttl=60)
+        await reg.grant_lease("engine-d0", tenant, "c-keep", "req-k", [1, 2], 8,
+                              kv.lease_hashes(kv.tokens(8)), idle_ttl=10)
+        registry_clock.advance(8)
+        before = renewals()
+        await client(s).completions.create(model=MODEL, prompt="hi", max_tokens=1,
+                                           extra_body={"conversation_id": "c-keep"})
+        left = 0.0
+        for _ in range(200):  # the gateway's renewal runs in the background
+            page = await reg.list_leases(tenant=tenant, conversation_id="c-keep")
+            left = seconds(page.leases[0].expires_in)
+            if left > 5:
+                break
+            await asyncio.sleep(0.01)
+        assert 9 < left <= 10
+        assert renewals() == before + (0 if pin_at_route else 1)
+    finally:
+        await close(s)
 
 
 @pytest.mark.parametrize(("wait", "reason"), [(0.3, "holds_lease"), (0.0, "no_lease")])

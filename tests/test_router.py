@@ -19,6 +19,7 @@ from google.protobuf import duration_pb2
 from kvbridge._grpc_status import error_info
 from kvbridge.cli import main
 from kvbridge.clients import AsyncRegistryClient, duration
+from kvbridge.clients._registry import seconds
 from kvbridge.clients._router import RouterClient
 from kvbridge.clock import FakeClock
 from kvbridge.errors import InstanceNotFound, InvalidArgument, NoInstance
@@ -529,6 +530,91 @@ async def test_route_pins_the_read_for_prefill(
                                          pin_ttl=duration_pb2.Duration(seconds=-1)))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert registry_server.table.counts()["pins"] == 0
+
+
+async def test_route_waits_for_a_lease_only_while_the_conversation_has_none(
+        router: RouterServer, stub: pb_grpc.RouterServiceStub,
+        registry_client: AsyncRegistryClient, router_clock: FakeClock, kv: Any) -> None:
+    """A follow-up can beat decode's background grant over the turn before it: with
+    lease_wait, Route waits for a lease while the conversation has none, then pins and routes
+    to its holder; a conversation with a lease is routed at once, and one that gets none within
+    the wait is routed as without a lease, its miss counted once."""
+    await register(stub, "p0", pb.ROLE_PREFILL)
+    await register(stub, "d0", pb.ROLE_DECODE)
+    await register(stub, "d1", pb.ROLE_DECODE)
+    tokens = kv.tokens(10)
+
+    def reads(outcome: str) -> float:
+        value = router.metrics.registry.get_sample_value("kvbridge_router_reads_total",
+                                                         {"outcome": outcome})
+        return value or 0.0
+
+    async def grant_soon(conversation: str) -> None:  # as decode's grant thread would
+        await asyncio.sleep(0.1)
+        await grant(registry_client, kv, "engine-d1", "t1", conversation, tokens)
+
+    for pin in (True, False):
+        conversation = f"c-{pin}"
+        hits, misses = reads("hit"), reads("miss")
+        granting = asyncio.create_task(grant_soon(conversation))
+        waited = await stub.Route(pb.RouteRequest(
+            tenant="t1", conversation_id=conversation, prompt_tokens=40, pin_read=pin,
+            lease_wait=duration(2.0)))
+        await granting
+        assert waited.decode.instance_id == "d1", pin
+        assert waited.decode_reason == pb.DECODE_REASON_HOLDS_LEASE
+        assert 0.05 <= seconds(waited.lease_waited) < 1.5
+        assert waited.HasField("read") == pin
+        if pin:
+            assert waited.read.read.pin.pin_id
+            assert (reads("hit"), reads("miss")) == (hits + 1, misses)
+            await stub.ReleaseRead(reg_pb.ReleaseReadRequest(pin_id=waited.read.read.pin.pin_id))
+        # The lease is there now: no wait at all.
+        at_once = await stub.Route(pb.RouteRequest(
+            tenant="t1", conversation_id=conversation, prompt_tokens=40, lease_wait=duration(2.0)))
+        assert at_once.decode_reason == pb.DECODE_REASON_HOLDS_LEASE
+        assert seconds(at_once.lease_waited) == 0.0
+
+    # No lease comes: routed without one once the wait is over, its miss counted once.
+    misses = reads("miss")
+    none = await stub.Route(pb.RouteRequest(tenant="t1", conversation_id="c-none",
+                                            prompt_tokens=40, pin_read=True,
+                                            lease_wait=duration(0.1)))
+    assert none.decode_reason == pb.DECODE_REASON_NO_LEASE
+    assert none.read.read.miss_reason == reg_pb.MISS_REASON_NO_LEASE
+    assert 0.1 <= seconds(none.lease_waited) < 1.5
+    assert reads("miss") == misses + 1
+    # A revoked lease is no active lease: the turn waits for the grant over its last turn.
+    revoked = await grant(registry_client, kv, "engine-d1", "t1", "c-revoked", tokens)
+    await registry_client.revoke_lease(revoked.lease_id, "memory_pressure")
+
+    async def grant_next() -> None:
+        await asyncio.sleep(0.1)
+        await registry_client.grant_lease("engine-d1", "t1", "c-revoked", "req-next", [7, 8, 9],
+                                          len(tokens), kv.lease_hashes(tokens))
+
+    granting = asyncio.create_task(grant_next())
+    renewed = await stub.Route(pb.RouteRequest(tenant="t1", conversation_id="c-revoked",
+                                               prompt_tokens=40, pin_read=True,
+                                               lease_wait=duration(2.0)))
+    await granting
+    assert list(renewed.read.read.remote_block_ids) == [7, 8]  # the partial block apart
+    assert 0.05 <= seconds(renewed.lease_waited) < 1.5
+    # An active lease whose holder the router has seen die is not waited on: refused at once.
+    router_clock.advance(31)
+    await register(stub, "p0", pb.ROLE_PREFILL)
+    await register(stub, "d0", pb.ROLE_DECODE)
+    dead = await stub.Route(pb.RouteRequest(tenant="t1", conversation_id="c-revoked",
+                                            prompt_tokens=40, pin_read=True,
+                                            lease_wait=duration(2.0)))
+    assert dead.read.read.miss_reason == reg_pb.MISS_REASON_HOLDER_GONE
+    assert seconds(dead.lease_waited) == 0.0 and dead.decode.instance_id == "d0"
+    for bad in (duration(5.5), duration_pb2.Duration(seconds=-1)):
+        with pytest.raises(grpc.RpcError) as raised:
+            await stub.Route(pb.RouteRequest(tenant="t1", conversation_id="c-none",
+                                             pin_read=True, lease_wait=bad))
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error_info(raised.value).metadata["field"] == "lease_wait"
 
 
 async def test_route_pin_read_without_registry_leaves_the_read_unset(

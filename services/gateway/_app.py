@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvbridge import history
-from kvbridge.clients._registry import AsyncRegistryClient
+from kvbridge.clients._registry import AsyncRegistryClient, seconds
 from kvbridge.clients._router import AsyncRouterClient
 from kvbridge.clock import monotonic
 from kvbridge.connector._routed import READ_KEY, routed_read
@@ -573,11 +573,6 @@ class Gateway:
                 turn.source = "unrecognised"
             elif turn.keys:
                 conversation = turn.conversation = self._recent_turn(turn)
-        if conversation and self.registry is not None:
-            waited = time.perf_counter()
-            await self._await_previous_lease(tenant, conversation)
-            turn.lease_wait_ms = (time.perf_counter() - waited) * 1000
-            self._in_background(self._renew(tenant, conversation))
         excluded: list[str] = []
         try:
             while True:
@@ -612,6 +607,8 @@ class Gateway:
         # turn that found no conversation to continue (its own new id has no lease yet).
         lookup = bool(turn.keys) and (not turn.conversation
                                       or turn.source in ("branched", "new"))
+        wait = (self._lease_wait(turn.tenant, turn.conversation)
+                if turn.conversation and not lookup and turn.attempts == 1 else 0.0)
         try:
             route = await self.router.route(
                 turn.tenant, "" if lookup else turn.conversation,
@@ -620,7 +617,7 @@ class Gateway:
                 pin_ttl=self.config.pin_ttl_s,
                 history_keys=(history.join(turn.keys[-_LOOKUP_KEYS:]) if lookup and turn.keys
                               else b""),
-                timeout=self.config.route_timeout_s)
+                lease_wait=wait, timeout=self.config.route_timeout_s + wait)
         except NoInstance as err:
             if not excluded and not await self._model_known(turn.model):
                 raise HttpError(404, f"the model {turn.model!r} does not exist: no engine "
@@ -635,12 +632,18 @@ class Gateway:
                             "router_unavailable") from None
         routed, received = time.perf_counter(), monotonic()
         self.metrics.serves(turn.model)  # the router found an engine serving it
-        turn.route_ms += (routed - routing) * 1000
+        turn.lease_wait_ms += seconds(route.lease_waited) * 1000
+        turn.route_ms += (routed - routing) * 1000 - seconds(route.lease_waited) * 1000
         turn.prefill, turn.decode = route.prefill.instance_id, route.decode.instance_id
         turn.decode_reason = (router_pb.DecodeReason.Name(route.decode_reason)
                               .removeprefix("DECODE_REASON_").lower())
         if lookup:
             self._found(turn, route, retry=bool(turn.conversation))
+        if (turn.conversation and self.registry is not None and turn.attempts == 1
+                and not (route.HasField("read") and route.read.read.pin.pin_id)):
+            # Keep the conversation's lease for this turn's answer. A pinned read has renewed
+            # it already (a read is activity): no call then.
+            self._in_background(self._renew(turn.tenant, turn.conversation))
         key: dict[str, dict[str, Any]] = (
             {CONVERSATION_KEY: {"tenant": turn.tenant, "conversation_id": turn.conversation}}
             if turn.conversation else {})
@@ -933,31 +936,17 @@ class Gateway:
         while len(self._ended) > _RECENT_CONVERSATIONS:
             self._ended.popitem(last=False)
 
-    async def _await_previous_lease(self, tenant: str, conversation: str) -> None:
-        """A follow-up right after a turn (a tool result, say) may arrive before decode's
-        background grant over that turn lands; without a lease it would reuse nothing. Wait a
-        little for it, only then, and only while the conversation has no lease at all (an
-        older lease still covers a prefix and is read at once)."""
+    def _lease_wait(self, tenant: str, conversation: str) -> float:
+        """How long the router may wait for the conversation's lease: a follow-up right after
+        a turn (a tool result, say) may arrive before decode's background grant over that turn
+        lands, and without a lease it would reuse nothing. Only then, and only while the
+        conversation has no lease at all (an older lease still covers a prefix and is read at
+        once): the router pins first and waits only on a miss for want of a lease."""
         wait = self.config.lease_wait_s
         ended = self._ended.get((tenant, conversation))
         if not wait or ended is None:
-            return
-        deadline = ended + wait
-        if time.monotonic() >= deadline:
-            return
-        assert self.registry is not None
-        while True:
-            try:
-                page = await self.registry.list_leases(
-                    tenant=tenant, conversation_id=conversation, page_size=1, timeout=wait)
-            except KvbridgeError:
-                return
-            if any(lease.state == reg_pb.LEASE_STATE_ACTIVE for lease in page.leases):
-                return
-            if time.monotonic() >= deadline:
-                log.debug("lease_wait_expired", tenant=tenant, conversation=conversation)
-                return
-            await asyncio.sleep(0.01)
+            return 0.0
+        return max(0.0, ended + wait - time.monotonic())
 
     def _in_background(self, coro: Awaitable[Any]) -> None:
         task: asyncio.Task[Any] = asyncio.ensure_future(coro)

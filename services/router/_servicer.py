@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import sys
 import time
@@ -86,6 +87,16 @@ def _duration(seconds: float) -> duration_pb2.Duration:
     seconds = max(seconds, 0.0)
     whole = int(seconds)
     return duration_pb2.Duration(seconds=whole, nanos=int((seconds - whole) * 1e9))
+
+
+# A turn's wait for its conversation's lease (RouteRequest.lease_wait): at most this long in
+# all, polling this often (a grant lands within milliseconds of its turn's end).
+_MAX_LEASE_WAIT_S = 5.0
+_LEASE_POLL_S = 0.01
+# The misses of a conversation with no active lease: what a lease wait waits on (one that has
+# an active lease, even one too short to read, is routed at once).
+_NO_ACTIVE_LEASE = frozenset({reg_pb.MISS_REASON_NO_LEASE, reg_pb.MISS_REASON_EXPIRED,
+                              reg_pb.MISS_REASON_REVOKED})
 
 
 def _seconds(d: duration_pb2.Duration, field: str) -> float:
@@ -178,11 +189,65 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 return lease.holder_id
         return ""
 
-    async def _pin_read(self, request: pb.RouteRequest
+    async def _await_lease(self, tenant: str, conversation_id: str, deadline: float) -> bool:
+        """Poll until the conversation has an active lease (True) or `deadline` (monotonic)
+        passes or the registry cannot say (False). A list call, not a pin, so that the
+        registry counts no read miss per poll."""
+        assert self.registry is not None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                page = await self.registry.list_leases(
+                    tenant=tenant, conversation_id=conversation_id, page_size=1,
+                    timeout=min(left, self.config.registry_timeout_s))
+            except KvbridgeError:
+                return False
+            if any(lease.state == reg_pb.LEASE_STATE_ACTIVE for lease in page.leases):
+                return True
+            await asyncio.sleep(min(_LEASE_POLL_S, max(0.0, deadline - time.monotonic())))
+
+    async def _find_lease(self, request: pb.RouteRequest, wait: float
+                          ) -> tuple[str | None, reg_pb.PinLeaseResponse | None, float]:
+        """The conversation's lease holder and, with `pin_read` or a lookup by content, its
+        pinned read (as `_pin_read`); after waiting up to `wait` seconds for a lease while
+        the named conversation has none. Also the seconds waited."""
+        pin = request.pin_read or bool(request.history_keys)
+        if pin:
+            _seconds(request.pin_ttl, "pin_ttl")  # bad input fails before any pin
+        if not (wait and request.conversation_id and self.registry is not None):
+            wait = 0.0
+        started = time.monotonic()
+        pinned: reg_pb.PinLeaseResponse | None = None
+        if pin:
+            holder, pinned = await self._pin_read(request, count_no_lease=not wait)
+            no_lease = (pinned is not None and not pinned.read.pin.pin_id
+                        and pinned.read.miss_reason in _NO_ACTIVE_LEASE)
+        else:
+            holder = await self._lease_holder(request.tenant, request.conversation_id)
+            no_lease = holder == ""
+        if not (wait and no_lease):
+            return holder, pinned, 0.0
+        # A miss for want of an active lease is counted once, after the wait, whatever it finds.
+        if await self._await_lease(request.tenant, request.conversation_id, started + wait):
+            if pin:
+                holder, pinned = await self._pin_read(request)
+            else:
+                holder = await self._lease_holder(request.tenant, request.conversation_id)
+        elif pin:
+            self.metrics.reads.labels("miss").inc()
+        waited = time.monotonic() - started
+        log.debug("lease_waited", tenant=request.tenant, conversation=request.conversation_id,
+                  waited_ms=round(waited * 1000, 1), found=bool(holder))
+        return holder, pinned, waited
+
+    async def _pin_read(self, request: pb.RouteRequest, *, count_no_lease: bool = True
                         ) -> tuple[str | None, reg_pb.PinLeaseResponse | None]:
         """Pin the conversation's lease for the turn's prefill: (the lease holder as
         `_lease_holder` gives it, the pinned read or its miss; None when the registry could
-        not answer in time)."""
+        not answer in time). A miss for want of an active lease is not counted with
+        `count_no_lease` off (the caller waits for one, then counts)."""
         if self.registry is None:
             return "", None
         try:
@@ -197,7 +262,8 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             return None, None
         read = pinned.read
         if not read.pin.pin_id:
-            self.metrics.reads.labels("miss").inc()
+            if count_no_lease or read.miss_reason not in _NO_ACTIVE_LEASE:
+                self.metrics.reads.labels("miss").inc()
             active = read.lease.state == reg_pb.LEASE_STATE_ACTIVE
             return (read.lease.holder_id if active and read.miss_reason
                     == reg_pb.MISS_REASON_BELOW_MINIMUM else ""), pinned
@@ -226,17 +292,16 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         cfg = self.config
         holder: str | None = ""
         pinned: reg_pb.PinLeaseResponse | None = None
+        waited = 0.0
+        wait = _seconds(request.lease_wait, "lease_wait")
+        if wait > _MAX_LEASE_WAIT_S:
+            raise check.InvalidArgument("lease_wait", f"must be at most {_MAX_LEASE_WAIT_S:g}s")
         if request.conversation_id or request.history_keys:
             check.identifier("tenant", request.tenant, cfg.max_id_length)
             # How many keys a lookup may carry is the registry's to say.
             check_named_or_found(request.conversation_id, request.history_keys,
                                  cfg.max_id_length, sys.maxsize)
-            # A lookup by content always pins what it finds.
-            if request.pin_read or request.history_keys:
-                _seconds(request.pin_ttl, "pin_ttl")  # bad input fails before any pin
-                holder, pinned = await self._pin_read(request)
-            else:
-                holder = await self._lease_holder(request.tenant, request.conversation_id)
+            holder, pinned, waited = await self._find_lease(request, wait)
         elif request.tenant:
             check.identifier("tenant", request.tenant, cfg.max_id_length)
         try:
@@ -262,7 +327,7 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
             prefill_reason=pb.PREFILL_REASON_LEAST_LOADED,
             decode_reason=cast(pb.DecodeReason.ValueType, int(decision.decode_reason)),
             lease_holder_id=decision.lease_holder, explanation=decision.explanation,
-            read=pinned)
+            read=pinned, lease_waited=_duration(waited))
 
     @_rpc
     async def GetServerInfo(self, request: pb.GetServerInfoRequest,

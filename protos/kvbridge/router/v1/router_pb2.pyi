@@ -411,6 +411,7 @@ class RouteRequest(_message.Message):
     PIN_READ_FIELD_NUMBER: _builtins.int
     PIN_TTL_FIELD_NUMBER: _builtins.int
     HISTORY_KEYS_FIELD_NUMBER: _builtins.int
+    LEASE_WAIT_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     conversation_id: _builtins.str
     """Empty for a request outside any conversation."""
@@ -435,6 +436,14 @@ class RouteRequest(_message.Message):
     def pin_ttl(self) -> _duration_pb2.Duration:
         """The pin's duration; zero means the registry default."""
 
+    @_builtins.property
+    def lease_wait(self) -> _duration_pb2.Duration:
+        """With a conversation_id: while the conversation has no lease, wait up to this long for
+        one before routing (at most 5 s; zero: no wait). A follow-up sent right after a turn (a
+        tool result) can arrive before decode's background grant over that turn lands; waiting
+        here rather than in the caller spares the turn a lookup call when the lease is there.
+        """
+
     def __init__(
         self,
         *,
@@ -446,10 +455,11 @@ class RouteRequest(_message.Message):
         pin_read: _builtins.bool = ...,
         pin_ttl: _duration_pb2.Duration | None = ...,
         history_keys: _builtins.bytes = ...,
+        lease_wait: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["pin_ttl", b"pin_ttl"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_wait", b"lease_wait", "pin_ttl", b"pin_ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "exclude_instance_ids", b"exclude_instance_ids", "history_keys", b"history_keys", "model", b"model", "pin_read", b"pin_read", "pin_ttl", b"pin_ttl", "prompt_tokens", b"prompt_tokens", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_id", b"conversation_id", "exclude_instance_ids", b"exclude_instance_ids", "history_keys", b"history_keys", "lease_wait", b"lease_wait", "model", b"model", "pin_read", b"pin_read", "pin_ttl", b"pin_ttl", "prompt_tokens", b"prompt_tokens", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -466,6 +476,7 @@ class RouteResponse(_message.Message):
     LEASE_HOLDER_ID_FIELD_NUMBER: _builtins.int
     EXPLANATION_FIELD_NUMBER: _builtins.int
     READ_FIELD_NUMBER: _builtins.int
+    LEASE_WAITED_FIELD_NUMBER: _builtins.int
     prefill_reason: Global___PrefillReason.ValueType
     decode_reason: Global___DecodeReason.ValueType
     lease_holder_id: _builtins.str
@@ -483,6 +494,10 @@ class RouteResponse(_message.Message):
         not answer in time (the prefill engine then looks up for itself).
         """
 
+    @_builtins.property
+    def lease_waited(self) -> _duration_pb2.Duration:
+        """How long the router waited for the conversation's lease (`lease_wait`)."""
+
     def __init__(
         self,
         *,
@@ -493,10 +508,11 @@ class RouteResponse(_message.Message):
         lease_holder_id: _builtins.str = ...,
         explanation: _builtins.str = ...,
         read: _registry_pb2.PinLeaseResponse | None = ...,
+        lease_waited: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "prefill", b"prefill", "read", b"read"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "lease_waited", b"lease_waited", "prefill", b"prefill", "read", b"read"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "decode_reason", b"decode_reason", "explanation", b"explanation", "lease_holder_id", b"lease_holder_id", "prefill", b"prefill", "prefill_reason", b"prefill_reason", "read", b"read"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "decode_reason", b"decode_reason", "explanation", b"explanation", "lease_holder_id", b"lease_holder_id", "lease_waited", b"lease_waited", "prefill", b"prefill", "prefill_reason", b"prefill_reason", "read", b"read"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
