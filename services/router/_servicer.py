@@ -189,9 +189,10 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 return lease.holder_id
         return ""
 
-    async def _await_lease(self, tenant: str, conversation_id: str, deadline: float) -> bool:
+    async def _await_lease(self, tenant: str, conversation_id: str,
+                           deadline: float) -> bool | None:
         """Poll until the conversation has an active lease (True) or `deadline` (monotonic)
-        passes or the registry cannot say (False). A list call, not a pin, so that the
+        passes (False), or the registry cannot say (None). A list call, not a pin, so that the
         registry counts no read miss per poll."""
         assert self.registry is not None
         while True:
@@ -202,8 +203,10 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
                 page = await self.registry.list_leases(
                     tenant=tenant, conversation_id=conversation_id, page_size=1,
                     timeout=min(left, self.config.registry_timeout_s))
-            except KvbridgeError:
-                return False
+            except KvbridgeError as err:
+                log.warning("lease_wait_failed", tenant=tenant, conversation=conversation_id,
+                            error=str(err))
+                return None
             if any(lease.state == reg_pb.LEASE_STATE_ACTIVE for lease in page.leases):
                 return True
             await asyncio.sleep(min(_LEASE_POLL_S, max(0.0, deadline - time.monotonic())))
@@ -230,13 +233,15 @@ class RouterServicer(pb_grpc.RouterServiceServicer):
         if not (wait and no_lease):
             return holder, pinned, 0.0
         # A miss for want of an active lease is counted once, after the wait, whatever it finds.
-        if await self._await_lease(request.tenant, request.conversation_id, started + wait):
+        found = await self._await_lease(request.tenant, request.conversation_id,
+                                        started + wait)
+        if found:
             if pin:
                 holder, pinned = await self._pin_read(request)
             else:
                 holder = await self._lease_holder(request.tenant, request.conversation_id)
         elif pin:
-            self.metrics.reads.labels("miss").inc()
+            self.metrics.reads.labels("miss" if found is False else "error").inc()
         waited = time.monotonic() - started
         log.debug("lease_waited", tenant=request.tenant, conversation=request.conversation_id,
                   waited_ms=round(waited * 1000, 1), found=bool(holder))
