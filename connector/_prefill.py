@@ -23,7 +23,9 @@ from kvbridge.connector._cost import PROBE, CostModel, Decision
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._pin_guard import LANDED_LATE, NOT_POSTED
 from kvbridge.connector._routed import (
+    PIN_LEFT,
     READ_KEY,
+    RELEASED_BY,
     ROUTED_TRANSIT_SLACK_S,
     BadRoutedRead,
     routed_pin_base,
@@ -196,10 +198,15 @@ class PrefillReuse:
                 early = (best.reason, _estimates(best))
         if early is not None or scope is None:
             # Decided now; counted once the scheduler says what its prefix cache holds.
-            self._drop_routed_pin(params)
-            if len(self._early) >= 4096:
-                del self._early[next(iter(self._early))]
-            self._early[request.request_id] = early or ("unsupported_inputs", {})
+            reason, fields = early or ("unsupported_inputs", {})
+            left = self._drop_routed_pin(params, leave=True)
+            if left:
+                fields = {**fields, "pin_left": left}
+            if len(self._early) >= 4096:  # never asked about (aborted unseen): its pin too
+                _, dropped = self._early.pop(next(iter(self._early)))
+                if dropped.get("pin_left"):
+                    self._release(dropped["pin_left"])
+            self._early[request.request_id] = (reason, fields)
             return
         hashes = blockhash.block_hashes(tokens, self.block_size, *scope)
         tenant, conversation = key
@@ -571,12 +578,16 @@ class PrefillReuse:
             self._outcomes[request.request_id]["kvbridge_lookup_ms"] = fields["lookup_ms"]
         if "source" in fields:  # "route": pinned by the gateway's route; "lookup": our own call
             self._outcomes[request.request_id]["kvbridge_read_source"] = fields["source"]
+        if fields.get("pin_left"):  # the gateway releases the routed pin
+            self._outcomes[request.request_id][PIN_LEFT] = True
         if decision == "miss_hash_mismatch":
             self._outcomes[request.request_id]["kvbridge_mismatch_block"] = fields.get(
                 "mismatch_block", 0)
         self.metrics.decisions.labels(decision).inc()
         if recomputed > 0:
             self.metrics.recomputed_tokens.inc(recomputed)
+        if fields.get("pin_left"):
+            fields = {**fields, "pin_left": True}  # its id is the gateway's to release
         log.info("prefill_decision", request_id=request.request_id, decision=decision,
                  reused_tokens=reused, recomputed_tokens=max(recomputed, 0),
                  local_tokens=local, prompt_tokens=len(request.prompt_token_ids or []), **fields)
@@ -589,14 +600,23 @@ class PrefillReuse:
             outcome["kvbridge_reused_tokens"] = 0
             outcome["kvbridge_local_tokens" if local else "kvbridge_recomputed_tokens"] += tokens
 
-    def _drop_routed_pin(self, params: Any) -> None:
-        """Release the pin of a read the gateway made while routing a turn this engine will
-        not read for: otherwise it holds the lease until its TTL runs out."""
+    def _drop_routed_pin(self, params: Any, *, leave: bool = False) -> str:
+        """Let go of the pin of a read the gateway made while routing a turn this engine will
+        not read for: otherwise it holds the lease until its TTL runs out. With `leave`, a pin
+        the gateway releases itself once prefill answers (`RELEASED_BY`) is left to it, and
+        its id returned (the answer then says so: `PIN_LEFT`); otherwise released here, and
+        "" returned."""
         section = params.get(CONVERSATION_KEY) if isinstance(params, dict) else None
         routed = section.get(READ_KEY) if isinstance(section, dict) else None
-        pin = routed.get("pin_id") if isinstance(routed, dict) else None
-        if isinstance(pin, str) and pin:
-            self._release(pin)
+        if not isinstance(routed, dict):
+            return ""
+        pin = routed.get("pin_id")
+        if not (isinstance(pin, str) and pin):
+            return ""
+        if leave and routed.get(RELEASED_BY) == "gateway":
+            return pin
+        self._release(pin)
+        return ""
 
     def _release(self, pin_id: str) -> None:
         self._pool.submit(self._release_quietly, pin_id)

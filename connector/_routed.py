@@ -13,6 +13,10 @@ The gateway asks the router to pin the conversation's whole lease while routing 
      "partial": {"block_id": 91, "tokens": 3, "hash": "<base64>"}}
 
 or, when there is nothing to read, `{"miss": "no_lease"}` (the registry's miss reason).
+`"released_by": "gateway"` says the gateway releases the pin once prefill answers: an engine
+that decides before any read not to read (say, recomputing is cheaper) then leaves the pin and
+says so in its answer (`PIN_LEFT`), instead of releasing it itself from inside the engine
+process, next to its compute.
 
 The prefill connector checks its own prompt's chained hashes against `block_hashes` and reuses
 only the leading blocks that match (and the partial block only when its hash matches too): the
@@ -40,6 +44,9 @@ from kvbridge.clock import boot_id, monotonic
 from kvbridge.registry.v1 import registry_pb2 as pb
 
 READ_KEY = "read"
+RELEASED_BY = "released_by"
+# In prefill's answer (kv_transfer_params): the engine left the routed pin to the gateway.
+PIN_LEFT = "kvbridge_pin_left"
 # A routed read seen by a prefill engine on another host than the gateway's: the time it spent
 # on its way (HTTP, the engine's API server and input queue), taken off its pin.
 ROUTED_TRANSIT_SLACK_S = 1.0
@@ -47,9 +54,12 @@ _BOOT = boot_id()
 _MAX_EXPIRES_IN_S = 86400.0  # far above any pin TTL a registry grants
 
 
-def routed_read(pinned: pb.PinLeaseResponse, received: float) -> dict[str, Any]:
+def routed_read(pinned: pb.PinLeaseResponse, received: float, *,
+                gateway_releases: bool = False) -> dict[str, Any]:
     """The JSON form of the router's pinned read, received at `received` (`monotonic()`),
-    as of now: what is left of the pin (rounded down), and now as `sent`."""
+    as of now: what is left of the pin (rounded down), and now as `sent`. With
+    `gateway_releases`, the sender releases the pin once prefill answers, so an engine that
+    decides not to read need not (`RELEASED_BY`)."""
     now = monotonic()
     read = pinned.read
     if not read.pin.pin_id:
@@ -70,6 +80,8 @@ def routed_read(pinned: pb.PinLeaseResponse, received: float) -> dict[str, Any]:
         "block_ids": list(read.remote_block_ids),
         "block_hashes": base64.b64encode(pinned.block_hashes).decode("ascii"),
     }
+    if gateway_releases:
+        out[RELEASED_BY] = "gateway"
     if read.partial_block_tokens:
         out["partial"] = {"block_id": read.partial_block_id,
                           "tokens": read.partial_block_tokens,

@@ -1060,6 +1060,49 @@ def test_prefill_miss_without_lease(prefill: PrefillKit):
     assert prefill.decision("miss_no_lease") == 1
 
 
+@pytest.mark.parametrize("gateway_releases", [True, False])
+def test_prefill_decided_before_any_read_leaves_the_pin_to_a_gateway_that_releases_it(
+        routed_prefill: PrefillKit, client: RegistryClient, gateway_releases: bool):
+    """A turn decided before any read (here: too short to read) needs no pin. A gateway that
+    releases routed pins itself once prefill answers gets the pin left to it, and the answer
+    says so: no call from inside the engine next to its compute. Otherwise (an older gateway)
+    the engine releases it, as before."""
+    lease = grant(client, "c1", LEASE_TOKENS)
+    read = routed_read(client.pin_lease(TENANT, "c1", pin_ttl=10.0, reader_id=READER),
+                       monotonic(), gateway_releases=gateway_releases)
+    assert (read.get("released_by") == "gateway") is gateway_releases
+    request = routed_prefill.request("p-short", list(range(7)),  # threshold 8
+                                     kvbridge={**conv_key("c1"), "read": read})
+    assert routed_prefill.reuse.resolve(request, 0) is False
+    assert routed_prefill.decision("short_prompt") == 1
+    outcome = routed_prefill.reuse.finished("p-short")
+    assert outcome is not None and outcome["kvbridge_decision"] == "short_prompt"
+    if gateway_releases:
+        assert outcome["kvbridge_pin_left"] is True
+        time.sleep(0.2)  # a release would be on its way by now
+        assert pins(client, lease.lease_id) == 1
+        assert client.release_read(read["pin_id"])  # the gateway's release
+    else:
+        assert "kvbridge_pin_left" not in outcome
+        wait_unpinned(client, lease.lease_id)
+
+
+def test_prefill_pin_left_to_the_gateway_is_released_if_its_request_is_never_asked_about(
+        routed_prefill: PrefillKit, client: RegistryClient):
+    """Decisions taken on arrival wait for the scheduler's question in a bounded table; one
+    dropped from it (its request aborted before it was scheduled, say) never reaches an answer
+    that tells the gateway the pin was left to it: the engine releases that pin itself."""
+    lease = grant(client, "c1", LEASE_TOKENS)
+    read = routed_read(client.pin_lease(TENANT, "c1", pin_ttl=10.0, reader_id=READER),
+                       monotonic(), gateway_releases=True)
+    routed_prefill.request("p-first", list(range(7)), kvbridge={**conv_key("c1"), "read": read})
+    time.sleep(0.1)
+    assert pins(client, lease.lease_id) == 1  # left to the gateway
+    for i in range(4096):
+        routed_prefill.request(f"p-{i}", list(range(7)), kvbridge=conv_key("c1"))
+    wait_unpinned(client, lease.lease_id)
+
+
 @pytest.mark.parametrize(("prompt", "n_blocks", "usable"), [
     pytest.param(LEASE_TOKENS + EXTRA, 10, 38, id="exact-with-partial-block"),
     pytest.param(LEASE_TOKENS[:36] + [7, 7] + EXTRA, 9, 36, id="partial-block-differs"),

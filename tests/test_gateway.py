@@ -49,6 +49,10 @@ class FakeEngine:
     runner: web.AppRunner | None = None
     port: int = 0
     delay: float = 0.0  # before a decode answers (turns in flight at once)
+    # A prefill that decides before any read not to read leaves a routed pin the gateway
+    # releases itself (as kvbridge's connector does) and says so in its answer.
+    pin_left: bool = False
+    no_params: bool = False  # a prefill answer without kv_transfer_params (vLLM's, at EOS)
 
     async def start(self) -> None:
         app = web.Application()
@@ -84,6 +88,10 @@ class FakeEngine:
                                      status=int(fault))
         chat = request.path.endswith("chat/completions")
         params = body.get("kv_transfer_params") or {}
+        if self.role == "prefill" and self.no_params:
+            return web.json_response({
+                "id": "cmpl-p", "object": "text_completion", "model": body["model"],
+                "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]})
         if self.role == "prefill":
             return web.json_response({
                 "id": "cmpl-p", "object": "text_completion", "model": body["model"],
@@ -95,6 +103,9 @@ class FakeEngine:
                     "kvbridge_decision": "hit" if self.reused else "miss_no_lease",
                     "kvbridge_reused_tokens": self.reused,
                     "kvbridge_recomputed_tokens": 7,
+                    **({"kvbridge_pin_left": True} if self.pin_left and params.get(
+                        "kvbridge", {}).get("read", {}).get("released_by") == "gateway"
+                       else {}),
                     **({"kvbridge_local_tokens": self.local} if self.local else {})}})
         if not params.get("do_remote_prefill"):
             return web.json_response({"error": {"message": "no prefill params"}}, status=400)
@@ -358,6 +369,42 @@ async def test_read_pinned_for_an_unreachable_prefill_is_released(
                 break
             await asyncio.sleep(0.01)
         assert registry_server.table.counts()["pins"] == 0
+    finally:
+        await close(s)
+
+
+@pytest.mark.parametrize("prefill_answers", ["pin_left", "used", "400", "no_params"])
+async def test_gateway_releases_the_routed_pin_prefill_left_or_never_saw(
+        registry_server: RegistryServer, tmp_path: Path, kv: Any, prefill_answers: str) -> None:
+    """The gateway marks the read it pinned at route as its own to release. Prefill that
+    decided before any read not to read leaves the pin (and says so): the gateway releases it
+    once prefill answers. One that rejected the request (4xx) never scheduled it, and one that
+    finished it without kv_transfer_params cannot say: released too. One that took the read
+    releases it itself when the read lands: the gateway leaves it."""
+    s = await make_stack(registry_server, tmp_path, lease_wait_s=0)
+    try:
+        tenant = "key-" + __import__("hashlib").blake2b(b"sk-alice", digest_size=8).hexdigest()
+        reg = s.registry_client
+        await reg.register_holder("engine-d0", "127.0.0.1", 5600, kv.block_size,
+                                  kv.fingerprint, ttl=60)
+        await reg.grant_lease("engine-d0", tenant, "conv-r", "req-1", [1, 2], 8,
+                              kv.lease_hashes(kv.tokens(8)))
+        s.engines["p0"].pin_left = prefill_answers == "pin_left"
+        s.engines["p0"].no_params = prefill_answers == "no_params"
+        if prefill_answers == "400":
+            s.engines["p0"].faults.append("400")
+        status, _, body = await post(s, "/v1/completions", {
+            "model": MODEL, "prompt": "hi", "max_tokens": 1, "conversation_id": "conv-r"},
+            headers={"Authorization": "Bearer sk-alice"})
+        assert status == {"400": 400, "no_params": 502}.get(prefill_answers, 200), body
+        read = s.engines["p0"].received[-1]["kv_transfer_params"]["kvbridge"]["read"]
+        assert read["pin_id"] and read["released_by"] == "gateway"
+        want = 1 if prefill_answers == "used" else 0
+        if want:
+            await asyncio.sleep(0.2)  # a release would have landed by now
+        assert await _pins(registry_server, want) == want
+        if status == 200:  # the engine's note is the gateway's, not decode's
+            assert "kvbridge_pin_left" not in s.engines["d0"].received[-1]["kv_transfer_params"]
     finally:
         await close(s)
 

@@ -41,7 +41,7 @@ from kvbridge import history
 from kvbridge.clients._registry import AsyncRegistryClient, seconds
 from kvbridge.clients._router import AsyncRouterClient
 from kvbridge.clock import monotonic
-from kvbridge.connector._routed import READ_KEY, routed_read
+from kvbridge.connector._routed import PIN_LEFT, READ_KEY, routed_read
 from kvbridge.connector._settings import CONVERSATION_KEY
 from kvbridge.errors import InvalidArgument, KvbridgeError, NoInstance
 from kvbridge.registry.v1 import registry_pb2 as reg_pb
@@ -655,11 +655,13 @@ class Gateway:
         if turn.conversation and route.HasField("read"):
             prefill_key = {CONVERSATION_KEY: {
                 **key[CONVERSATION_KEY],
-                READ_KEY: routed_read(route.read, received)}}
+                READ_KEY: routed_read(route.read, received,
+                                      gateway_releases=self.registry is not None)}}
         prefill_body.update(max_tokens=1, stream=False, kv_transfer_params={
             "do_remote_decode": True, "do_remote_prefill": False, **prefill_key})
         start = time.perf_counter()
         url = route.prefill.http_url + path
+        pin_id = route.read.read.pin.pin_id if route.HasField("read") else ""
         try:
             prefill = await self._to_engine(
                 "prefill", turn.prefill, url,
@@ -668,17 +670,25 @@ class Gateway:
             # The engine never took the request, died with it, or failed it: give its pinned
             # read back now rather than hold decode's blocks until the pin runs out (a prefill
             # that did take the pin may have released it already: releasing twice is harmless).
-            pin_id = route.read.read.pin.pin_id if route.HasField("read") else ""
             if pin_id and self.registry is not None:
                 self._in_background(self._release_pin(pin_id))
             raise
         turn.prefill_ms = (time.perf_counter() - start) * 1000
         self.metrics.prefill.labels(self.metrics.model(turn.model)).observe(
             turn.prefill_ms / 1000)
+        params = prefill.get("kv_transfer_params") if isinstance(prefill, dict) else None
+        if pin_id and self.registry is not None and (
+                isinstance(prefill, web.Response) or not isinstance(params, dict)
+                or params.pop(PIN_LEFT, None) is True):
+            # No read runs under the pin any more: prefill rejected the request (a 4xx, before
+            # scheduling it), or finished it (a read lands before the compute that needs it)
+            # and either left the pin to us, having decided before any read not to read, or
+            # sent no kv_transfer_params to say so (vLLM omits them when the first token
+            # ends the answer). Released twice is harmless.
+            self._in_background(self._release_pin(pin_id))
         if isinstance(prefill, web.Response):  # its error, as the client may see it
             prefill.headers.update(turn.headers())
             return prefill
-        params = prefill.get("kv_transfer_params")
         if not isinstance(params, dict):
             raise HttpError(502, f"prefill instance {turn.prefill} returned no "
                                  "kv_transfer_params: is it a kvbridge/NIXL kv_producer?",
