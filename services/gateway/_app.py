@@ -340,11 +340,12 @@ class _EngineDown(Exception):
     mid-request (connection lost), or a prefill that answered 5xx (`status`). `str()` is for
     the log only: it may hold what the engine said."""
 
-    def __init__(self, role: str, instance_id: str, error: str, status: int | None = None
-                 ) -> None:
+    def __init__(self, role: str, instance_id: str, error: str, status: int | None = None,
+                 *, never_sent: bool = False) -> None:
         what = "failed" if status is not None else "unreachable"
         super().__init__(f"{role} instance {instance_id} {what}: {error}")
         self.role, self.instance_id, self.status = role, instance_id, status
+        self.never_sent = never_sent  # no connection: the engine cannot have the request
 
     def client_error(self, request_id: str) -> HttpError:
         """What the client is told: no more than which instance failed, and how."""
@@ -666,11 +667,13 @@ class Gateway:
             prefill = await self._to_engine(
                 "prefill", turn.prefill, url,
                 lambda headers: self._post_json(url, prefill_body, "prefill", turn, headers))
-        except _EngineDown:
-            # The engine never took the request, died with it, or failed it: give its pinned
-            # read back now rather than hold decode's blocks until the pin runs out (a prefill
-            # that did take the pin may have released it already: releasing twice is harmless).
-            if pin_id and self.registry is not None:
+        except _EngineDown as down:
+            # An engine that never got the request (no connection) reads nothing under its
+            # pin: give it back now rather than hold decode's blocks until it runs out. One
+            # that may have it (connection lost mid-request, a timeout, a 5xx) may still have
+            # a read in flight under the pin: the engine releases it once that read is over
+            # (or the pin runs out), never the gateway, lest decode free blocks being read.
+            if down.never_sent and pin_id and self.registry is not None:
                 self._in_background(self._release_pin(pin_id))
             raise
         turn.prefill_ms = (time.perf_counter() - start) * 1000
@@ -817,7 +820,9 @@ class Gateway:
                 text = (await _read_reply(resp)).decode("utf-8", "replace")
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
                 _TooLarge) as err:
-            raise _EngineDown(role, instance, str(err) or type(err).__name__) from None
+            raise _EngineDown(role, instance, str(err) or type(err).__name__,
+                              never_sent=isinstance(err, aiohttp.ClientConnectorError)
+                              ) from None
         if 300 <= resp.status < 400:  # never followed: it could point anywhere
             raise _EngineDown(role, instance, f"HTTP {resp.status} redirect to "
                               f"{resp.headers.get('Location', '')[:200]!r}", resp.status)
