@@ -36,6 +36,7 @@ import json
 import math
 import os
 import random
+import sys
 import threading
 import time
 import urllib.error
@@ -193,10 +194,20 @@ def model_encoder(model: Path) -> Callable[[str], list[int]]:
 # ---- talking to engines ----------------------------------------------------------------------
 
 
-def metric_lines(url: str, timeout: float = 30.0) -> list[tuple[str, dict[str, str], float]]:
-    """(name, labels, value) of every sample of a Prometheus endpoint."""
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        text = resp.read().decode()
+def metric_lines(url: str, timeout: float = 30.0, attempts: int = 3
+                 ) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of every sample of a Prometheus endpoint. CPU engines share
+    their cores with busy-polling threads and, right after a leg, with requests still being
+    cancelled: an engine's API server can miss one deadline and answer the next try."""
+    for attempt in range(1, attempts + 1):
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as resp:
+                text = resp.read().decode()
+            break
+        except (TimeoutError, urllib.error.URLError) as err:
+            if attempt == attempts:
+                raise
+            print(f"{url}: no answer ({err}), trying again", file=sys.stderr, flush=True)
     out = []
     for line in text.splitlines():
         if not line or line.startswith("#"):
