@@ -735,9 +735,14 @@ async def test_renewal_events_go_to_renewal_listeners_only(b: Backend, kv: Any) 
 
 async def test_fresh_state_reports_nothing_reclaimable_for_the_grace(make_backend: Factory,
                                                                      kv: Any) -> None:
+    started = time.monotonic()
     b = await make_backend(recovering=True, max_pin_ttl_s=5.0, default_pin_ttl_s=5.0)
     await b.store.register_holder(holder(ttl=300.0))
-    assert await b.store.reclaim_hold() == pytest.approx(6.0, abs=0.5)
+    hold = await b.store.reclaim_hold()
+    # The grace (max pin TTL + 1) counts from the backend's start: on a backend whose clock is
+    # real (Redis), what setting up took (three shards on a loaded machine: a second or more)
+    # has passed already.
+    assert 6.0 - (time.monotonic() - started) - 0.5 <= hold <= 6.5, hold
     old = (await b.store.grant(grant_spec(kv, kv.tokens(8)))).lease
     await b.store.grant(grant_spec(kv, kv.tokens(12)))  # supersedes `old`, unpinned
     assert await b.store.heartbeat("h1") == ([], 300.0)  # a pin from before may be live
