@@ -39,6 +39,14 @@ log = structlog.get_logger("kvbridge.connector")
 _REVOKE_WAIT_S = 0.25
 
 
+def _unindex(index: dict[bytes, set[str]], entry: bytes, key: str) -> None:
+    keys = index.get(entry)
+    if keys is not None:
+        keys.discard(key)
+        if not keys:
+            del index[entry]
+
+
 @dataclass
 class _Retained:
     key: str  # the remote request id readers name
@@ -48,6 +56,7 @@ class _Retained:
     lease_id: str = ""
     grant_request_id: str = ""  # set while the grant's outcome is unknown
     conversation: tuple[str, str] | None = None  # (tenant, conversation id)
+    full_hashes: tuple[bytes, ...] = ()  # its full blocks' chained hashes, in order
 
 
 class DecodeRetention:
@@ -93,7 +102,10 @@ class DecodeRetention:
         # The conversations of requests here (arrived, not finished): their own retained turns
         # are the prefix those requests reuse, so revoking them frees nothing for them.
         self._active: dict[str, tuple[str, str]] = {}  # request id: conversation
-        self._by_conversation: dict[tuple[str, str], set[str]] = {}  # retained turns' keys
+        # Retained turns by the chained hash of each of their full blocks: an arriving request
+        # finds there the prefix decode's cache already holds for it, its own history or
+        # another conversation's (a shared system prompt), and needs no new blocks for it.
+        self._by_hash: dict[bytes, set[str]] = {}
         # Headroom: the peak of that demand over a recent window, kept free ahead of the next
         # arrivals. A monotonic queue of (arrived at, demand): values decrease front to back,
         # so the front is the window's maximum.
@@ -119,13 +131,8 @@ class DecodeRetention:
         hold the blocks it needs."""
         self.drain()
         conversation = conversation_of(request.kv_transfer_params)
-        need = -(-request.num_tokens // self.block_size) + 1
+        need = -(-request.num_tokens // self.block_size) + 1 - self._held_blocks(request)
         if conversation is not None:
-            # A later turn of a conversation retained here finds its history in decode's
-            # prefix cache: it needs new blocks only past the full blocks held (vLLM computes
-            # at least the last token, so at most the blocks before it are found).
-            held = min(self._held_tokens(conversation), request.num_tokens - 1)
-            need -= held // self.block_size
             with self._lock:
                 self._active[request.request_id] = conversation
         now = self._now()
@@ -133,15 +140,30 @@ class DecodeRetention:
         self._note_demand(sum(n for n, _ in self._demand.values()), now)
         self.check_watermark()
 
-    def _held_tokens(self, conversation: tuple[str, str]) -> int:
-        """Tokens of the longest turn of `conversation` retained here and not revoked (0:
-        none). An estimate of the request's cached prefix, for making room: a request that
-        needs more than it says (its history edited) still gets room as vLLM asks for it
-        (`make_room`)."""
+    def _held_blocks(self, request: Any) -> int:
+        """How many leading full blocks of the request's prompt turns retained here (and not
+        revoked) hold: vLLM finds them in decode's prefix cache, so the request needs no new
+        blocks for them. At most the blocks before the last token, which vLLM always computes.
+        An estimate for making room (the blocks may be evicted meanwhile): a request that needs
+        more still gets room as vLLM asks for it (`make_room`)."""
         with self._lock:
-            held = (self._by_key[k] for k in self._by_conversation.get(conversation, ())
-                    if k in self._by_key)
-            return max((r.tokens for r in held if r.lease_id not in self._revoked), default=0)
+            if not self._by_hash:
+                return 0
+        scope = kv_scope(request, self.fingerprint)
+        if scope is None:
+            return 0
+        limit = (request.num_tokens - 1) // self.block_size
+        held = 0
+        # Chained hashes: a block is held only if every block before it is, so the walk stops
+        # at the first miss, having hashed one block past the held prefix.
+        for block_hash in blockhash.iter_block_hashes(request.all_token_ids, self.block_size,
+                                                      *scope, blocks=limit):
+            with self._lock:
+                if not any(k in self._by_key and self._by_key[k].lease_id not in self._revoked
+                           for k in self._by_hash.get(block_hash, ())):
+                    break
+            held += 1
+        return held
 
     def request_done(self, request_id: str) -> None:
         """A request left the scheduler (finished, aborted, or handed to a remote reader)."""
@@ -186,11 +208,14 @@ class DecodeRetention:
         tokens = list(request.all_token_ids[:computed])
         hashes = blockhash.block_hashes(tokens, self.block_size, *scope, include_partial=True)
         _vllm.hold_blocks(self._pool, blocks)
+        full = tuple(hashes[i:i + blockhash.HASH_SIZE] for i in range(
+            0, computed // self.block_size * blockhash.HASH_SIZE, blockhash.HASH_SIZE))
         retained = _Retained(f"{REMOTE_ID_PREFIX}{request.request_id}", blocks, computed,
-                             self._now(), conversation=key)
+                             self._now(), conversation=key, full_hashes=full)
         with self._lock:
             self._by_key[retained.key] = retained
-            self._by_conversation.setdefault(key, set()).add(retained.key)
+            for block_hash in full:
+                self._by_hash.setdefault(block_hash, set()).add(retained.key)
         self.metrics.retained_blocks.inc(len(blocks))
         self.metrics.retained_turns.inc()
         tenant, conversation = key
@@ -210,12 +235,8 @@ class DecodeRetention:
                 break
             with self._lock:
                 retained = self._by_key.pop(key, None)
-                if retained is not None and retained.conversation is not None:
-                    turns = self._by_conversation.get(retained.conversation)
-                    if turns is not None:
-                        turns.discard(key)
-                        if not turns:
-                            del self._by_conversation[retained.conversation]
+                for block_hash in () if retained is None else retained.full_hashes:
+                    _unindex(self._by_hash, block_hash, key)
                 if retained is not None and retained.lease_id:
                     self._by_lease.pop(retained.lease_id, None)
                     self._revoked.discard(retained.lease_id)
@@ -298,9 +319,17 @@ class DecodeRetention:
         with self._lock:
             if self._revoking:
                 return
-            freeing = sum(len(self._by_key[self._by_lease[lid]].block_ids)
-                          for lid in self._revoked - self._revoked_pinned
-                          if lid in self._by_lease and self._by_lease[lid] in self._by_key)
+            # Turns share blocks (a system prompt one conversation left in decode's prefix
+            # cache and the next found there): a block is freed only with its last holder.
+            # Revoked turns no reader pins are freed by the next drain, so they hold nothing.
+            going = {self._by_lease[lid] for lid in self._revoked - self._revoked_pinned
+                     if lid in self._by_lease} & self._by_key.keys()
+            holders = None
+            freeing = 0
+            if going:
+                holders = self._holders(going)
+                freeing = len({b for k in going for b in self._by_key[k].block_ids
+                               if not holders[b]})
             available = free + freeing
             deficit = watermark + max(waiting, headroom) - available
             if deficit <= 0:
@@ -314,12 +343,21 @@ class DecodeRetention:
                              if r.lease_id and r.lease_id not in self._revoked
                              and r.conversation not in busy),
                             key=lambda r: r.since)
+            # A victim counts only the blocks no turn left standing holds; one that would free
+            # none (all its blocks held by newer turns too) is spared.
+            if holders is None:
+                holders = self._holders(going)
             victims: list[str] = []
             for retained in leased:
                 if deficit <= 0:
                     break
+                holders.subtract(retained.block_ids)
+                frees = sum(1 for b in retained.block_ids if holders[b] <= 0)
+                if frees == 0:
+                    holders.update(retained.block_ids)
+                    continue
                 victims.append(retained.lease_id)
-                deficit -= len(retained.block_ids)
+                deficit -= frees
             if not victims:
                 return
             self._revoking = True
@@ -328,6 +366,11 @@ class DecodeRetention:
             self._revoke_sent = self._now()
         self.metrics.revocations.labels(cause).inc()
         self._revokes.submit(self._revoke, victims, self._now(), cause)
+
+    def _holders(self, going: set[str]) -> collections.Counter[int]:
+        """How many retained turns hold each block, leaving out the turns `going` (lock held)."""
+        return collections.Counter(b for k, r in self._by_key.items() if k not in going
+                                   for b in r.block_ids)
 
     # ---- background threads -----------------------------------------------------------------
 

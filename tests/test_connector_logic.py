@@ -772,8 +772,9 @@ def test_decode_arriving_request_makes_room_at_once(registry: ThreadedRegistry,
         wait_for(lambda: decode.retention.drain() == 20, "the watermark revocation")
         assert decode.pool.get_num_free_blocks() == 23
         assert lease_state(client, "ca") == pb.LEASE_STATE_REVOKED
-        # A request of 80 tokens needs 20 blocks (+1) on top of the 6-block watermark: 27 > 23.
-        decode.retention.on_new_request(FakeRequest("req-new", list(range(80))))
+        # A request of 80 tokens none of them hold needs 20 blocks (+1) on top of the 6-block
+        # watermark: 27 > 23.
+        decode.retention.on_new_request(FakeRequest("req-new", list(range(1000, 1080))))
         wait_for(lambda: decode.retention.drain() == 20, "room for the arriving request")
         assert decode.pool.refs(b) == [0] * 20
         assert decode.pool.refs(c) == [1] * 20  # the newest lease stays: 43 free is enough
@@ -854,7 +855,8 @@ def test_decode_later_turn_demands_only_what_it_adds(decode: DecodeKit,
                                                      client: RegistryClient) -> None:
     """A later turn of a conversation retained here finds its history in decode's prefix
     cache: its demand (and so the headroom kept for such arrivals) counts only the blocks past
-    the full blocks held, not its whole prompt."""
+    the full blocks held, not its whole prompt. So does any request whose prompt starts with
+    blocks a retained turn holds, such as another conversation's shared system prompt."""
     history = list(range(38))
     decode.finish("req-1", "ca", history, [1, 2], list(range(1, 11)))  # 39 computed: 10 blocks
     decode.wait_granted(1)
@@ -863,11 +865,20 @@ def test_decode_later_turn_demands_only_what_it_adds(decode: DecodeKit,
     decode.retention.on_new_request(FakeRequest("req-2", later, params=params))
     assert decode.retention.headroom() == cdiv(60, BS) + 1 - 39 // BS  # 7, not 16
     decode.retention.request_done("req-2")
-    # Another conversation's turn of the same length holds nothing here: all of it counts.
-    decode.retention.on_new_request(FakeRequest("req-3", later,
-                                                params={"kvbridge": conv_key("cb")}))
-    assert decode.retention.headroom() == cdiv(60, BS) + 1
-    decode.retention.request_done("req-3")
+    # Another conversation (or none) that shares the first 5 blocks, then goes its own way.
+    shared = history[:22] + list(range(200, 238))  # 60 tokens: token 21 is in block 5
+    for rid, extra in (("req-3", {"params": {"kvbridge": conv_key("cb")}}), ("req-3b", {})):
+        decode.retention.on_new_request(FakeRequest(rid, shared, **extra))
+        assert decode.retention._demand[rid][0] == cdiv(60, BS) + 1 - 5
+        decode.retention.request_done(rid)
+    # A prompt that differs in its first token holds nothing here: all of it counts.
+    decode.retention.on_new_request(FakeRequest("req-3c", [999] + later[1:]))
+    assert decode.retention._demand["req-3c"][0] == cdiv(60, BS) + 1
+    decode.retention.request_done("req-3c")
+    # Under another cache salt the same tokens are other KV: nothing held either.
+    decode.retention.on_new_request(FakeRequest("req-3d", later, params=params, cache_salt="s"))
+    assert decode.retention._demand["req-3d"][0] == cdiv(60, BS) + 1
+    decode.retention.request_done("req-3d")
     assert decode.retention._demand == {} and decode.retention._active == {}
     # Once its lease is revoked for memory, the retained turn is on its way out: not counted.
     decode.pool.reported_free = 0
@@ -913,6 +924,42 @@ def test_decode_watermark_spares_a_conversation_with_a_request_here(
     wait_for(lambda: decode.retention.drain() == 3, "the spared lease to be freed")
     assert client.get_lease(ids["ca"]).state == pb.LEASE_STATE_REVOKED
     assert client.get_lease(ids["cc"]).state == pb.LEASE_STATE_ACTIVE
+
+
+def test_decode_victims_count_only_the_blocks_they_free(decode: DecodeKit,
+                                                        client: RegistryClient) -> None:
+    """Turns share the blocks of a common prefix (a system prompt the next conversation found
+    in decode's prefix cache). Revoking one frees only the blocks no other turn holds: the
+    watermark takes as many victims as the room needs, and spares a turn whose blocks are all
+    held by newer ones, since revoking it would free nothing."""
+    system = list(range(32))  # 8 full blocks
+    decode.finish("req-p", "cp", system[:15], [7, 7], [1, 2, 3, 4])  # 16 computed: blocks 1-4
+    decode.finish("req-a", "ca", system, [50, 51, 52, 53, 54, 55, 56, 57, 58],
+                  list(range(1, 11)))  # 40 computed: 10 blocks, 9 and 10 its own
+    decode.finish("req-b", "cb", system, [60, 61, 62, 63, 64, 65, 66, 67, 68],
+                  list(range(1, 9)) + [21, 22])  # blocks 1-8 shared with ca's turn
+    decode.finish("req-c", "cc", list(range(500, 511)), [70], [31, 32, 33])
+    decode.wait_granted(4)
+    ids = {conv: only_lease(client, conv).lease_id for conv in ("cp", "ca", "cb", "cc")}
+    # Watermark 6, 3 free: a deficit of 3. The oldest ("cp") holds only blocks newer turns
+    # hold too; "ca" frees 2 (9, 10); "cb" then frees 10 (its own and the 8 nobody holds now).
+    decode.pool.reported_free = 3
+    decode.retention.check_watermark()
+    freed = [0]
+
+    def drained() -> bool:
+        freed[0] += decode.retention.drain()
+        return freed[0] >= 20
+
+    wait_for(drained, "the revoked turns to be freed")
+    assert freed[0] == 20  # the blocks released: 10 + 10 references
+    assert [client.get_lease(ids[c]).state for c in ("cp", "ca", "cb", "cc")] == [
+        pb.LEASE_STATE_ACTIVE, pb.LEASE_STATE_REVOKED, pb.LEASE_STATE_REVOKED,
+        pb.LEASE_STATE_ACTIVE]
+    assert decode.pool.refs(range(1, 5)) == [1] * 4  # still cp's
+    assert decode.pool.refs([5, 6, 7, 8, 9, 10, 21, 22]) == [0] * 8
+    assert sample(decode.metrics, "kvbridge_connector_memory_revocations_total",
+                  cause="demand") == 1  # one round took both
 
 
 def test_decode_pinned_victim_is_not_picked_twice(decode: DecodeKit, client: RegistryClient):
