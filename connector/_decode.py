@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -56,7 +56,7 @@ class _Retained:
     lease_id: str = ""
     grant_request_id: str = ""  # set while the grant's outcome is unknown
     conversation: tuple[str, str] | None = None  # (tenant, conversation id)
-    full_hashes: tuple[bytes, ...] = ()  # its full blocks' chained hashes, in order
+    full_hashes: tuple[Any, ...] = ()  # vLLM's hashes of its full blocks, in order
 
 
 class DecodeRetention:
@@ -102,10 +102,16 @@ class DecodeRetention:
         # The conversations of requests here (arrived, not finished): their own retained turns
         # are the prefix those requests reuse, so revoking them frees nothing for them.
         self._active: dict[str, tuple[str, str]] = {}  # request id: conversation
-        # Retained turns by the chained hash of each of their full blocks: an arriving request
-        # finds there the prefix decode's cache already holds for it, its own history or
-        # another conversation's (a shared system prompt), and needs no new blocks for it.
-        self._by_hash: dict[bytes, set[str]] = {}
+        # Retained turns by vLLM's hash of each of their full blocks: an arriving request finds
+        # there the prefix decode's cache already holds for it, its own history or another
+        # conversation's (a shared system prompt), and needs no new blocks for it.
+        self._by_hash: dict[Any, set[str]] = {}
+        # Until a request has its blocks: the turn that holds the prefix it was credited with,
+        # kept from revocation (which would free those blocks only for the request to take
+        # them back from the prefix cache, short of what it was counted to need).
+        self._credited: dict[str, str] = {}  # request id: retained turn's key
+        self._shared = False  # whether this vLLM's blocks show their reference counts
+        self._request_hashes: bool | None = None  # whether its requests show their hashes
         # Headroom: the peak of that demand over a recent window, kept free ahead of the next
         # arrivals. A monotonic queue of (arrived at, demand): values decrease front to back,
         # so the front is the window's maximum.
@@ -121,6 +127,9 @@ class DecodeRetention:
                             owners=[_vllm.BLOCK_POOL]):
             return
         self._pool = block_pool
+        self._shared = _vllm.usable(
+            _vllm.SHARED_BLOCKS, {_vllm.KV_CACHE_BLOCK: _vllm.null_block(block_pool)},
+            owners=[_vllm.KV_CACHE_BLOCK])
         self.metrics.kv_blocks.set(_vllm.pool_blocks(block_pool))
         self.metrics.free_blocks.set_function(_vllm.free_block_counter(block_pool))
 
@@ -131,49 +140,72 @@ class DecodeRetention:
         hold the blocks it needs."""
         self.drain()
         conversation = conversation_of(request.kv_transfer_params)
-        need = -(-request.num_tokens // self.block_size) + 1 - self._held_blocks(request)
-        if conversation is not None:
-            with self._lock:
+        held, holder = self._held_blocks(request)
+        need = -(-request.num_tokens // self.block_size) + 1 - held
+        with self._lock:
+            if conversation is not None:
                 self._active[request.request_id] = conversation
+            if holder:
+                self._credited[request.request_id] = holder
         now = self._now()
         self._demand[request.request_id] = (need, now)
         self._note_demand(sum(n for n, _ in self._demand.values()), now)
         self.check_watermark()
 
-    def _held_blocks(self, request: Any) -> int:
+    def _full_hashes(self, request: Any) -> Sequence[Any]:
+        """vLLM's hashes of the request's full blocks, one per block of this pool; none where
+        this vLLM hides them or hashes at another granularity."""
+        if self._request_hashes is None:  # checked on the first request, as it arrives
+            self._request_hashes = self._shared and _vllm.usable(
+                _vllm.SHARED_BLOCKS, {_vllm.REQUEST: request}, owners=[_vllm.REQUEST])
+        if not self._request_hashes:
+            return ()
+        hashes = _vllm.block_hashes(request)
+        return hashes if len(hashes) == request.num_tokens // self.block_size else ()
+
+    def _held_blocks(self, request: Any) -> tuple[int, str]:
         """How many leading full blocks of the request's prompt turns retained here (and not
-        revoked) hold: vLLM finds them in decode's prefix cache, so the request needs no new
-        blocks for them. At most the blocks before the last token, which vLLM always computes.
-        An estimate for making room (the blocks may be evicted meanwhile): a request that needs
-        more still gets room as vLLM asks for it (`make_room`)."""
+        revoked) hold, and one such turn: vLLM finds those blocks in decode's prefix cache, so
+        the request needs no new blocks for them. At most the blocks before the last token,
+        which vLLM always computes. An estimate for making room (the blocks may be evicted
+        meanwhile): a request that needs more still gets room as vLLM asks for it
+        (`make_room`)."""
+        hashes = self._full_hashes(request)
+        lo, hi = 0, min(len(hashes), (request.num_tokens - 1) // self.block_size)
+        holder = ""
         with self._lock:
             if not self._by_hash:
-                return 0
-        scope = kv_scope(request, self.fingerprint)
-        if scope is None:
-            return 0
-        limit = (request.num_tokens - 1) // self.block_size
-        held = 0
-        # Chained hashes: a block is held only if every block before it is, so the walk stops
-        # at the first miss, having hashed one block past the held prefix.
-        for block_hash in blockhash.iter_block_hashes(request.all_token_ids, self.block_size,
-                                                      *scope, blocks=limit):
-            with self._lock:
-                if not any(k in self._by_key and self._by_key[k].lease_id not in self._revoked
-                           for k in self._by_hash.get(block_hash, ())):
-                    break
-            held += 1
-        return held
+                return 0, ""
+            # The hashes chain: a turn holding block i holds every block before it, so the
+            # blocks held are a prefix, found in a binary search (lo held, hi-1 the last tried).
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                key = self._live_holder(hashes[mid - 1])
+                if key:
+                    lo, holder = mid, key
+                else:
+                    hi = mid - 1
+        return lo, holder
+
+    def _live_holder(self, block_hash: Any) -> str:
+        """The newest retained, not revoked turn holding a block of this hash ("": none; lock
+        held)."""
+        turns = (self._by_key[k] for k in self._by_hash.get(block_hash, ()) if k in self._by_key)
+        live = [r for r in turns if r.lease_id not in self._revoked]
+        return max(live, key=lambda r: r.since).key if live else ""
 
     def request_done(self, request_id: str) -> None:
         """A request left the scheduler (finished, aborted, or handed to a remote reader)."""
         self._demand.pop(request_id, None)
         with self._lock:
             self._active.pop(request_id, None)
+            self._credited.pop(request_id, None)
 
     def allocated(self, request_id: str) -> None:
         """The scheduler gave the request its blocks: no demand left."""
         demand = self._demand.pop(request_id, None)
+        with self._lock:  # it holds its blocks itself now
+            self._credited.pop(request_id, None)
         if demand is not None:
             self.metrics.admission_wait.observe(self._now() - demand[1])
 
@@ -195,6 +227,11 @@ class DecodeRetention:
             return None
         with self._lock:
             unsettled = self._granting + len(self._by_grant)
+            again = f"{REMOTE_ID_PREFIX}{request.request_id}" in self._by_key
+        if again:  # a request id used twice: the turn retained under it keeps its place
+            log.warning("retention_skipped", request_id=request.request_id,
+                        why="a turn of this request id is retained already")
+            return None
         if unsettled >= self.settings.max_unsettled_grants:
             self.metrics.retention_skipped.inc()
             log.warning("retention_skipped", request_id=request.request_id,
@@ -208,8 +245,7 @@ class DecodeRetention:
         tokens = list(request.all_token_ids[:computed])
         hashes = blockhash.block_hashes(tokens, self.block_size, *scope, include_partial=True)
         _vllm.hold_blocks(self._pool, blocks)
-        full = tuple(hashes[i:i + blockhash.HASH_SIZE] for i in range(
-            0, computed // self.block_size * blockhash.HASH_SIZE, blockhash.HASH_SIZE))
+        full = tuple(self._full_hashes(request)[: computed // self.block_size])
         retained = _Retained(f"{REMOTE_ID_PREFIX}{request.request_id}", blocks, computed,
                              self._now(), conversation=key, full_hashes=full)
         with self._lock:
@@ -320,41 +356,37 @@ class DecodeRetention:
             if self._revoking:
                 return
             # Turns share blocks (a system prompt one conversation left in decode's prefix
-            # cache and the next found there): a block is freed only with its last holder.
-            # Revoked turns no reader pins are freed by the next drain, so they hold nothing.
-            going = {self._by_lease[lid] for lid in self._revoked - self._revoked_pinned
-                     if lid in self._by_lease} & self._by_key.keys()
-            holders = None
-            freeing = 0
-            if going:
-                holders = self._holders(going)
-                freeing = len({b for k in going for b in self._by_key[k].block_ids
-                               if not holders[b]})
-            available = free + freeing
+            # cache and the next found there), and so may running requests: a block is freed
+            # only with its last reference. Revoked turns no reader pins are freed by the next
+            # drain; the blocks they alone hold are about to be free.
+            leaving = collections.Counter(
+                b for lid in self._revoked - self._revoked_pinned if lid in self._by_lease
+                for b in self._by_key[self._by_lease[lid]].block_ids)
+            available = free + self._freed_with(leaving, leaving)
             deficit = watermark + max(waiting, headroom) - available
             if deficit <= 0:
                 return
             cause = "demand" if watermark + waiting > available else "headroom"
-            busy = set(self._active.values())
             # Revoked but pinned: a reader is copying them; freed when the pin ends. A
             # conversation with a request here is not a victim: that request reuses its
             # retained turn, so revoking it frees no room and costs the next turn its read.
+            # Nor is a turn whose prefix an arriving request was counted as finding.
+            busy = set(self._active.values())
+            credited = set(self._credited.values())
             leased = sorted((r for r in self._by_key.values()
                              if r.lease_id and r.lease_id not in self._revoked
-                             and r.conversation not in busy),
+                             and r.conversation not in busy and r.key not in credited),
                             key=lambda r: r.since)
-            # A victim counts only the blocks no turn left standing holds; one that would free
-            # none (all its blocks held by newer turns too) is spared.
-            if holders is None:
-                holders = self._holders(going)
+            # A victim counts only the blocks it frees; one that would free none (all its
+            # blocks held by newer turns or requests too) is spared.
             victims: list[str] = []
             for retained in leased:
                 if deficit <= 0:
                     break
-                holders.subtract(retained.block_ids)
-                frees = sum(1 for b in retained.block_ids if holders[b] <= 0)
+                leaving.update(retained.block_ids)
+                frees = self._freed_with(leaving, retained.block_ids)
                 if frees == 0:
-                    holders.update(retained.block_ids)
+                    leaving.subtract(retained.block_ids)
                     continue
                 victims.append(retained.lease_id)
                 deficit -= frees
@@ -367,10 +399,13 @@ class DecodeRetention:
         self.metrics.revocations.labels(cause).inc()
         self._revokes.submit(self._revoke, victims, self._now(), cause)
 
-    def _holders(self, going: set[str]) -> collections.Counter[int]:
-        """How many retained turns hold each block, leaving out the turns `going` (lock held)."""
-        return collections.Counter(b for k, r in self._by_key.items() if k not in going
-                                   for b in r.block_ids)
+    def _freed_with(self, leaving: collections.Counter[int], blocks: Iterable[int]) -> int:
+        """How many of `blocks` are freed once the retained turns `leaving` (the references
+        they drop, by block) let go: those with no other reference. Where this vLLM hides
+        reference counts, every one."""
+        if not self._shared or self._pool is None:
+            return len(set(blocks))
+        return sum(1 for b in set(blocks) if _vllm.block_refs(self._pool, b) <= leaving[b])
 
     # ---- background threads -----------------------------------------------------------------
 

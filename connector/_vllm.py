@@ -59,6 +59,10 @@ COST = "cost"
 #: Read notifications for kvbridge-retained blocks kept from NIXL's bookkeeping. Off: NIXL
 #: logs them as reads of blocks it does not know.
 NOTIFICATION_FILTER = "notification_filter"
+#: Decode's room-making sees shared blocks: an arriving request's prompt blocks that retained
+#: turns hold already (by vLLM's block hashes), and the blocks a revoked turn frees (by the
+#: blocks' reference counts). Off: a request needs its whole prompt, a turn frees all its blocks.
+SHARED_BLOCKS = "shared_blocks"
 
 # ---- the classes whose names are used ---------------------------------------------------------
 
@@ -73,6 +77,7 @@ STATS = f"{_NIXL}.stats.NixlKVConnectorStats"
 KV_CACHE_MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
 KV_CACHE_BLOCKS = "vllm.v1.core.kv_cache_manager.KVCacheBlocks"
 BLOCK_POOL = "vllm.v1.core.block_pool.BlockPool"
+KV_CACHE_BLOCK = "vllm.v1.core.kv_cache_utils.KVCacheBlock"
 REQUEST = "vllm.v1.request.Request"
 SCHED_OUTPUT = "vllm.v1.core.sched.output.SchedulerOutput"
 NEW_REQ_DATA = "vllm.v1.core.sched.output.NewRequestData"
@@ -118,7 +123,7 @@ NAMES: tuple[Name, ...] = (
     # Prefix caching: a synchronous read's blocks, found by their hashes, evicted if it failed;
     # only where the prefix cache hashes whole blocks of one full-attention group.
     *_names(KV_CACHE_MANAGER, (SYNC_PREFIX_CACHING,), "evict_blocks"),
-    *_names(REQUEST, (SYNC_PREFIX_CACHING,), "block_hashes"),
+    *_names(REQUEST, (SYNC_PREFIX_CACHING, SHARED_BLOCKS), "block_hashes"),
     *_names(KV_CACHE_CONFIG, (SYNC_PREFIX_CACHING,), "kv_cache_groups", "hash_block_size"),
     *_names(KV_CACHE_GROUP, (SYNC_PREFIX_CACHING,), "kv_cache_spec"),
     *_names(FULL_ATTENTION, (SYNC_PREFIX_CACHING,), "block_size"),
@@ -127,6 +132,7 @@ NAMES: tuple[Name, ...] = (
     *_names(KV_CACHE_MANAGER, (RETENTION,), "block_pool"),
     *_names(BLOCK_POOL, (RETENTION,), "blocks", "touch", "free_blocks", "num_gpu_blocks",
             "get_num_free_blocks"),
+    *_names(KV_CACHE_BLOCK, (SHARED_BLOCKS,), "ref_cnt"),
     # A request's inputs beyond its token ids.
     *_names(REQUEST, (INPUT_SCOPE,), "mm_features", "prompt_embeds", "lora_request",
             "cache_salt"),
@@ -404,9 +410,9 @@ def concurrent_batches(vllm_config: Any) -> int:
 
 
 def block_hashes(request: Any) -> Sequence[Any]:
-    """Synchronous reads with prefix caching: the hashes of a request's full blocks, in token
-    order (each chained on the ones before it, so equal hashes mean equal prefixes); vLLM's own
-    list, not a copy (read on the scheduler's path)."""
+    """Synchronous reads with prefix caching, shared blocks: the hashes of a request's full
+    blocks, in token order (each chained on the ones before it, so equal hashes mean equal
+    prefixes); vLLM's own list, not a copy (read on the scheduler's path)."""
     hashes: Sequence[Any] = request.block_hashes
     return hashes
 
@@ -435,6 +441,16 @@ def release_blocks(pool: Any, block_ids: Iterable[int]) -> None:
     """Retention: drop `hold_blocks`' references, in the order given (the pool's free queue
     evicts first what is freed first)."""
     pool.free_blocks(pool.blocks[b] for b in block_ids)
+
+
+def block_refs(pool: Any, block_id: int) -> int:
+    """Shared blocks: how many holders (requests, retained turns) a block has."""
+    return int(pool.blocks[block_id].ref_cnt)
+
+
+def null_block(pool: Any) -> Any:
+    """Shared blocks: a block of the pool, to check the names of (block 0, vLLM's null block)."""
+    return pool.blocks[0]
 
 
 def pool_blocks(pool: Any) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 HASH_SIZE = 16
 _VERSION = b"kvbridge-blockhash-v1"
@@ -55,25 +55,6 @@ def _link(parent: bytes, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def iter_block_hashes(
-    token_ids: Sequence[int],
-    block_size: int,
-    fingerprint: str,
-    cache_salt: str = "",
-    *,
-    blocks: int | None = None,
-) -> Iterator[bytes]:
-    """The hashes of the full blocks of `token_ids` one at a time (the first `blocks` of them,
-    when given), so a caller that stops at the first block it does not know hashes no further."""
-    parent = root_hash(fingerprint, block_size, cache_salt)
-    full = len(token_ids) // block_size
-    if blocks is not None:
-        full = min(full, blocks)
-    for start in range(0, full * block_size, block_size):
-        parent = _link(parent, token_ids[start : start + block_size])
-        yield parent
-
-
 def block_hashes(
     token_ids: Sequence[int],
     block_size: int,
@@ -85,10 +66,11 @@ def block_hashes(
     """Concatenated hashes of the full blocks of `token_ids` (and the partial one if asked)."""
     parent = root_hash(fingerprint, block_size, cache_salt)
     out = bytearray()
-    for parent in iter_block_hashes(token_ids, block_size, fingerprint, cache_salt):
-        out += parent
     n = len(token_ids)
     full_end = n - n % block_size
+    for start in range(0, full_end, block_size):
+        parent = _link(parent, token_ids[start : start + block_size])
+        out += parent
     if include_partial and full_end < n:
         out += _link(parent, token_ids[full_end:])
     return bytes(out)

@@ -46,14 +46,6 @@ def test_one_hash_per_full_block_and_deterministic() -> None:
     assert blockhash.block_hashes([], 4, FP, include_partial=True) == b""
 
 
-def test_iter_block_hashes_yields_the_same_chain_and_stops_at_blocks() -> None:
-    h = split(blockhash.block_hashes(TOKENS[:18], 4, FP, cache_salt="s"))
-    assert list(blockhash.iter_block_hashes(TOKENS[:18], 4, FP, "s")) == h  # full blocks only
-    assert list(blockhash.iter_block_hashes(TOKENS[:18], 4, FP, "s", blocks=2)) == h[:2]
-    assert list(blockhash.iter_block_hashes(TOKENS[:18], 4, FP, "s", blocks=9)) == h
-    assert list(blockhash.iter_block_hashes(TOKENS[:18], 4, FP, "s", blocks=0)) == []
-
-
 def test_repeated_token_blocks_hash_differently() -> None:
     h = split(blockhash.block_hashes([7] * 12, 4, FP))
     assert len(set(h)) == 3

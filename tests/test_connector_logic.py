@@ -70,6 +70,11 @@ class FakeRequest:
         self.kv_transfer_params = params if params is not None else {}
         self.status = FakeStatus(status)
         self.cache_salt = cache_salt
+        # vLLM's chained hashes of the full blocks (here kvbridge's, under another fingerprint,
+        # salted as vLLM salts them).
+        hashes = blockhash.block_hashes(self.all_token_ids, BS, "vllm", cache_salt or "")
+        size = blockhash.HASH_SIZE
+        self.block_hashes = [hashes[i:i + size] for i in range(0, len(hashes), size)]
         self.mm_features: list[Any] = []
         self.prompt_embeds: Any = None
         self.lora_request: Any = None
@@ -604,6 +609,20 @@ def test_decode_unresolved_grant_is_freed_at_its_hard_deadline(
     assert decode.pool.refs(table) == [0] * 2
 
 
+def test_decode_retains_one_turn_per_request_id(decode: DecodeKit, client: RegistryClient):
+    """A request id that finishes twice while its first turn is retained (ids are the
+    client's to choose) does not take that turn's place: the first keeps its blocks and lease,
+    the second's blocks go back at once."""
+    decode.finish("req-1", "c1", PROMPT1, OUTPUT1, [1, 2, 3, 4, 5, 6, 7])
+    decode.wait_granted(1)
+    second = [11, 12, 13, 14, 15, 16, 17]
+    decode.finish("req-1", "c2", PROMPT1, OUTPUT1, second)
+    assert decode.last_extra is None
+    assert decode.pool.refs(second) == [0] * 7 and decode.pool.refs([1, 2]) == [1, 1]
+    assert decode.retained() == 7
+    only_lease(client, "c1")
+
+
 def test_decode_retains_no_more_turns_than_its_grants_can_settle(registry: ThreadedRegistry):
     """With grants slow to settle, at most max_unsettled_grants turns wait for a lease: a turn
     finishing past that is not retained (its blocks go back at once), and retention resumes
@@ -942,7 +961,8 @@ def test_decode_victims_count_only_the_blocks_they_free(decode: DecodeKit,
     decode.wait_granted(4)
     ids = {conv: only_lease(client, conv).lease_id for conv in ("cp", "ca", "cb", "cc")}
     # Watermark 6, 3 free: a deficit of 3. The oldest ("cp") holds only blocks newer turns
-    # hold too; "ca" frees 2 (9, 10); "cb" then frees 10 (its own and the 8 nobody holds now).
+    # hold too; "ca" frees 2 (9, 10); "cb" then frees 6 (21, 22 and 5-8, which "cp" does not
+    # hold): 8 blocks freed, 20 references dropped.
     decode.pool.reported_free = 3
     decode.retention.check_watermark()
     freed = [0]
@@ -960,6 +980,59 @@ def test_decode_victims_count_only_the_blocks_they_free(decode: DecodeKit,
     assert decode.pool.refs([5, 6, 7, 8, 9, 10, 21, 22]) == [0] * 8
     assert sample(decode.metrics, "kvbridge_connector_memory_revocations_total",
                   cause="demand") == 1  # one round took both
+
+
+def test_decode_revoked_turn_counts_only_its_own_blocks_as_freeing(
+        decode: DecodeKit, client: RegistryClient) -> None:
+    """Between its revocation and the drain that frees it, a turn counts as about to free only
+    the blocks no other turn holds: the blocks it shares stay, so room is still short and the
+    next turn goes at once."""
+    system = list(range(16))  # 4 full blocks, shared
+    decode.finish("req-a", "ca", system + [20, 21, 22, 23], [50, 51, 52, 53, 54],
+                  [1, 2, 3, 4, 5, 6])  # 24 computed: 6 blocks, 5 and 6 its own
+    decode.finish("req-b", "cb", system + [30, 31, 32, 33], [60, 61, 62, 63, 64],
+                  [1, 2, 3, 4, 7, 8])
+    decode.finish("req-c", "cc", list(range(500, 511)), [70], [31, 32, 33])
+    decode.wait_granted(3)
+    decode.pool.reported_free = 4  # watermark 6: a deficit of 2, which "ca" meets (5, 6)
+    decode.retention.check_watermark()
+    wait_for(lambda: lease_state(client, "ca") == pb.LEASE_STATE_REVOKED
+             and not decode.retention._revoking, "the first revocation")
+    assert lease_state(client, "cb") == pb.LEASE_STATE_ACTIVE
+    # Not drained yet: "ca" is about to free 2 blocks, not 6. With 2 free, room is short by 2.
+    decode.pool.reported_free = 2
+    decode.retention.check_watermark()
+    wait_for(lambda: lease_state(client, "cb") == pb.LEASE_STATE_REVOKED, "the second")
+    assert lease_state(client, "cc") == pb.LEASE_STATE_ACTIVE
+    freed = [0]
+
+    def drained() -> bool:
+        freed[0] += decode.retention.drain()
+        return freed[0] >= 12
+
+    wait_for(drained, "both turns to be freed")
+    assert decode.pool.refs(range(1, 9)) == [0] * 8
+
+
+def test_decode_keeps_the_prefix_an_arriving_request_was_counted_as_finding(
+        decode: DecodeKit, client: RegistryClient) -> None:
+    """A request that finds its prefix held by a retained turn (here another conversation's)
+    needs fewer blocks; that turn is no victim until the request has its blocks, else the room
+    made would be short by that prefix."""
+    prefix = list(range(16))
+    decode.finish("req-x", "cx", prefix, [1], [1, 2, 3, 4])  # 16 computed: 4 full blocks
+    decode.finish("req-y", "cy", list(range(500, 511)), [70], [11, 12, 13])
+    decode.wait_granted(2)
+    decode.retention.on_new_request(FakeRequest("req-r", prefix + list(range(100, 108))))
+    assert decode.retention._demand["req-r"][0] == cdiv(24, BS) + 1 - 4
+    decode.pool.reported_free = 4  # watermark 6 + 3 waiting - 4 free: "cx" is the oldest
+    decode.retention.check_watermark()
+    wait_for(lambda: lease_state(client, "cy") == pb.LEASE_STATE_REVOKED, "the revocation")
+    assert lease_state(client, "cx") == pb.LEASE_STATE_ACTIVE
+    wait_for(lambda: decode.retention.drain() == 3, "its blocks to be freed")
+    decode.retention.allocated("req-r")  # it holds the prefix itself now
+    decode.retention.check_watermark()
+    wait_for(lambda: lease_state(client, "cx") == pb.LEASE_STATE_REVOKED, "the next one")
 
 
 def test_decode_pinned_victim_is_not_picked_twice(decode: DecodeKit, client: RegistryClient):
