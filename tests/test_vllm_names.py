@@ -9,6 +9,7 @@ The same check runs over another release's unpacked sources:
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
@@ -225,6 +226,42 @@ def test_nothing_is_retained_when_the_block_pool_lacks_a_name() -> None:
         assert pool.refs([1, 2, 3]) == [0, 0, 0]
     finally:
         retention.close()
+
+
+def test_decode_sees_no_shared_blocks_without_hashes_or_reference_counts() -> None:
+    """Requests without vLLM's block hashes: each needs its whole prompt, though a retained
+    turn holds its prefix. Blocks without reference counts: a victim counts all its blocks."""
+    from conftest import ThreadedRegistry
+    from test_connector_logic import BS, FakeRequest, conv_key, decode_kit
+
+    registry = ThreadedRegistry()
+    try:
+        with decode_kit(registry) as kit:
+            finished = FakeRequest("req-1", list(range(38)), [1, 2],
+                                   params={"kvbridge": conv_key("ca")},
+                                   status="FINISHED_STOPPED")
+            later = FakeRequest("req-2", list(range(60)), params={"kvbridge": conv_key("ca")})
+            del finished.block_hashes, later.block_hashes  # renamed upstream
+            with capture_logs() as logs:
+                assert kit.retention.on_finished(finished, (list(range(1, 11)),)) is not None
+                kit.retention.on_new_request(later)
+            assert feature_off(logs) == [_vllm.SHARED_BLOCKS]
+            assert kit.pool.refs(range(1, 11)) == [1] * 10  # retained all the same
+            assert kit.retention._demand["req-2"][0] == -(-60 // BS) + 1
+
+        @dataclasses.dataclass
+        class OldBlock:  # no reference count (renamed upstream)
+            block_id: int
+
+        _vllm.reset_warnings()
+        with decode_kit(registry) as kit:
+            kit.pool.blocks = [OldBlock(i) for i in range(len(kit.pool.blocks))]
+            with capture_logs() as logs:
+                kit.retention.bind(kit.pool)
+            assert _vllm.SHARED_BLOCKS in feature_off(logs)
+            assert kit.retention._freed_with(collections.Counter([1]), [1, 2, 2]) == 2
+    finally:
+        registry.close()
 
 
 def _connector(scheduler: Any, prefix_caching: bool = False) -> Any:
