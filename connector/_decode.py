@@ -111,6 +111,11 @@ class DecodeRetention:
         # them back from the prefix cache, short of what it was counted to need).
         self._credited: dict[str, str] = {}  # request id: retained turn's key
         self._shared = False  # whether this vLLM's blocks show their reference counts
+        # Bumped whenever a victim search could find more (a lease recorded or not revoked
+        # after all, blocks freed, a request's blocks or credit let go); a search that found
+        # no victim is not run again until then: under pressure it would run at every step.
+        self._changes = 0
+        self._fruitless_at = -1
         self._request_hashes: bool | None = None  # whether its requests show their hashes
         # Headroom: the peak of that demand over a recent window, kept free ahead of the next
         # arrivals. A monotonic queue of (arrived at, demand): values decrease front to back,
@@ -200,12 +205,14 @@ class DecodeRetention:
         with self._lock:
             self._active.pop(request_id, None)
             self._credited.pop(request_id, None)
+            self._changes += 1
 
     def allocated(self, request_id: str) -> None:
         """The scheduler gave the request its blocks: no demand left."""
         demand = self._demand.pop(request_id, None)
         with self._lock:  # it holds its blocks itself now
-            self._credited.pop(request_id, None)
+            if self._credited.pop(request_id, None) is not None:
+                self._changes += 1
         if demand is not None:
             self.metrics.admission_wait.observe(self._now() - demand[1])
 
@@ -271,6 +278,7 @@ class DecodeRetention:
                 break
             with self._lock:
                 retained = self._by_key.pop(key, None)
+                self._changes += 1
                 for block_hash in () if retained is None else retained.full_hashes:
                     _unindex(self._by_hash, block_hash, key)
                 if retained is not None and retained.lease_id:
@@ -367,6 +375,8 @@ class DecodeRetention:
             if deficit <= 0:
                 return
             cause = "demand" if watermark + waiting > available else "headroom"
+            if self._fruitless_at == self._changes:
+                return
             # Revoked but pinned: a reader is copying them; freed when the pin ends. A
             # conversation with a request here is not a victim: that request reuses its
             # retained turn, so revoking it frees no room and costs the next turn its read.
@@ -391,6 +401,7 @@ class DecodeRetention:
                 victims.append(retained.lease_id)
                 deficit -= frees
             if not victims:
+                self._fruitless_at = self._changes
                 return
             self._revoking = True
             self._revoked.update(victims)
@@ -467,6 +478,7 @@ class DecodeRetention:
         with self._lock:
             retained.lease_id = lease.lease_id
             self._by_lease[lease.lease_id] = retained.key
+            self._changes += 1
             early = lease.lease_id in self._reclaimed_early
             self._reclaimed_early.discard(lease.lease_id)
         if early:
@@ -497,6 +509,7 @@ class DecodeRetention:
             with self._lock:
                 # Not revoked: they may be picked again on a later pass, not at once.
                 self._revoked.difference_update(result.failed)
+                self._changes += 1
                 if result.unreachable:  # not a lease refused (say, gone): the registry
                     self._revoke_backoff_until = (self._now()
                                                   + max(self.settings.rpc_timeout_s, 1.0))

@@ -1035,6 +1035,37 @@ def test_decode_keeps_the_prefix_an_arriving_request_was_counted_as_finding(
     wait_for(lambda: lease_state(client, "cx") == pb.LEASE_STATE_REVOKED, "the next one")
 
 
+def test_decode_spares_turns_whose_blocks_requests_hold_and_searches_again_on_change(
+        decode: DecodeKit, client: RegistryClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A running request holds every block of the only leased turn: revoking it would free
+    nothing, so it stays. Under that pressure the search is not rerun at every step, only
+    once something changes (here a request leaves)."""
+    table = [1, 2, 3]
+    decode.finish("req-a", "ca", list(range(10)), [50, 51], table)
+    decode.wait_granted(1)
+    decode.pool.touch([decode.pool.blocks[b] for b in table])  # a running request's refs
+    searched = []
+    original = decode.retention._freed_with
+
+    def counting(leaving: Any, blocks: Any) -> int:
+        searched.append(1)
+        return original(leaving, blocks)
+
+    monkeypatch.setattr(decode.retention, "_freed_with", counting)
+    decode.pool.reported_free = 0
+    decode.retention.check_watermark()
+    first = len(searched)
+    assert first >= 2  # what is leaving, then the one candidate
+    for _ in range(5):
+        decode.retention.check_watermark()
+    assert len(searched) == first + 5  # only the cheap count of what is leaving
+    assert lease_state(client, "ca") == pb.LEASE_STATE_ACTIVE
+    decode.pool.free_blocks(decode.pool.blocks[b] for b in table)  # the request finished
+    decode.retention.request_done("req-running")
+    decode.retention.check_watermark()
+    wait_for(lambda: lease_state(client, "ca") == pb.LEASE_STATE_REVOKED, "the revocation")
+
+
 def test_decode_pinned_victim_is_not_picked_twice(decode: DecodeKit, client: RegistryClient):
     """A revoked lease under a pin stays until the pin ends; the next pass picks another."""
     a, b = [1, 2, 3], [4, 5, 6]
