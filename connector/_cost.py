@@ -174,6 +174,12 @@ class CostModel:
         self._last_read = now()
         self._declined_since_read = 0
         self._read_slow = False  # the last read was surprisingly slow
+        # Two slow reads in a row made the read model forget the faster past. Both may have
+        # waited on one stall, and while the estimate says recompute no read measures again
+        # until a probe (a minute): the next decision that would decline reads once more
+        # first, and only a third slow read in a row confirms the slower regime.
+        self._recheck = False
+        self._rechecking = False  # the read probing that is in flight
         self.clipped = 0  # samples taken as _CLIP times their estimate
 
     # ---- what was measured -------------------------------------------------------------------
@@ -199,10 +205,12 @@ class CostModel:
                 slow = seconds > expected * _SURPRISE
                 if seconds < expected / _SURPRISE or (slow and self._read_slow):
                     self._read.forget(_FORGET)
+                    self._recheck = slow and not self._rechecking
                 if expected > 0 and seconds > _CLIP * expected:
                     seconds = _CLIP * expected
                     self.clipped += 1
             self._read_slow = slow
+            self._rechecking = False
             self._read.add([1.0, tokens / _TOKENS], seconds)
             self._last_read = self._now()
             self._declined_since_read = 0
@@ -264,12 +272,13 @@ class CostModel:
         read = self.read_s(tokens) + ((self._lookup_s or 0.0) if before_lookup else 0.0)
         if read <= (1.0 - self.margin) * recompute:
             return Decision(True, READ, read, recompute)
-        if self._probe_due():
+        if self._recheck or self._probe_due():
             if not before_lookup:
                 # This request probes: the next one waits its interval again, whether or not
                 # this read gets measured (it may miss, fail, or go to a new engine).
                 self._last_read = self._now()
                 self._declined_since_read = 0
+                self._rechecking, self._recheck = self._recheck, False
             return Decision(True, PROBE, read, recompute)
         self._declined_since_read += 1
         return Decision(False, RECOMPUTE_CHEAPER, read, recompute)

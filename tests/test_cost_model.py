@@ -316,3 +316,24 @@ def test_one_stall_does_not_carry_the_estimates_off():
     cost.read(64, 4.0)
     cost.read(64, 4.0)
     assert cost.read_s(64) > 4 * before_read
+
+
+def test_a_slower_regime_from_two_reads_is_checked_by_one_more():
+    """Two slow reads in a row (both may have waited on one stall) move the read estimate past
+    recomputing. The next decision reads once more instead of declining reads for a probe
+    interval: a fast read brings the estimate back; a third slow one confirms it, and reads
+    wait for the interval's probe again."""
+    for third, expect in ((0.007, READ), (4.0, RECOMPUTE_CHEAPER)):
+        clock = FakeClock()
+        cost = model(clock, probe_interval_s=60.0)
+        turns(cost, Engine(r0=0.005, r1=2e-6, noise=0.0), random.Random(3), 40, clock)
+        assert cost.decide(1000, 1024).reason == READ
+        cost.read(1000, 0.05)
+        cost.read(1000, 4.0)
+        first = cost.decide(1000, 1024)
+        assert first.reason == PROBE and first.read_s > first.recompute_s
+        assert cost.decide(1000, 1024).reason == RECOMPUTE_CHEAPER  # one probe, not more
+        cost.read(1000, third)
+        assert cost.decide(1000, 1024).reason == expect
+        if expect == RECOMPUTE_CHEAPER:
+            assert {cost.decide(1000, 1024).reason for _ in range(20)} == {RECOMPUTE_CHEAPER}
