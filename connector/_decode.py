@@ -278,7 +278,6 @@ class DecodeRetention:
                 break
             with self._lock:
                 retained = self._by_key.pop(key, None)
-                self._changes += 1
                 for block_hash in () if retained is None else retained.full_hashes:
                     _unindex(self._by_hash, block_hash, key)
                 if retained is not None and retained.lease_id:
@@ -288,6 +287,8 @@ class DecodeRetention:
             if retained is None or self._pool is None:
                 continue
             _vllm.release_blocks(self._pool, reversed(retained.block_ids))
+            with self._lock:  # after the release: a victim search sees the counts it left
+                self._changes += 1
             freed += len(retained.block_ids)
             self.metrics.retained_blocks.dec(len(retained.block_ids))
             self.metrics.retained_turns.dec()
