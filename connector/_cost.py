@@ -173,13 +173,12 @@ class CostModel:
         self._lookup_s: float | None = None
         self._last_read = now()
         self._declined_since_read = 0
-        self._read_slow = False  # the last read was surprisingly slow
+        self._slow_run = 0  # surprisingly slow reads in a row, up to the last one
         # Two slow reads in a row made the read model forget the faster past. Both may have
         # waited on one stall, and while the estimate says recompute no read measures again
         # until a probe (a minute): the next decision that would decline reads once more
         # first, and only a third slow read in a row confirms the slower regime.
         self._recheck = False
-        self._rechecking = False  # the read probing that is in flight
         self.clipped = 0  # samples taken as _CLIP times their estimate
 
     # ---- what was measured -------------------------------------------------------------------
@@ -200,17 +199,17 @@ class CostModel:
         """A read of `tokens` tokens added `seconds` to its request."""
         if tokens > 0 and seconds >= 0:
             slow = False
+            self._recheck = False  # whatever it was for, a read is measured now
             if self._read.samples >= MIN_READ_SAMPLES:
                 expected = self.read_s(tokens)
                 slow = seconds > expected * _SURPRISE
-                if seconds < expected / _SURPRISE or (slow and self._read_slow):
+                self._slow_run = self._slow_run + 1 if slow else 0
+                if seconds < expected / _SURPRISE or self._slow_run >= 2:
                     self._read.forget(_FORGET)
-                    self._recheck = slow and not self._rechecking
+                    self._recheck = self._slow_run == 2 and self.probe_interval_s > 0
                 if expected > 0 and seconds > _CLIP * expected:
                     seconds = _CLIP * expected
                     self.clipped += 1
-            self._read_slow = slow
-            self._rechecking = False
             self._read.add([1.0, tokens / _TOKENS], seconds)
             self._last_read = self._now()
             self._declined_since_read = 0
@@ -278,7 +277,7 @@ class CostModel:
                 # this read gets measured (it may miss, fail, or go to a new engine).
                 self._last_read = self._now()
                 self._declined_since_read = 0
-                self._rechecking, self._recheck = self._recheck, False
+                self._recheck = False
             return Decision(True, PROBE, read, recompute)
         self._declined_since_read += 1
         return Decision(False, RECOMPUTE_CHEAPER, read, recompute)

@@ -112,10 +112,13 @@ class DecodeRetention:
         self._credited: dict[str, str] = {}  # request id: retained turn's key
         self._shared = False  # whether this vLLM's blocks show their reference counts
         # Bumped whenever a victim search could find more (a lease recorded or not revoked
-        # after all, blocks freed, a request's blocks or credit let go); a search that found
-        # no victim is not run again until then: under pressure it would run at every step.
+        # after all, retained blocks freed, a request's blocks or credit let go). A search
+        # that found no victim is not run again until then, or until the pool's free count
+        # moves (vLLM frees a request's blocks, or a preempted one's, without telling the
+        # connector): under pressure it would otherwise run at every step.
         self._changes = 0
-        self._fruitless_at = -1
+        self._fruitless: tuple[int, int] | None = None  # (changes, free blocks) it ran at
+        self._hash_size_warned = False
         self._request_hashes: bool | None = None  # whether its requests show their hashes
         # Headroom: the peak of that demand over a recent window, kept free ahead of the next
         # arrivals. A monotonic queue of (arrived at, demand): values decrease front to back,
@@ -163,10 +166,20 @@ class DecodeRetention:
         if self._request_hashes is None:  # checked on the first request, as it arrives
             self._request_hashes = self._shared and _vllm.usable(
                 _vllm.SHARED_BLOCKS, {_vllm.REQUEST: request}, owners=[_vllm.REQUEST])
+            self._shared = self._request_hashes  # the feature is off as a whole
         if not self._request_hashes:
             return ()
         hashes = _vllm.block_hashes(request)
-        return hashes if len(hashes) == request.num_tokens // self.block_size else ()
+        if len(hashes) == request.num_tokens // self.block_size:
+            return hashes
+        if not self._hash_size_warned:  # prefix caching off, or hashed at another size
+            self._hash_size_warned = True
+            log.warning("shared_blocks_unseen", request_id=request.request_id,
+                        block_hashes=len(hashes), tokens=request.num_tokens,
+                        block_size=self.block_size,
+                        why="the request's block hashes are not one per block: requests "
+                            "count their whole prompt when making room")
+        return ()
 
     def _held_blocks(self, request: Any) -> tuple[int, str]:
         """How many leading full blocks of the request's prompt turns retained here (and not
@@ -376,7 +389,7 @@ class DecodeRetention:
             if deficit <= 0:
                 return
             cause = "demand" if watermark + waiting > available else "headroom"
-            if self._fruitless_at == self._changes:
+            if self._fruitless == (self._changes, free):
                 return
             # Revoked but pinned: a reader is copying them; freed when the pin ends. A
             # conversation with a request here is not a victim: that request reuses its
@@ -402,7 +415,7 @@ class DecodeRetention:
                 victims.append(retained.lease_id)
                 deficit -= frees
             if not victims:
-                self._fruitless_at = self._changes
+                self._fruitless = (self._changes, free)
                 return
             self._revoking = True
             self._revoked.update(victims)

@@ -1039,7 +1039,7 @@ def test_decode_spares_turns_whose_blocks_requests_hold_and_searches_again_on_ch
         decode: DecodeKit, client: RegistryClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """A running request holds every block of the only leased turn: revoking it would free
     nothing, so it stays. Under that pressure the search is not rerun at every step, only
-    once something changes (here a request leaves)."""
+    once something changes: here the request leaves and its blocks are freed."""
     table = [1, 2, 3]
     decode.finish("req-a", "ca", list(range(10)), [50, 51], table)
     decode.wait_granted(1)
@@ -1060,8 +1060,17 @@ def test_decode_spares_turns_whose_blocks_requests_hold_and_searches_again_on_ch
         decode.retention.check_watermark()
     assert len(searched) == first + 5  # only the cheap count of what is leaving
     assert lease_state(client, "ca") == pb.LEASE_STATE_ACTIVE
-    decode.pool.free_blocks(decode.pool.blocks[b] for b in table)  # the request finished
+    # The request finishes, as vLLM does it: the connector hears of it first (a search then
+    # still finds the blocks held), and its blocks are freed after, unannounced (deferred, or
+    # preempted): the pool's free count moving is what says to search again.
     decode.retention.request_done("req-running")
+    decode.retention.check_watermark()
+    assert lease_state(client, "ca") == pb.LEASE_STATE_ACTIVE
+    decode.pool.free_blocks(decode.pool.blocks[b] for b in table)
+    decode.retention.check_watermark()  # the same changes, the same free count: no search
+    time.sleep(0.1)
+    assert lease_state(client, "ca") == pb.LEASE_STATE_ACTIVE
+    decode.pool.reported_free = 3  # the pool's count, now that they are free
     decode.retention.check_watermark()
     wait_for(lambda: lease_state(client, "ca") == pb.LEASE_STATE_REVOKED, "the revocation")
 

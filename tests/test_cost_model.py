@@ -337,3 +337,17 @@ def test_a_slower_regime_from_two_reads_is_checked_by_one_more():
         assert cost.decide(1000, 1024).reason == expect
         if expect == RECOMPUTE_CHEAPER:
             assert {cost.decide(1000, 1024).reason for _ in range(20)} == {RECOMPUTE_CHEAPER}
+            # The slower regime stands: a slow probe of the interval is not checked again.
+            clock.advance(61.0)
+            assert cost.decide(1000, 1024).reason == PROBE
+            cost.read(1000, 4.0)
+            assert {cost.decide(1000, 1024).reason for _ in range(20)} == {RECOMPUTE_CHEAPER}
+
+
+def test_no_recheck_when_probes_are_off():
+    clock = FakeClock()
+    cost = model(clock, probe_interval_s=0.0)
+    turns(cost, Engine(r0=0.005, r1=2e-6, noise=0.0), random.Random(3), 40, clock)
+    cost.read(1000, 0.05)
+    cost.read(1000, 4.0)
+    assert cost.decide(1000, 1024).reason == RECOMPUTE_CHEAPER
