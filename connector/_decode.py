@@ -39,7 +39,7 @@ log = structlog.get_logger("kvbridge.connector")
 _REVOKE_WAIT_S = 0.25
 
 
-def _unindex(index: dict[bytes, set[str]], entry: bytes, key: str) -> None:
+def _unindex(index: dict[Any, set[str]], entry: Any, key: str) -> None:
     keys = index.get(entry)
     if keys is not None:
         keys.discard(key)

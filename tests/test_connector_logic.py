@@ -230,6 +230,17 @@ class DecodeKit:
         self.last_extra = self.retention.on_finished(request, (list(block_ids),) * groups)
         return request
 
+    def drain_until(self, blocks: int, what: str) -> int:
+        """Drain until at least `blocks` blocks are freed; returns how many were."""
+        freed = [0]
+
+        def drained() -> bool:
+            freed[0] += self.retention.drain()
+            return freed[0] >= blocks
+
+        wait_for(drained, what)
+        return freed[0]
+
     def granted(self) -> float:
         return sample(self.metrics, "kvbridge_connector_leases_granted_total")
 
@@ -445,14 +456,8 @@ def test_decode_grant_failure_frees_at_next_drain(decode: DecodeKit,
     table = [5, 6, 7, 8, 9, 10, 11]
     decode.finish("req-1", "c1", PROMPT1, OUTPUT1, table)
     assert decode.pool.refs(table) == [1] * 7  # retained until the grant's outcome is known
-    freed = [0]
-
-    def drained() -> bool:
-        freed[0] += decode.retention.drain()
-        return freed[0] > 0
-
-    wait_for(drained, "the failed grant's blocks to be freed")
-    assert freed[0] == 7
+    freed = decode.drain_until(1, "the failed grant's blocks to be freed")
+    assert freed == 7
     assert decode.pool.refs(table) == [0] * 7
     assert decode.freed("grant_failed") == 7
     assert decode.retained() == 0
@@ -679,14 +684,8 @@ def test_decode_watermark_revokes_oldest_leases(decode: DecodeKit, client: Regis
     # leases (3 + 3 blocks) go and the newest stays.
     decode.pool.reported_free = 0
     decode.retention.check_watermark()
-    freed = [0]
-
-    def drained() -> bool:
-        freed[0] += decode.retention.drain()
-        return freed[0] >= 6
-
-    wait_for(drained, "revoked leases to be freed")
-    assert freed[0] == 6
+    freed = decode.drain_until(6, "revoked leases to be freed")
+    assert freed == 6
     assert decode.pool.refs(a + b) == [0] * 6
     assert decode.pool.refs(c) == [1, 1]
     assert decode.freed("reclaimed") == 6
@@ -827,14 +826,8 @@ def test_decode_headroom_makes_room_before_the_next_arrival(decode: DecodeKit,
         decode.wait_granted(i + 1)
     # 63 - 50 = 13 free after five turns; the watermark (6) plus the headroom (21) needs 27:
     # the two oldest leases go, with no request waiting and no scheduler step.
-    freed = [0]
-
-    def drained() -> bool:
-        freed[0] += decode.retention.drain()
-        return freed[0] >= 20
-
-    wait_for(drained, "the headroom revocations")
-    assert freed[0] == 20
+    freed = decode.drain_until(20, "the headroom revocations")
+    assert freed == 20
     assert [lease_state(client, f"c{i}") for i in range(5)] == (
         [pb.LEASE_STATE_REVOKED] * 2 + [pb.LEASE_STATE_ACTIVE] * 3)
     assert sample(decode.metrics, "kvbridge_connector_memory_revocations_total",
@@ -965,14 +958,8 @@ def test_decode_victims_count_only_the_blocks_they_free(decode: DecodeKit,
     # hold): 8 blocks freed, 20 references dropped.
     decode.pool.reported_free = 3
     decode.retention.check_watermark()
-    freed = [0]
-
-    def drained() -> bool:
-        freed[0] += decode.retention.drain()
-        return freed[0] >= 20
-
-    wait_for(drained, "the revoked turns to be freed")
-    assert freed[0] == 20  # the blocks released: 10 + 10 references
+    freed = decode.drain_until(20, "the revoked turns to be freed")
+    assert freed == 20  # the blocks released: 10 + 10 references
     assert [client.get_lease(ids[c]).state for c in ("cp", "ca", "cb", "cc")] == [
         pb.LEASE_STATE_ACTIVE, pb.LEASE_STATE_REVOKED, pb.LEASE_STATE_REVOKED,
         pb.LEASE_STATE_ACTIVE]
@@ -1004,13 +991,7 @@ def test_decode_revoked_turn_counts_only_its_own_blocks_as_freeing(
     decode.retention.check_watermark()
     wait_for(lambda: lease_state(client, "cb") == pb.LEASE_STATE_REVOKED, "the second")
     assert lease_state(client, "cc") == pb.LEASE_STATE_ACTIVE
-    freed = [0]
-
-    def drained() -> bool:
-        freed[0] += decode.retention.drain()
-        return freed[0] >= 12
-
-    wait_for(drained, "both turns to be freed")
+    decode.drain_until(12, "both turns to be freed")
     assert decode.pool.refs(range(1, 9)) == [0] * 8
 
 
@@ -1068,7 +1049,7 @@ def test_decode_spares_turns_whose_blocks_requests_hold_and_searches_again_on_ch
     assert lease_state(client, "ca") == pb.LEASE_STATE_ACTIVE
     decode.pool.free_blocks(decode.pool.blocks[b] for b in table)
     decode.retention.check_watermark()  # the same changes, the same free count: no search
-    time.sleep(0.1)
+    assert not decode.retention._revoked  # victims are picked before the call returns
     assert lease_state(client, "ca") == pb.LEASE_STATE_ACTIVE
     decode.pool.reported_free = 3  # the pool's count, now that they are free
     decode.retention.check_watermark()
