@@ -316,19 +316,24 @@ class HolderSession:
 
     def _reclaim(self, lease_ids: list[str], why: str) -> None:
         with self._lock:
-            mine = [lid for lid in lease_ids if lid in self._held]
+            # Out of `_held` before the engine frees anything: a registration on another
+            # thread (after a registry restart) must not list, and so restore as readable, a
+            # lease whose blocks are being freed.
+            taken = {lid: self._held.pop(lid) for lid in lease_ids if lid in self._held}
             # Ids we do not hold (freed before, or never ours) are acked straight away.
-            self._acks.update(lid for lid in lease_ids if lid not in self._held)
-        if not mine:
+            self._acks.update(lid for lid in lease_ids if lid not in taken)
+        if not taken:
             return
+        mine = list(taken)
         try:
             self.on_reclaim(mine)
         except Exception:  # the engine's callback failing must not kill the heartbeat
             log.exception("reclaim_callback_failed", holder=self.holder_id)
+            with self._lock:  # nothing freed: still held, freed on a later report
+                for lid, lease in taken.items():
+                    self._held.setdefault(lid, lease)
             return
         with self._lock:
-            for lid in mine:
-                self._held.pop(lid, None)
             self._acks.update(mine)
         log.info("leases_reclaimed", holder=self.holder_id, count=len(mine), why=why)
 

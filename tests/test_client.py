@@ -438,6 +438,39 @@ def test_session_retries_a_failed_reclaim_callback(sync_client, kv, engine, hold
         session.close(deregister=False)
 
 
+def test_a_registration_while_blocks_are_freed_does_not_list_them(sync_client, kv, engine,
+                                                                  holder_clock):
+    """The grant thread may register (the registry restarted) while the heartbeat thread is
+    freeing reclaimed blocks: that registration must not list the lease being freed, or a
+    registry without it would restore it as readable over freed blocks."""
+    session = make_session(sync_client, kv, engine, holder_clock)
+    session.start()
+    listed: list[list[str]] = []
+    register = sync_client.register_holder
+
+    def spy(*args, **kw):
+        listed.append([s.lease_id for s in kw.get("held_leases", ())])
+        return register(*args, **kw)
+
+    def free_while_registering(lease_ids: list[str]) -> None:
+        if not listed:
+            session._register()  # as the grant thread would, at this moment
+        engine.freed.append(sorted(lease_ids))
+
+    try:
+        keep = session_grant(session, kv, "keep")
+        gone = session_grant(session, kv, "gone")
+        sync_client.revoke_lease(gone.lease_id)
+        sync_client.register_holder = spy  # type: ignore[method-assign]
+        session.on_reclaim = free_while_registering
+        session.heartbeat_once()
+        assert engine.freed == [[gone.lease_id]]
+        assert listed == [[keep.lease_id]], listed
+    finally:
+        sync_client.register_holder = register  # type: ignore[method-assign]
+        session.close(deregister=False)
+
+
 def _until_unreachable(client: RegistryClient, timeout: float = 10.0) -> None:
     """Wait until calls find the stopped registry gone (refused at connect). One made while its
     connection was closing may have reached it: that grant's outcome is unknown, as the
