@@ -442,6 +442,49 @@ async def test_a_restarted_redis_holds_reclaims_for_the_grace(tmp_path: Path, kv
         server.stop()
 
 
+@pytest.mark.parametrize("first", ["read", "heartbeat"])
+async def test_a_restart_longer_than_the_holder_ttl_loses_no_lease(tmp_path: Path, kv: Any,
+                                                                   first: str) -> None:
+    """No holder can heartbeat while Redis restarts: one that took longer than the holder
+    TTL must not get the holder lost, and every lease with it, once Redis is back (whichever
+    call comes first). The holder registers again with what it holds, and reads go on."""
+    durable = ("--dir", str(tmp_path), "--appendonly", "yes", "--appendfsync", "always",
+               "--save", "")
+    server = RedisProcess(*durable)
+    store: RedisStore | None = None
+    try:
+        config = RegistryConfig(backend="redis", redis_url=server.url,
+                                redis_namespace="long-restart", max_pin_ttl_s=PIN_TTL,
+                                default_pin_ttl_s=PIN_TTL)
+        store = RedisStore(config, SystemClock())
+        await store.start()
+        await store.advance_clock(GRACE + 0.5)
+        await store.register_holder(holder(ttl=10.0))
+        tokens = kv.tokens(8)
+        lease = (await store.grant(grant_spec(kv, tokens))).lease
+        server.stop()
+        server = RedisProcess(*durable, port=server.port)
+        # The outage took 30 s (on a connection of its own: no call of the store's first).
+        direct = aioredis.Redis.from_url(server.url)
+        await direct.hincrbyfloat(store.prefix + "clock", "off", 30.0)
+        await direct.aclose()
+        if first == "read":  # unconfirmed holder: a miss, but no holder lost
+            read = await _retry(lambda: store.acquire_read("t1", "c1",
+                                                           kv.prompt_hashes(tokens)))
+            assert read.pin is None and read.miss is MissReason.HOLDER_GONE, read
+        with pytest.raises(errors.HolderNotFound):  # register again, with what it holds
+            await _retry(lambda: store.heartbeat("h1"))
+        reg = await store.register_holder(holder(ttl=10.0), held_ids=[lease.lease_id])
+        assert reg.reclaimable == []
+        read = await store.acquire_read("t1", "c1", kv.prompt_hashes(tokens))
+        assert read.pin is not None and read.lease is not None, read
+        assert read.lease.lease_id == lease.lease_id
+    finally:
+        if store is not None:
+            await store.close()
+        server.stop()
+
+
 async def test_a_redis_user_without_info_is_refused_at_start() -> None:
     """The functions read the run id with INFO: an ACL user without it fails the start with
     a clear error, and nothing is left running."""

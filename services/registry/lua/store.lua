@@ -53,12 +53,28 @@ local function serving()
   return SERVED
 end
 
+-- No holder could heartbeat while the state changed hands (Redis restarting, a failover,
+-- however long it took): each live one gets its TTL from now to register again, as after a
+-- registry restart, rather than be lost, and every lease with it, for an outage not its own.
+local function spare_holders()
+  for _, hid in ipairs(redis.call('ZRANGE', P .. 'holders', 0, -1)) do
+    local H = P .. 'h:' .. hid
+    local f = redis.call('HMGET', H, 'x', 'ttl')
+    local x = NOW + tonumber(f[2])
+    if tonumber(f[1]) < x then
+      redis.call('HSET', H, 'x', F(x))
+      redis.call('ZADD', P .. 'holders', F(x), hid)
+    end
+  end
+end
+
 local function hold_until()
   local v = redis.call('MGET', P .. 'rid', P .. 'hold_until')
   local until_ = tonumber(v[2] or '0')
   if v[1] ~= serving() then
     until_ = math.max(until_, NOW + GRACE)
     redis.call('MSET', P .. 'rid', SERVED, P .. 'hold_until', F(until_))
+    spare_holders()
   end
   return until_
 end
@@ -248,6 +264,11 @@ local function holder_state(hid)
   local f = redis.call('HMGET', P .. 'h:' .. hid, 's', 'x')
   if not f[1] then return nil end
   local s = tonumber(f[1])
+  if s ~= H_LOST and tonumber(f[2]) <= NOW and HOLD_UNTIL == math.huge then
+    -- A read, the first call since the state changed hands maybe: the holders are spared first.
+    HOLD_UNTIL = hold_until()
+    f[2] = redis.call('HGET', P .. 'h:' .. hid, 'x')
+  end
   if s ~= H_LOST and tonumber(f[2]) <= NOW then
     lose_holder(hid)
     s = H_LOST
