@@ -289,11 +289,17 @@ async def test_grant_retry_never_returns_another_holders_lease(
     with pytest.raises(errors.IdempotencyConflict):
         await b.store.grant(grant_spec(kv, kv.tokens(8), holder_id="h2", tenant="t1",
                                        request_id="req-7"))
-    # And the other way round: h2 cannot list h1's lease as its own.
+    # And the other way round: h2 cannot list h1's lease as its own. The refusal names the
+    # call's own field, also when its own lease before it is another shard's part.
+    shards = len(b.store.shards) if isinstance(b.store, ShardedStore) else 1
+    other = next(t for t in (f"t{i}" for i in range(2, 99))
+                 if shard_of(t, shards) != shard_of("t1", shards) or shards == 1)
     with pytest.raises(errors.NotLeaseHolder) as caught:
         await b.store.register_holder(holder("h2", ttl=300.0), [
+            Snapshot(grant_lease_id("h2", "req-own"),
+                     grant_spec(kv, kv.tokens(8), holder_id="h2", tenant=other), 1, 0.0),
             Snapshot(planted, grant_spec(kv, kv.tokens(8), holder_id="h2"), 1, 0.0)])
-    assert caught.value.metadata["field"] == "held_leases[0].lease_id"
+    assert caught.value.metadata["field"] == "held_leases[1].lease_id"
     assert (await b.store.get_lease(planted)).holder.holder_id == "h1"
 
 

@@ -38,7 +38,7 @@ from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 from redis.exceptions import RedisClusterException, RedisError
 
 from kvbridge.clock import Clock
-from kvbridge.errors import LeaseNotFound, Unavailable
+from kvbridge.errors import LeaseNotFound, NotLeaseHolder, Unavailable
 from kvbridge.services.registry import _validate as check
 from kvbridge.services.registry._config import RegistryConfig
 from kvbridge.services.registry._core import (
@@ -55,6 +55,7 @@ from kvbridge.services.registry._core import (
     check_registration,
     check_renewal,
     check_revocation,
+    held_of_another_holder,
 )
 from kvbridge.services.registry._model import Holder, Lease
 from kvbridge.services.registry._redis import RedisStore
@@ -185,8 +186,10 @@ class ShardedStore:
                               held_ids: Sequence[str] = (), restore_only: bool = False
                               ) -> Registration:
         snapshots, ids = list(held), list(held_ids)
-        # The whole call is checked first: a shard refusing its part after another applied
-        # its own would change state on a refused call.
+        # What the call itself can be refused for is checked first, for the whole call. A
+        # refusal that depends on a shard's state (a held lease of another holder, another
+        # block size, no room) may come after other shards applied their parts: the holder
+        # then registers again (every part is idempotent), as the docs say.
         check_registration(self.config, spec, snapshots, ids, restore_only)
         n = len(self.shards)
         snaps: list[list[Snapshot]] = [[] for _ in range(n)]
@@ -194,8 +197,16 @@ class ShardedStore:
             k = self._tag(snap.lease_id)
             snaps[shard_of(snap.grant.tenant, n) if k is None else k].append(snap)
         own = self._split(ids)
-        results = await _gather([s.register_holder(spec, snaps[k], own[k], restore_only)
-                                 for k, s in enumerate(self.shards)])
+        try:
+            results = await _gather([s.register_holder(spec, snaps[k], own[k], restore_only)
+                                     for k, s in enumerate(self.shards)])
+        except NotLeaseHolder as err:  # its field counts within the shard's part: the call's
+            lease_id = err.metadata.get("lease_id", "")
+            index = next((i for i, snap in enumerate(snapshots) if snap.lease_id == lease_id),
+                         None)
+            if index is None:
+                raise
+            raise held_of_another_holder(lease_id, index) from None
         holder = _summed(results[0].holder, [r.holder for r in results[1:]])
         return Registration(holder, [x for r in results for x in r.restored],
                             _unique(x for r in results for x in r.reclaimable))
