@@ -23,6 +23,7 @@ from kvbridge.connector._cost import PROBE, CostModel, Decision
 from kvbridge.connector._metrics import ConnectorMetrics
 from kvbridge.connector._pin_guard import LANDED_LATE, NOT_POSTED
 from kvbridge.connector._routed import (
+    LEASE_WHOLE,
     PIN_LEFT,
     READ_KEY,
     RELEASED_BY,
@@ -313,6 +314,9 @@ class PrefillReuse:
             if mine is not None and mine == read.partial_block_hash:
                 usable = read.lease.token_count
                 block_ids.append(read.partial_block_id)
+        # Whether this prompt holds all of the lease's tokens (so it continues that turn, not
+        # a sibling that shares its history keys): for the gateway's lookup by content.
+        whole = usable >= read.lease.token_count
         # At least the prompt's last token is computed here: the scheduler needs one new token
         # to schedule (a read naming the whole prompt would leave none, and a synchronous read
         # does not go through the asynchronous path's own step back by one token).
@@ -336,7 +340,8 @@ class PrefillReuse:
             self._release(read.pin.pin_id)
             self._decide(request, why, 0, len(tokens) - num_computed_tokens,
                          local=num_computed_tokens, conversation=pending.conversation,
-                         lookup_ms=lookup_ms, source=pending.source, **_estimates(cost))
+                         lookup_ms=lookup_ms, source=pending.source, lease_whole=whole,
+                         **_estimates(cost))
             return False
 
         params = request.kv_transfer_params
@@ -354,7 +359,7 @@ class PrefillReuse:
             pending.conversation, params, pin_end=pin_end)
         self._decide(request, "hit", usable - num_computed_tokens, len(tokens) - usable,
                      local=num_computed_tokens, conversation=pending.conversation,
-                     lookup_ms=lookup_ms, source=pending.source,
+                     lookup_ms=lookup_ms, source=pending.source, lease_whole=whole,
                      lease_id=read.lease.lease_id,
                      epoch=read.lease.epoch, holder=read.holder.holder_id,
                      probe=cost.reason == PROBE, **_estimates(cost))
@@ -580,6 +585,8 @@ class PrefillReuse:
             self._outcomes[request.request_id]["kvbridge_read_source"] = fields["source"]
         if fields.get("pin_left"):  # the gateway releases the routed pin
             self._outcomes[request.request_id][PIN_LEFT] = True
+        if "lease_whole" in fields:
+            self._outcomes[request.request_id][LEASE_WHOLE] = fields["lease_whole"]
         if decision == "miss_hash_mismatch":
             self._outcomes[request.request_id]["kvbridge_mismatch_block"] = fields.get(
                 "mismatch_block", 0)

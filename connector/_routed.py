@@ -47,6 +47,9 @@ READ_KEY = "read"
 RELEASED_BY = "released_by"
 # In prefill's answer (kv_transfer_params): the engine left the routed pin to the gateway.
 PIN_LEFT = "kvbridge_pin_left"
+# In prefill's answer: whether the prompt held all of the read lease's tokens (verified by
+# hash), so that the turn continues the lease's conversation rather than branching from it.
+LEASE_WHOLE = "kvbridge_lease_whole"
 # A routed read seen by a prefill engine on another host than the gateway's: the time it spent
 # on its way (HTTP, the engine's API server and input queue), taken off its pin.
 ROUTED_TRANSIT_SLACK_S = 1.0

@@ -1437,8 +1437,27 @@ def test_prefill_read_done_ok_releases_and_counts(prefill: PrefillKit, client: R
     assert {k: v for k, v in outcome.items() if k not in timings} == {
         "kvbridge_decision": "hit", "kvbridge_reused_tokens": 38,
         "kvbridge_recomputed_tokens": len(EXTRA), "kvbridge_read_source": "lookup",
-        "kvbridge_local_tokens": 0}
+        "kvbridge_local_tokens": 0, "kvbridge_lease_whole": True}
     assert prefill.reuse.finished("p-1") is None
+
+
+@pytest.mark.parametrize("diverge", [0, 1, 5])
+def test_prefill_says_whether_the_prompt_holds_the_whole_lease(
+        prefill: PrefillKit, client: RegistryClient, diverge: int):
+    """The gateway's lookup by content continues a conversation only when the prompt holds
+    all of the lease's tokens (a regenerated answer's lease shares the history, not the
+    answer): prefill says so from the hashes it checked, and reads the shared part either
+    way."""
+    grant(client, "c1", LEASE_TOKENS)
+    lease = LEASE_TOKENS[:len(LEASE_TOKENS) - diverge] + [7] * diverge
+    request = prefill.request("p-1", lease + EXTRA)
+    assert prefill.resolve(request) is True
+    prefill.reuse.read_done("p-1", ok=True)
+    outcome = prefill.reuse.finished("p-1")
+    assert outcome is not None and outcome["kvbridge_decision"] == "hit"
+    assert outcome["kvbridge_lease_whole"] is (diverge == 0)
+    shared = len(LEASE_TOKENS) if diverge == 0 else (len(LEASE_TOKENS) - diverge) // BS * BS
+    assert outcome["kvbridge_reused_tokens"] == shared
 
 
 def test_prefill_read_done_failed_counts_recompute(prefill: PrefillKit, client: RegistryClient):
@@ -1457,7 +1476,7 @@ def test_prefill_read_done_failed_counts_recompute(prefill: PrefillKit, client: 
     assert outcome == {
         "kvbridge_decision": "transfer_failed", "kvbridge_reused_tokens": 0,
         "kvbridge_recomputed_tokens": len(prompt), "kvbridge_read_source": "lookup",
-        "kvbridge_local_tokens": 0}
+        "kvbridge_local_tokens": 0, "kvbridge_lease_whole": True}
     # The 10 tokens past the lease, then the 38 the failed read should have brought.
     assert sample(m, "kvbridge_connector_recomputed_tokens_total") == len(prompt)
     assert prefill.decision("transfer_failed") == 1

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import json
 import socket
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,11 @@ class FakeEngine:
     # releases itself (as kvbridge's connector does) and says so in its answer.
     pin_left: bool = False
     no_params: bool = False  # a prefill answer without kv_transfer_params (vLLM's, at EOS)
+    # Whether the prompt held all of the read lease's tokens (kvbridge's connector says so
+    # when it verified a read): None, not said.
+    lease_whole: bool | None = None
+    not_json: bool = False  # a prefill that answers 200 with something other than JSON
+    padding: int = 0  # bytes a decode streams before its answer (more than sockets buffer)
 
     async def start(self) -> None:
         app = web.Application()
@@ -88,6 +94,8 @@ class FakeEngine:
                                      status=int(fault))
         chat = request.path.endswith("chat/completions")
         params = body.get("kv_transfer_params") or {}
+        if self.role == "prefill" and self.not_json:
+            return web.Response(text="<html>proxy page</html>", content_type="text/html")
         if self.role == "prefill" and self.no_params:
             return web.json_response({
                 "id": "cmpl-p", "object": "text_completion", "model": body["model"],
@@ -106,7 +114,9 @@ class FakeEngine:
                     **({"kvbridge_pin_left": True} if self.pin_left and params.get(
                         "kvbridge", {}).get("read", {}).get("released_by") == "gateway"
                        else {}),
-                    **({"kvbridge_local_tokens": self.local} if self.local else {})}})
+                    **({"kvbridge_local_tokens": self.local} if self.local else {}),
+                    **({"kvbridge_lease_whole": self.lease_whole}
+                       if self.lease_whole is not None else {})}})
         if not params.get("do_remote_prefill"):
             return web.json_response({"error": {"message": "no prefill params"}}, status=400)
         await asyncio.sleep(self.delay)
@@ -114,6 +124,8 @@ class FakeEngine:
         if body.get("stream"):
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
+            for _ in range(self.padding >> 20):
+                await response.write(b": " + b"x" * (1 << 20) + b"\n\n")
             for i, word in enumerate(words):
                 delta = ({"choices": [{"index": 0, "delta": {"content": word},
                                        "finish_reason": None}]}
@@ -373,13 +385,15 @@ async def test_read_pinned_for_an_unreachable_prefill_is_released(
         await close(s)
 
 
-@pytest.mark.parametrize("prefill_answers", ["pin_left", "used", "400", "no_params"])
+@pytest.mark.parametrize("prefill_answers", ["pin_left", "used", "400", "no_params",
+                                             "not_json"])
 async def test_gateway_releases_the_routed_pin_prefill_left_or_never_saw(
         registry_server: RegistryServer, tmp_path: Path, kv: Any, prefill_answers: str) -> None:
     """The gateway marks the read it pinned at route as its own to release. Prefill that
     decided before any read not to read leaves the pin (and says so): the gateway releases it
     once prefill answers. One that rejected the request (4xx) never scheduled it, and one that
-    finished it without kv_transfer_params cannot say: released too. One that took the read
+    finished it without kv_transfer_params cannot say, nor one whose answer is no JSON object
+    (a proxy's page, say): released too. One that took the read
     releases it itself when the read lands: the gateway leaves it."""
     s = await make_stack(registry_server, tmp_path, lease_wait_s=0)
     try:
@@ -391,12 +405,14 @@ async def test_gateway_releases_the_routed_pin_prefill_left_or_never_saw(
                               kv.lease_hashes(kv.tokens(8)))
         s.engines["p0"].pin_left = prefill_answers == "pin_left"
         s.engines["p0"].no_params = prefill_answers == "no_params"
+        s.engines["p0"].not_json = prefill_answers == "not_json"
         if prefill_answers == "400":
             s.engines["p0"].faults.append("400")
         status, _, body = await post(s, "/v1/completions", {
             "model": MODEL, "prompt": "hi", "max_tokens": 1, "conversation_id": "conv-r"},
             headers={"Authorization": "Bearer sk-alice"})
-        assert status == {"400": 400, "no_params": 502}.get(prefill_answers, 200), body
+        assert status == {"400": 400, "no_params": 502, "not_json": 502}.get(
+            prefill_answers, 200), body
         read = s.engines["p0"].received[-1]["kv_transfer_params"]["kvbridge"]["read"]
         assert read["pin_id"] and read["released_by"] == "gateway"
         want = 1 if prefill_answers == "used" else 0
@@ -884,6 +900,113 @@ async def test_branch_reads_the_shared_part_and_keeps_its_own_id(
         assert raw.headers["x-kvbridge-conversation-source"] == "branched"
         lease = await s.registry_client.get_lease(lease_id)
         assert lease.state == reg_pb.LEASE_STATE_ACTIVE
+    finally:
+        await close(s)
+
+
+async def test_a_turn_holding_only_part_of_the_lease_found_branches(
+        registry_server: RegistryServer, tmp_path: Path, kv: Any) -> None:
+    """A regenerated answer's lease has the same history keys as the first answer's: a turn
+    that continues the first answer finds the sibling's lease, and prefill finds that it holds
+    only part of it (its answer differs). The turn branches: the sibling's lease stays."""
+    s = await make_stack(registry_server, tmp_path, lease_wait_s=0)
+    try:
+        first = [{"role": "user", "content": "write a poem"}]
+        for _ in range(2):  # an answer, then a regenerated one
+            await client(s).chat.completions.create(model=MODEL, messages=first, max_tokens=2)
+        sibling = s.engines["d0"].received[-1]["kv_transfer_params"]["kvbridge"]
+        lease_id = await _grant_as_decode(s, kv, s.engines["d0"].received[-1])
+        s.gateway.gateway._ended.clear()  # long after: found in the registry, not as recent
+        follow = [*first, {"role": "assistant", "content": "the first answer"},
+                  {"role": "user", "content": "shorter"}]
+        s.engines["p0"].reused, s.engines["p0"].lease_whole = 4, False
+        raw = await client(s).chat.completions.with_raw_response.create(
+            model=MODEL, messages=follow, max_tokens=2)
+        assert raw.headers["x-kvbridge-conversation-source"] == "branched"
+        assert raw.headers["x-kvbridge-conversation-id"] not in (
+            "", sibling["conversation_id"])
+        read = s.engines["p0"].received[-1]["kv_transfer_params"]["kvbridge"]["read"]
+        assert read["lease_id"] == lease_id  # what it shares is read all the same
+        sent = s.engines["d0"].received[-1]["kv_transfer_params"]
+        assert sent["kvbridge"]["conversation_id"] == raw.headers["x-kvbridge-conversation-id"]
+        assert "kvbridge_lease_whole" not in sent  # prefill's word stays with the gateway
+        assert not s.gateway.gateway._continuing  # the claim on the sibling is given back
+        # With the whole lease held, the same request continues it.
+        s.engines["p0"].lease_whole = True
+        raw = await client(s).chat.completions.with_raw_response.create(
+            model=MODEL, messages=follow, max_tokens=2)
+        assert raw.headers["x-kvbridge-conversation-source"] == "continued"
+        assert raw.headers["x-kvbridge-conversation-id"] == sibling["conversation_id"]
+    finally:
+        await close(s)
+
+
+async def test_a_sibling_of_a_turn_whose_grant_has_not_landed_branches(
+        registry_server: RegistryServer, tmp_path: Path, kv: Any) -> None:
+    """Two follow-ups to one turn, the second sent after the first ended but before decode's
+    grant over the first landed: the registry still has the older lease, which the second
+    extends whole. It must branch (it lacks the first follow-up's turn), or its grant would
+    supersede the first follow-up's."""
+    s = await make_stack(registry_server, tmp_path, lease_wait_s=0)
+    try:
+        first = [{"role": "user", "content": "plan"}]
+        raw = await client(s).chat.completions.with_raw_response.create(
+            model=MODEL, messages=first, max_tokens=2)
+        conversation = raw.headers["x-kvbridge-conversation-id"]
+        await _grant_as_decode(s, kv, s.engines["d0"].received[-1])
+        s.gateway.gateway._ended.clear()
+        a = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "a"}]
+        raw = await client(s).chat.completions.with_raw_response.create(
+            model=MODEL, messages=a, max_tokens=2)
+        assert raw.headers["x-kvbridge-conversation-source"] == "continued"
+        assert raw.headers["x-kvbridge-conversation-id"] == conversation
+        s.gateway.gateway._ended.clear()  # not as recent: the registry answers
+        b = [*first, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "b"}]
+        raw = await client(s).chat.completions.with_raw_response.create(
+            model=MODEL, messages=b, max_tokens=2)
+        assert raw.headers["x-kvbridge-conversation-source"] == "branched"
+        assert raw.headers["x-kvbridge-conversation-id"] != conversation
+        # The first follow-up's own next turn still continues the conversation.
+        s.gateway.gateway._ended.clear()
+        c = [*a, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "c"}]
+        raw = await client(s).chat.completions.with_raw_response.create(
+            model=MODEL, messages=c, max_tokens=2)
+        assert raw.headers["x-kvbridge-conversation-source"] == "continued"
+        assert raw.headers["x-kvbridge-conversation-id"] == conversation
+    finally:
+        await close(s)
+
+
+async def test_a_client_too_slow_to_read_leaves_no_turn_to_continue(
+        registry_server: RegistryServer, tmp_path: Path) -> None:
+    """A client that stops reading has the stream cut (decode's request aborted, so no lease
+    over the turn): its history is not a turn a follow-up continues or waits for."""
+    s = await make_stack(registry_server, tmp_path, body_timeout_s=0.5)
+    try:
+        s.engines["d0"].padding = 64 << 20
+        body = json.dumps({"model": MODEL, "stream": True,
+                           "messages": [{"role": "user", "content": "hi"}]}).encode()
+
+        def send_and_read_nothing() -> None:
+            with socket.create_connection(("127.0.0.1", s.gateway.port)) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                             b"Authorization: Bearer sk-alice\r\nContent-Type: "
+                             b"application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+                             + body)
+                # Read nothing while the gateway's writes fill the buffers and time out.
+                threading.Event().wait(3.0)
+
+        await asyncio.to_thread(send_and_read_nothing)
+        for _ in range(500):
+            if await _metric(s, 'kvbridge_gateway_conversation_sources_total{'
+                                f'model="{MODEL}",source="new"}} 1.0'):
+                break
+            await asyncio.sleep(0.02)
+        gw = s.gateway.gateway
+        assert await _metric(s, 'kvbridge_gateway_conversation_sources_total{'
+                                f'model="{MODEL}",source="new"}} 1.0')
+        assert not gw._ended and not gw._recent_keys
     finally:
         await close(s)
 

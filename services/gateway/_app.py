@@ -41,7 +41,7 @@ from kvbridge import history
 from kvbridge.clients._registry import AsyncRegistryClient, seconds
 from kvbridge.clients._router import AsyncRouterClient
 from kvbridge.clock import monotonic
-from kvbridge.connector._routed import PIN_LEFT, READ_KEY, routed_read
+from kvbridge.connector._routed import LEASE_WHOLE, PIN_LEFT, READ_KEY, routed_read
 from kvbridge.connector._settings import CONVERSATION_KEY
 from kvbridge.errors import InvalidArgument, KvbridgeError, NoInstance
 from kvbridge.registry.v1 import registry_pb2 as reg_pb
@@ -289,6 +289,7 @@ class _Turn:
     keys: list[bytes] | None = None  # the request's history keys (lookup by content)
     keys_matched: int = 0
     claimed: bool = False  # continuing `conversation` (see Gateway._claim)
+    answered: bool = False  # decode's whole answer reached the client
 
     def span_attributes(self) -> dict[str, str | int | bool]:
         """What the turn's span says of it (tracing on)."""
@@ -580,7 +581,9 @@ class Gateway:
                 turn.attempts += 1
                 try:
                     response = await self._attempt(request, path, chat, body, turn, excluded)
-                    if turn.conversation and response.status == 200:
+                    # Only a whole answer leaves a lease that a follow-up can continue (a
+                    # client too slow to read had decode's request aborted).
+                    if turn.conversation and response.status == 200 and turn.answered:
                         self._turn_ended(tenant, turn.conversation)
                         if turn.keys:
                             self._remember_keys(tenant, turn.keys[-1], turn.conversation)
@@ -667,6 +670,12 @@ class Gateway:
             prefill = await self._to_engine(
                 "prefill", turn.prefill, url,
                 lambda headers: self._post_json(url, prefill_body, "prefill", turn, headers))
+        except HttpError:
+            # Prefill answered, but not with a JSON object: its request is over, and no read
+            # runs under the pin any more.
+            if pin_id and self.registry is not None:
+                self._in_background(self._release_pin(pin_id))
+            raise
         except _EngineDown as down:
             # An engine that never got the request (no connection) reads nothing under its
             # pin: give it back now rather than hold decode's blocks until it runs out. One
@@ -707,6 +716,14 @@ class Gateway:
                                  f"request id {turn.request_id}", "engine_error",
                             "bad_prefill_response")
         turn.outcome = {k: params.pop(k) for k in _OUTCOME_FIELDS if k in params}
+        if params.pop(LEASE_WHOLE, None) is False and turn.source in ("continued", "recent"):
+            # The prompt holds only part of the lease it was found by (verified by hash): the
+            # lease is a sibling's, one that shares this history but not its answer (a
+            # regenerated answer, say). This turn branches and leaves the lease to its own.
+            self._release_claim(turn)
+            turn.source, turn.conversation = "branched", "kvb-" + uuid.uuid4().hex[:24]
+            key = {CONVERSATION_KEY: {"tenant": turn.tenant,
+                                      "conversation_id": turn.conversation}}
 
         # Decode: read prefill's KV and generate, streamed back as it comes; its lease over
         # this turn is granted with the history keys that later turns find it by.
@@ -749,6 +766,7 @@ class Gateway:
                                          turn.decode, turn.request_id)
                     error.headers.update(turn.headers())
                     return error
+                turn.answered = True
                 return web.Response(body=data, status=status, headers=headers)
             if not content_type.startswith("text/event-stream"):
                 text = (await upstream.content.read(_LOGGED_BODY_CHARS)).decode("utf-8",
@@ -779,6 +797,7 @@ class Gateway:
                         request.transport.close()
                     return response
             await response.write_eof()
+            turn.answered = True
             return response
 
     async def _to_engine(self, role: str, instance: str, url: str,
@@ -936,7 +955,11 @@ class Gateway:
             sent = min(len(turn.keys or ()), _LOOKUP_KEYS)
             turn.keys_matched = len(turn.keys or ()) - sent + match.keys_matched
             source = "branched"
+            # This gateway's own latest turn of the conversation, if the request lacks it,
+            # is a newer one than the lease found (its grant not landed yet): a sibling.
+            latest = self._latest_key.get((turn.tenant, found))
             if (not retry and match.whole and turn.keys_matched < len(turn.keys or ())
+                    and (latest is None or latest in (turn.keys or ()))
                     and self._claim(turn, found)):
                 turn.source, turn.conversation = "continued", found
                 return

@@ -111,6 +111,12 @@ def _complete(up: Up, prompt: list[int], conversation: str | None, key: str = "s
     return list(ids), dict(raw.headers)
 
 
+def _conversation(up: Up, conversation: str, key: str = "sk-alice") -> dict[str, Any]:
+    req = urllib.request.Request(f"{up.gateway}/v1/conversations/{conversation}",
+                                 headers={"Authorization": f"Bearer {key}"})
+    return dict(json.loads(urllib.request.urlopen(req, timeout=5).read()))
+
+
 def _leased(up: Up, conversation: str, key: str = "sk-alice") -> None:
     """Wait until decode's lease over the last turn is granted (it runs after the response,
     during the user's think time)."""
@@ -278,14 +284,17 @@ def _words(rng: random.Random, n: int) -> str:
 
 def _chat(up: Up, messages: list[dict[str, Any]], *, key: str = "sk-alice",
           gateway: str = "", tools: list[dict[str, Any]] | None = None,
-          recompute: bool = False) -> tuple[str, dict[str, str]]:
+          recompute: bool = False, seed: int | None = None) -> tuple[str, dict[str, str]]:
     client = openai.OpenAI(base_url=f"{gateway or up.gateway}/v1", api_key=key, max_retries=0,
                            timeout=120)
     # The tiny model never calls a tool by itself, and a vLLM without a tool-call parser
     # refuses "auto": the tools still shape the prompt; the loop below writes the calls.
     extra: dict[str, Any] = {"tools": tools, "tool_choice": "none"} if tools else {}
+    if seed is not None:  # sampled (another answer per seed), the same for the same seed
+        extra["extra_body"] = {"seed": seed}
     raw = client.chat.completions.with_raw_response.create(
-        model=up.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,  # type: ignore[arg-type]
+        model=up.model, messages=messages, max_tokens=MAX_TOKENS,  # type: ignore[arg-type]
+        temperature=0 if seed is None else 1.0,
         extra_headers=RECOMPUTE if recompute else {}, **extra)
     return raw.parse().choices[0].message.content or "", dict(raw.headers)
 
@@ -294,7 +303,7 @@ def _noid_turn(up: Up, messages: list[dict[str, Any]], **kw: Any) -> tuple[str, 
     """A turn without an id, checked against recompute; waits for its lease."""
     text, headers = _chat(up, messages, **kw)
     twin, _ = _chat(up, messages, key=kw.get("key", "sk-alice"), tools=kw.get("tools"),
-                    recompute=True)
+                    seed=kw.get("seed"), recompute=True)
     assert text == twin, (headers.get("x-kvbridge-conversation-source"), text, twin)
     _leased(up, headers["x-kvbridge-conversation-id"], key=kw.get("key", "sk-alice"))
     return text, headers
@@ -346,6 +355,27 @@ def test_no_id_edited_earlier_answer_reuses_up_to_the_edit(up: Up) -> None:
     _, headers = _noid_turn(up, edited)
     assert headers["x-kvbridge-conversation-source"] == "branched", headers
     assert int(headers["x-kvbridge-reused-tokens"]) > 0, headers
+
+
+def test_no_id_continuing_the_first_of_two_answers_leaves_the_second_its_lease(
+        up: Up) -> None:
+    """Regenerate: two answers to one history, two leases under the same history keys. A turn
+    that continues the first answer finds the second's lease (the latest under those keys):
+    it reads the shared history and branches, leaving that lease to its own conversation."""
+    rng = random.Random(27)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": _words(rng, 250)}]
+    first, _ = _noid_turn(up, messages, seed=1)
+    second, headers = _noid_turn(up, messages, seed=2)
+    assert first != second
+    regenerated = headers["x-kvbridge-conversation-id"]
+    follow = [*messages, {"role": "assistant", "content": first},
+              {"role": "user", "content": _words(rng, 40)}]
+    _, headers = _noid_turn(up, follow)
+    assert headers["x-kvbridge-conversation-source"] == "branched", headers
+    assert headers["x-kvbridge-conversation-id"] != regenerated, headers
+    assert int(headers["x-kvbridge-reused-tokens"]) > 0, headers
+    info = _conversation(up, regenerated)
+    assert (info["state"], info["epoch"]) == ("active", 1), info  # not superseded
 
 
 def test_no_id_identical_prompts_of_two_tenants_never_match(up: Up) -> None:
