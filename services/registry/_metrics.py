@@ -46,11 +46,10 @@ class _TableCollector(Collector):
         yield GaugeMetricFamily("kvbridge_registry_holders", "Registered holders",
                                 value=counts["holders"])
         yield GaugeMetricFamily("kvbridge_registry_pins", "Live read pins", value=counts["pins"])
-        if "history_keys" in counts:
-            yield GaugeMetricFamily(
-                "kvbridge_registry_history_keys",
-                "History keys indexed for the lookup by content (all tenants)",
-                value=counts["history_keys"])
+        yield GaugeMetricFamily(
+            "kvbridge_registry_history_keys",
+            "History keys indexed for the lookup by content (all tenants)",
+            value=counts["history_keys"])
 
 
 class _HistogramSeries:
@@ -60,11 +59,6 @@ class _HistogramSeries:
         self._bounds = bounds
         self.counts = [0] * len(bounds)  # per bucket, not cumulative; the last is +Inf
         self.sum = 0.0
-
-    @property
-    def bounds(self) -> tuple[float, ...]:
-        """Each bucket's upper bound (`counts` per bucket), the last +Inf."""
-        return self._bounds
 
     def observe(self, value: float) -> None:
         # bisect_left: the first bound >= value, i.e. the bucket `le` that takes it.
@@ -154,7 +148,3 @@ class RegistryMetrics:
 
     def read(self, outcome: MissReason) -> None:
         self.reads.counts[self._outcomes[outcome]] += 1
-
-    def outcome_label(self, outcome: MissReason) -> str:
-        """The `outcome` label of a read's count in `reads.counts`."""
-        return self._outcomes[outcome]
