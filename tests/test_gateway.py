@@ -904,7 +904,7 @@ async def test_branch_reads_the_shared_part_and_keeps_its_own_id(
         await close(s)
 
 
-async def test_a_turn_holding_only_part_of_the_lease_found_branches(
+async def test_a_turn_holding_only_part_of_a_siblings_lease_branches(
         registry_server: RegistryServer, tmp_path: Path, kv: Any) -> None:
     """A regenerated answer's lease has the same history keys as the first answer's: a turn
     that continues the first answer finds the sibling's lease, and prefill finds that it holds
@@ -912,19 +912,23 @@ async def test_a_turn_holding_only_part_of_the_lease_found_branches(
     s = await make_stack(registry_server, tmp_path, lease_wait_s=0)
     try:
         first = [{"role": "user", "content": "write a poem"}]
-        for _ in range(2):  # an answer, then a regenerated one
-            await client(s).chat.completions.create(model=MODEL, messages=first, max_tokens=2)
-        sibling = s.engines["d0"].received[-1]["kv_transfer_params"]["kvbridge"]
-        lease_id = await _grant_as_decode(s, kv, s.engines["d0"].received[-1])
+        await client(s).chat.completions.create(model=MODEL, messages=first, max_tokens=2)
+        await _grant_as_decode(s, kv, s.engines["d0"].received[-1])
         s.gateway.gateway._ended.clear()  # long after: found in the registry, not as recent
+        raw = await client(s).chat.completions.with_raw_response.create(  # regenerate
+            model=MODEL, messages=first, max_tokens=2)
+        assert raw.headers["x-kvbridge-conversation-source"] == "branched"
+        sibling = raw.headers["x-kvbridge-conversation-id"]
+        assert sibling.startswith("kvb-s") and len(sibling) == 28, sibling
+        lease_id = await _grant_as_decode(s, kv, s.engines["d0"].received[-1])
+        s.gateway.gateway._ended.clear()
         follow = [*first, {"role": "assistant", "content": "the first answer"},
                   {"role": "user", "content": "shorter"}]
         s.engines["p0"].reused, s.engines["p0"].lease_whole = 4, False
         raw = await client(s).chat.completions.with_raw_response.create(
             model=MODEL, messages=follow, max_tokens=2)
         assert raw.headers["x-kvbridge-conversation-source"] == "branched"
-        assert raw.headers["x-kvbridge-conversation-id"] not in (
-            "", sibling["conversation_id"])
+        assert raw.headers["x-kvbridge-conversation-id"] not in ("", sibling)
         read = s.engines["p0"].received[-1]["kv_transfer_params"]["kvbridge"]["read"]
         assert read["lease_id"] == lease_id  # what it shares is read all the same
         sent = s.engines["d0"].received[-1]["kv_transfer_params"]
@@ -932,11 +936,47 @@ async def test_a_turn_holding_only_part_of_the_lease_found_branches(
         assert "kvbridge_lease_whole" not in sent  # prefill's word stays with the gateway
         assert not s.gateway.gateway._continuing  # the claim on the sibling is given back
         # With the whole lease held, the same request continues it.
+        s.gateway.gateway._ended.clear()
         s.engines["p0"].lease_whole = True
         raw = await client(s).chat.completions.with_raw_response.create(
             model=MODEL, messages=follow, max_tokens=2)
         assert raw.headers["x-kvbridge-conversation-source"] == "continued"
-        assert raw.headers["x-kvbridge-conversation-id"] == sibling["conversation_id"]
+        assert raw.headers["x-kvbridge-conversation-id"] == sibling
+        # Past its first lease, a sibling is a conversation as any other: a turn holding
+        # only part of its lease continues it.
+        await _grant_as_decode(s, kv, s.engines["d0"].received[-1])
+        s.gateway.gateway._ended.clear()
+        s.engines["p0"].lease_whole = False
+        raw = await client(s).chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=2, messages=[
+                *follow, {"role": "assistant", "content": "stripped"},
+                {"role": "user", "content": "go on"}])
+        assert raw.headers["x-kvbridge-conversation-source"] == "continued"
+        assert raw.headers["x-kvbridge-conversation-id"] == sibling
+    finally:
+        await close(s)
+
+
+async def test_a_turn_holding_only_part_of_its_own_conversations_lease_continues(
+        registry_server: RegistryServer, tmp_path: Path, kv: Any) -> None:
+    """A client that re-sends the answer changed (its reasoning stripped) holds only part of
+    the conversation's lease: the turn still continues the conversation (the lease, never to
+    be read whole again, is superseded rather than left to its TTL)."""
+    s = await make_stack(registry_server, tmp_path, lease_wait_s=0)
+    try:
+        first = [{"role": "user", "content": "think, then answer"}]
+        raw = await client(s).chat.completions.with_raw_response.create(
+            model=MODEL, messages=first, max_tokens=2)
+        conversation = raw.headers["x-kvbridge-conversation-id"]
+        await _grant_as_decode(s, kv, s.engines["d0"].received[-1])
+        s.gateway.gateway._ended.clear()
+        s.engines["p0"].reused, s.engines["p0"].lease_whole = 4, False
+        raw = await client(s).chat.completions.with_raw_response.create(
+            model=MODEL, max_tokens=2, messages=[
+                *first, {"role": "assistant", "content": "the answer, no reasoning"},
+                {"role": "user", "content": "next"}])
+        assert raw.headers["x-kvbridge-conversation-source"] == "continued"
+        assert raw.headers["x-kvbridge-conversation-id"] == conversation
     finally:
         await close(s)
 

@@ -63,6 +63,9 @@ SESSION_HEADER = "X-Session-ID"  # what vLLM's multi-turn benchmark sends
 # A request's own choice: "off" serves a turn that names no conversation without reuse (and
 # without retaining its KV), whatever the gateway's --conversation-lookup.
 LOOKUP_HEADER = "X-Kvbridge-Conversation-Lookup"
+# A conversation found by content is named kvb-<hex>; one that began as another answer to a
+# whole lease's history (a sibling), kvb-s<hex>: any gateway can tell from the id alone.
+_SIBLING = "kvb-s"
 _RECENT_CONVERSATIONS = 100_000
 # How long after a turn ends a follow-up is matched against it locally (`_recent_turn`):
 # decode's grant over that turn lands well within it, and from then on the registry answers.
@@ -386,6 +389,10 @@ def engine_error(status: int, text: str, role: str, instance: str, request_id: s
     return HttpError(status if 400 <= status < 600 else 502,
                      f"{role} instance {instance} failed (HTTP {status}); request id "
                      f"{request_id}", "engine_error", "engine_error").response()
+
+
+def _new_conversation(*, sibling: bool = False) -> str:
+    return _SIBLING + uuid.uuid4().hex[:23] if sibling else "kvb-" + uuid.uuid4().hex[:24]
 
 
 def _json_object(text: str) -> dict[str, Any] | None:
@@ -716,12 +723,16 @@ class Gateway:
                                  f"request id {turn.request_id}", "engine_error",
                             "bad_prefill_response")
         turn.outcome = {k: params.pop(k) for k in _OUTCOME_FIELDS if k in params}
-        if params.pop(LEASE_WHOLE, None) is False and turn.source in ("continued", "recent"):
-            # The prompt holds only part of the lease it was found by (verified by hash): the
-            # lease is a sibling's, one that shares this history but not its answer (a
-            # regenerated answer, say). This turn branches and leaves the lease to its own.
+        read_epoch = route.read.read.lease.epoch if route.HasField("read") else 0
+        if (params.pop(LEASE_WHOLE, None) is False and turn.source in ("continued", "recent")
+                and turn.conversation.startswith(_SIBLING) and read_epoch == 1):
+            # The prompt holds only part of a sibling's first lease (verified by hash): the
+            # other answer to this history (a regenerated one), which this turn does not
+            # continue. It branches and leaves the lease to its own conversation. (A lease of
+            # a conversation's own held only in part, as when the client strips the reasoning
+            # from an answer, is continued and superseded: it is never read whole again.)
             self._release_claim(turn)
-            turn.source, turn.conversation = "branched", "kvb-" + uuid.uuid4().hex[:24]
+            turn.source, turn.conversation = "branched", _new_conversation()
             key = {CONVERSATION_KEY: {"tenant": turn.tenant,
                                       "conversation_id": turn.conversation}}
 
@@ -965,7 +976,11 @@ class Gateway:
                 return
         turn.source = source
         if not retry:
-            turn.conversation = "kvb-" + uuid.uuid4().hex[:24]
+            # Another answer to a lease's whole history (regenerate, parallel samples): a
+            # sibling, whose lease a later turn of the other answer's must not supersede.
+            sibling = (source == "branched" and match is not None and match.whole
+                       and turn.keys_matched >= len(turn.keys or ()))
+            turn.conversation = _new_conversation(sibling=sibling)
 
     def _turn_ended(self, tenant: str, conversation: str) -> None:
         key = (tenant, conversation)
