@@ -114,8 +114,10 @@ def stack(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Stack]:
         # With its cache on, prefill holds each turn's prompt: what is left to read is the
         # previous answer and a block's tail, under the default threshold.
         recompute_threshold=16 if prefix_caching else 64,
+        # A synchronous read of a frozen engine would time out (2 s by default) before the
+        # kill on a slow machine: the read must still be in flight when its source dies.
         kvbridge={**READ_BY_THRESHOLD, "metrics_port": ports["prefill"],
-                  "read_deadline_s": 10.0,
+                  "read_deadline_s": 10.0, "sync_read_timeout_s": 60.0,
                   "rpc_timeout_s": 5.0}), tmp_path)
     victim = start_engine(decode("victim"), tmp_path)
     survivor = start_engine(decode("survivor"), tmp_path)
