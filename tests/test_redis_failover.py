@@ -408,6 +408,16 @@ async def test_a_failover_there_and_back_never_reads_a_lease_its_holder_freed(
             await f.store.heartbeat("h1")
 
 
+async def _started_store(server: RedisProcess, namespace: str) -> RedisStore:
+    """A store on `server`, started and past its start's recovery grace."""
+    config = RegistryConfig(backend="redis", redis_url=server.url, redis_namespace=namespace,
+                            max_pin_ttl_s=PIN_TTL, default_pin_ttl_s=PIN_TTL)
+    store = RedisStore(config, SystemClock())
+    await store.start()
+    await store.advance_clock(GRACE + 0.5)
+    return store
+
+
 async def test_a_restarted_redis_holds_reclaims_for_the_grace(tmp_path: Path, kv: Any) -> None:
     """Redis restarted from its append-only file: it may be an older one (fsync'd once a
     second, or restored from a backup), which no replica can tell; so reclaims wait for the
@@ -417,12 +427,7 @@ async def test_a_restarted_redis_holds_reclaims_for_the_grace(tmp_path: Path, kv
     server = RedisProcess(*durable)
     store: RedisStore | None = None
     try:  # from here on the server is stopped whatever fails
-        config = RegistryConfig(backend="redis", redis_url=server.url,
-                                redis_namespace="restart", max_pin_ttl_s=PIN_TTL,
-                                default_pin_ttl_s=PIN_TTL)
-        store = RedisStore(config, SystemClock())
-        await store.start()
-        await store.advance_clock(GRACE + 0.5)
+        store = await _started_store(server, "restart")
         await store.register_holder(holder(ttl=300.0))
         lease = (await store.grant(grant_spec(kv, kv.tokens(8)))).lease
         await store.revoke(lease.lease_id)
@@ -453,12 +458,7 @@ async def test_a_restart_longer_than_the_holder_ttl_loses_no_lease(tmp_path: Pat
     server = RedisProcess(*durable)
     store: RedisStore | None = None
     try:
-        config = RegistryConfig(backend="redis", redis_url=server.url,
-                                redis_namespace="long-restart", max_pin_ttl_s=PIN_TTL,
-                                default_pin_ttl_s=PIN_TTL)
-        store = RedisStore(config, SystemClock())
-        await store.start()
-        await store.advance_clock(GRACE + 0.5)
+        store = await _started_store(server, "long-restart")
         await store.register_holder(holder(ttl=10.0))
         tokens = kv.tokens(8)
         lease = (await store.grant(grant_spec(kv, tokens))).lease
